@@ -1,0 +1,255 @@
+"""Round trips of a lookup-sized request through kvtrio, next to raw pyzmq in the same run.
+
+    python bench/protocol.py [--requests 20000] [--repeats 5] [--transport ipc|tcp]
+
+Measured, each in fresh processes and interleaved over ``--repeats`` rounds (medians reported,
+these machines are shared and noisy):
+
+* codec: encode + decode of the request (256 token ids + 64 block ids) with kvtrio's tuned
+  converter and with an untuned cattrs msgpack converter;
+* raw pyzmq REQ/REP and DEALER/ROUTER ping-pong of the very same bytes (the server an echo loop
+  in its own process);
+* kvtrio: ``kvtrio serve`` and the synchronous client, ``probe`` operation (decoded, validated,
+  answered; no cache work), sequentially and with 64 requests in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+from cattrs.preconf.msgpack import make_converter
+
+from kvtrio.client import Client
+from kvtrio.protocol import (
+    Probe,
+    ProbeReply,
+    converter,
+    decode_header,
+    decode_request,
+    encode_reply,
+    encode_request,
+)
+
+REQUEST = Probe(tokens=tuple(range(1000, 1256)), block_ids=tuple(range(64)))
+REQUEST_FRAMES = encode_request(1, REQUEST)
+REPLY_FRAMES = encode_reply(1, "probe", ProbeReply(256, 64))
+WINDOW = 64
+
+
+# --------------------------------------------------------------------------- raw servers
+
+
+def raw_server(kind: str, endpoint: str) -> None:
+    """Echo loop of the raw baselines (run in a child process)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.REP if kind == "rep" else zmq.ROUTER)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    sock.bind(endpoint)
+    print("ready", flush=True)
+    if kind == "rep":
+        while True:
+            sock.recv_multipart()
+            sock.send_multipart(REPLY_FRAMES)
+    while True:
+        frames = sock.recv_multipart()
+        sock.send_multipart([frames[0], *REPLY_FRAMES])
+
+
+def start(cmd: list[str], ready: Callable[[subprocess.Popen[str]], None]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ready(proc)
+    return proc
+
+
+def wait_line(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+
+
+# --------------------------------------------------------------------------- clients
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    samples.sort()
+    return samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
+
+
+def raw_sequential(kind: str, endpoint: str, n: int) -> dict[str, float]:
+    sock = zmq.Context.instance().socket(zmq.REQ if kind == "rep" else zmq.DEALER)
+    sock.connect(endpoint)
+    for _ in range(200):  # warm up
+        sock.send_multipart(REQUEST_FRAMES)
+        sock.recv_multipart()
+    samples = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        start_ = time.perf_counter()
+        sock.send_multipart(REQUEST_FRAMES)
+        sock.recv_multipart()
+        samples.append(time.perf_counter() - start_)
+    total = time.perf_counter() - t0
+    sock.close(linger=0)
+    p50, p99 = percentiles(samples)
+    return {"p50": p50, "p99": p99, "seq_rps": n / total}
+
+
+def raw_windowed(endpoint: str, n: int) -> float:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    sock.connect(endpoint)
+    sock.send_multipart(REQUEST_FRAMES)
+    sock.recv_multipart()
+    t0 = time.perf_counter()
+    for _ in range(WINDOW):
+        sock.send_multipart(REQUEST_FRAMES)
+    for i in range(n):
+        sock.recv_multipart()
+        if i + WINDOW < n:
+            sock.send_multipart(REQUEST_FRAMES)
+    total = time.perf_counter() - t0
+    sock.close(linger=0)
+    return n / total
+
+
+def kvtrio_sequential(client: Client, n: int) -> dict[str, float]:
+    for _ in range(200):
+        client.request(REQUEST)
+    samples = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        start_ = time.perf_counter()
+        client.request(REQUEST)
+        samples.append(time.perf_counter() - start_)
+    total = time.perf_counter() - t0
+    p50, p99 = percentiles(samples)
+    return {"p50": p50, "p99": p99, "seq_rps": n / total}
+
+
+def kvtrio_windowed(client: Client, n: int) -> float:
+    in_flight: collections.deque[object] = collections.deque()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        if len(in_flight) >= WINDOW:
+            in_flight.popleft().result()  # type: ignore[attr-defined]
+        in_flight.append(client.submit(REQUEST))
+    while in_flight:
+        in_flight.popleft().result()  # type: ignore[attr-defined]
+    return n / (time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def codec_us() -> dict[str, float]:
+    untuned = make_converter()
+
+    def round_trip(conv: object) -> Callable[[], object]:
+        def run() -> object:
+            frames = [REQUEST_FRAMES[0], __import__("msgpack").packb(conv.unstructure(REQUEST))]  # type: ignore[attr-defined]
+            header = decode_header(frames[0])
+            body = __import__("msgpack").unpackb(frames[1], use_list=False)
+            return conv.structure(body, Probe) if header else None  # type: ignore[attr-defined]
+
+        return run
+
+    def tuned() -> object:
+        frames = encode_request(1, REQUEST)
+        return decode_request(decode_header(frames[0]).kind, frames[1])
+
+    n = 5000
+    result = {}
+    for name, fn in [("untuned", round_trip(untuned)), ("tuned", tuned)]:
+        result[name] = min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6
+    assert converter is not None
+    return result
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=20_000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
+    parser.add_argument("--raw-server", nargs=2, metavar=("KIND", "ENDPOINT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.raw_server:
+        raw_server(*args.raw_server)
+        return
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))
+    port = iter(range(25_555, 26_000))
+
+    def endpoint(name: str) -> str:
+        return f"ipc://{workdir}/{name}.sock" if args.transport == "ipc" else f"tcp://127.0.0.1:{next(port)}"
+
+    results: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+    codec = codec_us()
+    n = args.requests
+    for round_ in range(args.repeats):
+        for kind in ("rep", "router"):
+            ep = endpoint(f"{kind}{round_}")
+            proc = start([sys.executable, __file__, "--raw-server", kind, ep], wait_line)
+            try:
+                row = raw_sequential(kind, ep, n)
+                if kind == "router":
+                    row["win_rps"] = raw_windowed(ep, n)
+                results[kind].append(row)
+            finally:
+                proc.kill()
+                proc.wait()
+        ep = endpoint(f"kvtrio{round_}")
+        env = {**os.environ, "KVTRIO_LOG_LEVEL": "warning"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtrio", "serve", "--endpoint", ep], env=env, stderr=subprocess.DEVNULL
+        )
+        try:
+            with Client(ep, heartbeat=False) as client:
+                deadline = time.monotonic() + 15
+                while client.server_info is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                row = kvtrio_sequential(client, n)
+                row["win_rps"] = kvtrio_windowed(client, n)
+                results["kvtrio"].append(row)
+        finally:
+            proc.kill()
+            proc.wait()
+        print(f"round {round_ + 1}/{args.repeats} done", file=sys.stderr)
+
+    def med(kind: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[kind])
+
+    print(f"\nprotocol bench: {n} requests per run, {args.repeats} rounds, {args.transport}, medians")
+    print(f"request: 256 token ids + 64 block ids = {sum(map(len, REQUEST_FRAMES))} bytes on the wire")
+    print(f"codec encode+decode: tuned {codec['tuned']:.1f} µs, untuned cattrs {codec['untuned']:.1f} µs "
+          f"({codec['untuned'] / codec['tuned']:.1f}× faster)\n")
+    header = f"{'':28}{'p50 µs':>10}{'p99 µs':>10}{'seq req/s':>12}{'64-in-flight req/s':>20}"
+    print(header)
+    rows = [("raw pyzmq REQ/REP", "rep"), ("raw pyzmq DEALER/ROUTER", "router"), ("kvtrio (sync client)", "kvtrio")]
+    for label, kind in rows:
+        win = f"{med(kind, 'win_rps'):>20,.0f}" if kind != "rep" else f"{'-':>20}"
+        print(f"{label:28}{med(kind, 'p50') * 1e6:>10.1f}{med(kind, 'p99') * 1e6:>10.1f}"
+              f"{med(kind, 'seq_rps'):>12,.0f}{win}")
+    print()
+    print(f"kvtrio p50 / raw REQ/REP p50:        {med('kvtrio', 'p50') / med('rep', 'p50'):.2f}×  (target ≤ 1.5×)")
+    print(f"kvtrio p50 / raw DEALER/ROUTER p50:  {med('kvtrio', 'p50') / med('router', 'p50'):.2f}×")
+    print(f"kvtrio / raw 64-in-flight throughput: {med('kvtrio', 'win_rps') / med('router', 'win_rps'):.2f}  "
+          f"(kvtrio {med('kvtrio', 'win_rps'):,.0f} req/s, target ≥ 30,000)")
+
+
+if __name__ == "__main__":
+    main()

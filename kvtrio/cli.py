@@ -1,0 +1,170 @@
+"""The ``kvtrio`` command: ``serve``, ``ping``.
+
+Every expected failure (bad setting, address in use, server unreachable) ends the command with a
+one-line message on stderr and a non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import attrs
+import trio
+
+if sys.version_info < (3, 11):  # pragma: no cover - exercised by the py310 tox env
+    from exceptiongroup import BaseExceptionGroup
+
+from ._version import __version__
+from .config import ServerConfig, field_help, load_config
+from .errors import ConfigError, KvtrioError
+
+__all__ = ["main"]
+
+log = logging.getLogger("kvtrio")
+
+DEFAULT_ENDPOINT = attrs.fields(ServerConfig).endpoint.default
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtrio", description="A KV-cache server for LLM inference engines."
+    )
+    parser.add_argument("--version", action="version", version=f"kvtrio {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the server",
+        description="Run the server. Settings come from flags, then --config, then KVTRIO_* "
+        "environment variables, then defaults.",
+    )
+    serve.add_argument("--config", type=Path, metavar="FILE", help="TOML file of settings")
+    for name, text in field_help().items():
+        default = attrs.fields_dict(ServerConfig)[name].default
+        serve.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            default=argparse.SUPPRESS,
+            metavar=name.split("_")[-1].upper(),
+            help=f"{text} [default: {default}]",
+        )
+
+    ping = commands.add_parser("ping", help="check that a server answers")
+    ping.add_argument("endpoint", nargs="?", default=DEFAULT_ENDPOINT, help="server endpoint")
+    ping.add_argument("--timeout", type=float, default=2.0, help="seconds to wait [default: 2]")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``kvtrio`` console script; exits the process."""
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            _serve(args)
+        elif args.command == "ping":
+            _ping(args)
+    except BaseException as exc:
+        error = _sole_error(exc)  # trio wraps errors raised in nurseries in exception groups
+        if isinstance(error, KeyboardInterrupt):  # a signal after the server had stopped
+            _fail("interrupted", status=130)
+        if isinstance(error, ConfigError):
+            _fail(str(error), status=2)
+        if isinstance(error, KvtrioError):
+            _fail(str(error), status=1)
+        raise
+
+
+def _sole_error(exc: BaseException) -> BaseException:
+    """The single exception inside (possibly nested) one-member exception groups."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _fail(message: str, status: int) -> NoReturn:
+    print(f"kvtrio: error: {message}", file=sys.stderr)
+    sys.exit(status)
+
+
+# --------------------------------------------------------------------------- serve
+
+
+def _serve(args: argparse.Namespace) -> None:
+    overrides = {
+        name: getattr(args, name) for name in attrs.fields_dict(ServerConfig) if hasattr(args, name)
+    }
+    import os
+
+    config = load_config(overrides, config_file=args.config, environ=os.environ)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    trio.run(_run_server, config)
+    # Stopped: what is left is flushing the last replies (bounded by the socket linger).
+    # A signal now must not turn into a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+async def _run_server(config: ServerConfig) -> None:
+    from .server import serve
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            handle = await nursery.start(serve, config)
+            log.info(
+                "kvtrio %s serving on %s (chunk size %d, L1 %.1f GiB, instance %s)",
+                __version__,
+                handle.endpoint,
+                config.chunk_size,
+                config.l1_size / (1 << 30),
+                handle.instance_id,
+            )
+            draining = False
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if draining:
+                    log.warning("%s again: stopping now", name)
+                    handle.stop()
+                    break
+                log.info(
+                    "%s: draining for up to %.1fs (again to stop now)", name, config.drain_timeout
+                )
+                draining = True
+                nursery.start_soon(_drain_then_stop, handle, nursery.cancel_scope)
+    log.info("stopped")
+
+
+async def _drain_then_stop(handle: object, scope: trio.CancelScope) -> None:
+    from .server import ServerHandle
+
+    assert isinstance(handle, ServerHandle)
+    try:
+        await handle.shutdown()
+    finally:
+        scope.cancel()
+
+
+# --------------------------------------------------------------------------- ping
+
+
+def _ping(args: argparse.Namespace) -> None:
+    from .client import Client
+    from .protocol import Ping, Pong
+
+    with Client(
+        args.endpoint, timeout=args.timeout, client_name="kvtrio-ping", heartbeat=False
+    ) as client:
+        started = time.perf_counter()
+        pong = client.call(Ping(), Pong, fail_fast=True)
+        elapsed = time.perf_counter() - started
+    print(f"pong from {args.endpoint}: instance {pong.instance_id}, {elapsed * 1000:.2f} ms")

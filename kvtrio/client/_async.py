@@ -1,0 +1,217 @@
+"""The trio client: many concurrent requests over one DEALER socket, replies matched by id."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from typing import TypeVar, cast
+
+import attrs
+import outcome
+import trio
+import zmq
+
+from ..errors import (
+    ClientClosed,
+    ConnectionLost,
+    KvtrioError,
+    ProtocolError,
+    RequestTimeout,
+    ServerError,
+    ServerUnavailable,
+)
+from ..protocol import HelloReply, Ping, Reply, Request, encode_request
+from ..transport import Monitor, Socket, open_monitor, open_socket
+from ._common import (
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_TIMEOUT,
+    MONITOR_EVENTS,
+    dealer_options,
+    hello_request,
+    read_reply_header,
+    reply_or_error,
+)
+
+__all__ = ["AsyncClient", "open_client"]
+
+log = logging.getLogger("kvtrio.client")
+
+_Rep = TypeVar("_Rep", bound=Reply)
+
+
+@attrs.define(eq=False)
+class _Call:
+    request_type: type[Request]
+    done: trio.Event = attrs.field(factory=trio.Event)
+    sent: bool = False
+    result: outcome.Outcome[Reply] | None = None
+
+    def settle(self, result: outcome.Outcome[Reply]) -> None:
+        if self.result is None:
+            self.result = result
+            self.done.set()
+
+
+class AsyncClient:
+    """A kvtrio client for trio code. Create it with :func:`open_client`.
+
+    Any number of tasks may call :meth:`request` concurrently. On every (re)connection the
+    client says ``hello`` by itself and keeps the answer in :attr:`server_info`.
+    """
+
+    def __init__(self, socket: Socket, endpoint: str, timeout: float, client_name: str) -> None:
+        self._socket = socket
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.client_name = client_name
+        self._ids = itertools.count(1)
+        self._calls: dict[int, _Call] = {}
+        self._closed = False
+        self.connected = False
+        self.server_info: HelloReply | None = None
+        self._last_send = trio.current_time()
+        self._connected_event = trio.Event()
+
+    async def request(self, request: Request, *, timeout: float | None = None) -> Reply:
+        """Send ``request`` and return its reply.
+
+        Raises :class:`ServerError` (the subclass for the error code) for an error reply,
+        :class:`RequestTimeout` if no reply came in time, :class:`ServerUnavailable` if it could
+        not even be sent in time, :class:`ConnectionLost` if the connection dropped meanwhile,
+        :class:`ClientClosed` if the client closed. Cancellation abandons the request (a late
+        reply is discarded).
+        """
+        if self._closed:
+            raise ClientClosed("the client is closed")
+        timeout = self.timeout if timeout is None else timeout
+        request_id = next(self._ids)
+        call = _Call(type(request))
+        self._calls[request_id] = call
+        try:
+            with trio.move_on_after(timeout):
+                await self._socket.send_multipart(encode_request(request_id, request))
+                call.sent = True
+                self._last_send = trio.current_time()
+                await call.done.wait()
+        except trio.ClosedResourceError:
+            raise ClientClosed("the client is closed") from None
+        finally:
+            self._calls.pop(request_id, None)
+        if call.result is None:
+            if not call.sent:
+                raise ServerUnavailable(f"could not reach {self.endpoint} within {timeout}s")
+            raise RequestTimeout(
+                f"no reply to {request.op!r} from {self.endpoint} within {timeout}s"
+            )
+        return call.result.unwrap()
+
+    async def call(
+        self, request: Request, reply_type: type[_Rep], *, timeout: float | None = None
+    ) -> _Rep:
+        """:meth:`request`, checking that the reply is a ``reply_type``."""
+        reply = await self.request(request, timeout=timeout)
+        if not isinstance(reply, reply_type):  # pragma: no cover - decode_reply guarantees it
+            raise ProtocolError(f"expected {reply_type.__name__}, got {type(reply).__name__}")
+        return reply
+
+    async def wait_connected(self) -> None:
+        """Wait until the client has connected (and said hello) at least once."""
+        await self._connected_event.wait()
+
+    # ----------------------------------------------------------------- background tasks
+
+    async def _receive_replies(self) -> None:
+        while True:
+            frames = await self._socket.recv_multipart()
+            header = read_reply_header(frames)
+            call = self._calls.get(header.request_id) if header is not None else None
+            if header is None or call is None:
+                continue  # a late reply to an abandoned request, or garbage
+            try:
+                result: Reply | ServerError = reply_or_error(header, frames[1], call.request_type)
+            except ProtocolError as exc:
+                call.settle(outcome.Error(exc))
+                continue
+            if isinstance(result, ServerError):
+                call.settle(outcome.Error(result))
+            else:
+                call.settle(outcome.Value(result))
+
+    async def _follow_connection(self, monitor: Monitor, nursery: trio.Nursery) -> None:
+        while True:
+            event = await monitor.receive()
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.connected = True
+                nursery.start_soon(self._say_hello)
+            elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                if self.connected:
+                    log.info("lost connection to %s", self.endpoint)
+                self.connected = False
+                self._fail_sent()
+
+    async def _say_hello(self) -> None:
+        try:
+            info = await self.request(hello_request(self.client_name))
+        except ClientClosed:
+            return
+        except KvtrioError as exc:
+            log.warning("hello to %s failed: %s", self.endpoint, exc)
+            return
+        self.server_info = cast(HelloReply, info)
+        self._connected_event.set()
+
+    async def _heartbeat(self) -> None:
+        """Ping whenever nothing was sent for a quarter of the server's heartbeat timeout."""
+        await self._connected_event.wait()
+        while True:
+            interval = DEFAULT_HEARTBEAT_INTERVAL
+            if self.server_info is not None:
+                interval = self.server_info.heartbeat_timeout / 4
+            await trio.sleep_until(self._last_send + interval)
+            if trio.current_time() >= self._last_send + interval and self.connected:
+                with suppress(KvtrioError):
+                    await self.request(Ping(), timeout=interval)
+
+    def _fail_sent(self) -> None:
+        for call in list(self._calls.values()):
+            if call.sent:
+                call.settle(outcome.Error(ConnectionLost(f"connection to {self.endpoint} lost")))
+
+    def _close(self) -> None:
+        self._closed = True
+        for call in list(self._calls.values()):
+            call.settle(outcome.Error(ClientClosed("the client was closed")))
+
+
+@asynccontextmanager
+async def open_client(
+    endpoint: str,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    client_name: str = "kvtrio-async-client",
+    heartbeat: bool = True,
+) -> AsyncIterator[AsyncClient]:
+    """Connect to a kvtrio server for the duration of the block.
+
+    Connecting happens in the background (and again after every disconnection); requests made
+    before the connection is up wait for it, within their timeout. With ``heartbeat``, an idle
+    client pings the server so its session stays alive.
+    """
+    async with (
+        open_socket(zmq.DEALER, options=dealer_options()) as socket,
+        open_monitor(socket, MONITOR_EVENTS) as monitor,
+        trio.open_nursery() as nursery,
+    ):
+        client = AsyncClient(socket, endpoint, timeout, client_name)
+        nursery.start_soon(client._receive_replies)
+        nursery.start_soon(client._follow_connection, monitor, nursery)
+        if heartbeat:
+            nursery.start_soon(client._heartbeat)
+        socket.connect(endpoint)
+        try:
+            yield client
+        finally:
+            client._close()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,86 @@
+"""What the trio client and the synchronous client share: socket options, reply decoding."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import zmq
+
+from .._version import __version__
+from ..errors import ProtocolError, ServerError
+from ..protocol import (
+    PROTOCOL_VERSION,
+    ErrorReply,
+    Header,
+    Hello,
+    Reply,
+    Request,
+    decode_reply,
+    decode_reply_header,
+)
+
+__all__ = [
+    "DEFAULT_HEARTBEAT_INTERVAL",
+    "DEFAULT_TIMEOUT",
+    "MONITOR_EVENTS",
+    "dealer_options",
+    "hello_request",
+    "read_reply_header",
+    "reply_or_error",
+]
+
+DEFAULT_TIMEOUT = 10.0
+"""Seconds a request waits for its reply unless told otherwise."""
+DEFAULT_HEARTBEAT_INTERVAL = 2.0
+"""Seconds between heartbeats until the server's ``hello`` says how long it waits (then a
+quarter of its heartbeat timeout)."""
+
+MONITOR_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CONNECT_RETRIED
+    | zmq.EVENT_CLOSED
+)
+"""Connection events the clients follow: connected (handshake done) / gone / retrying."""
+
+
+def dealer_options() -> dict[int, Any]:
+    """Options of a client's DEALER socket.
+
+    ``IMMEDIATE`` keeps requests out of the queue of a connection that does not exist (so
+    "not sent" really means not sent), and the client picks its own routing id so that a
+    reconnection to the same server finds its session again (the server sets ROUTER_HANDOVER).
+    """
+    return {
+        zmq.IMMEDIATE: 1,
+        zmq.ROUTING_ID: b"k" + os.urandom(15),
+        zmq.RECONNECT_IVL: 100,
+        zmq.RECONNECT_IVL_MAX: 1000,
+        zmq.SNDHWM: 100_000,
+        zmq.RCVHWM: 100_000,
+    }
+
+
+def hello_request(client_name: str) -> Hello:
+    return Hello(
+        client_name=client_name, client_version=__version__, protocol_version=PROTOCOL_VERSION
+    )
+
+
+def read_reply_header(frames: list[bytes]) -> Header | None:
+    """The header of a reply, or None for a message that is not a well-formed reply."""
+    if len(frames) != 2:
+        return None
+    try:
+        return decode_reply_header(frames[0])
+    except ProtocolError:
+        return None
+
+
+def reply_or_error(header: Header, body: bytes, request_type: type[Request]) -> Reply | ServerError:
+    """Decode a reply body; an error reply becomes the :class:`ServerError` to raise."""
+    reply = decode_reply(header, body, request_type)
+    if isinstance(reply, ErrorReply):
+        return ServerError.from_reply(reply.code, reply.message)
+    return reply

@@ -1,0 +1,263 @@
+"""Server settings: one frozen attrs class, loaded from defaults, environment, file and flags.
+
+Precedence, lowest first: the defaults below, ``KVTRIO_<NAME>`` environment variables, a TOML file
+(``--config``; flat keys named like the fields), then command-line flags. Every invalid setting
+is reported as a one-line :class:`~kvtrio.errors.ConfigError` that names where it came from.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, NewType
+
+import attrs
+import cattrs
+from attrs import field, frozen
+from cattrs.v import format_exception
+
+from .errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised by the py310 tox env
+    import tomli as tomllib
+
+__all__ = ["ByteSize", "ServerConfig", "field_help", "load_config", "parse_size"]
+
+ByteSize = NewType("ByteSize", int)
+"""A size in bytes; accepts ``4GiB``, ``512MB``, ``1_000`` or a plain integer."""
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+ENV_PREFIX = "KVTRIO_"
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size: ``"4GiB"`` → 4294967296, ``"1.5MB"`` → 1500000, ``4096`` → 4096."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = _SIZE_RE.match(str(text).replace("_", ""))
+    if match is None:
+        raise ValueError(f"{text!r} is not a size (examples: 4096, 512MiB, 4GiB, 1.5GB)")
+    number, unit = match.groups()
+    unit = (unit or "").lower().rstrip("b")
+    scale = 1024 ** "bkmgt".index(unit[0]) if unit.endswith("i") else _SIZE_UNITS[unit]
+    return int(float(number) * scale)
+
+
+# Validators raise "NAME: problem" so that load_config can say where a bad value came from.
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attribute.name}: must be greater than 0, got {value}")
+
+
+def _not_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name}: must not be negative, got {value}")
+
+
+def _at_most(limit: int) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+        if value > limit:
+            raise ValueError(f"{attribute.name}: must be at most {limit}, got {value}")
+
+    return check
+
+
+def _one_of(*choices: str) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+        if value not in choices:
+            raise ValueError(
+                f"{attribute.name}: must be one of {', '.join(choices)}, got {value!r}"
+            )
+
+    return check
+
+
+def _endpoint(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if not value.startswith(("tcp://", "ipc://")) or value in ("tcp://", "ipc://"):
+        raise ValueError(f"{attribute.name}: must be tcp://HOST:PORT or ipc://PATH, got {value!r}")
+
+
+@frozen
+class ServerConfig:
+    """Everything ``kvtrio serve`` can be told; ``metadata["help"]`` is each flag's help."""
+
+    endpoint: str = field(
+        default="tcp://127.0.0.1:5577",
+        validator=_endpoint,
+        metadata={"help": "ZeroMQ endpoint to listen on (tcp://HOST:PORT or ipc://PATH)."},
+    )
+    chunk_size: int = field(
+        default=256,
+        validator=[_positive, _at_most(1 << 20)],
+        metadata={"help": "Tokens per cached chunk."},
+    )
+    l1_size: ByteSize = field(
+        default=ByteSize(4 << 30),
+        validator=_positive,
+        metadata={"help": "Capacity of the host-memory tier (e.g. 4GiB)."},
+    )
+    lookup_timeout: float = field(
+        default=0.5,
+        validator=_positive,
+        metadata={"help": "Seconds a lookup may take before it answers with what it has."},
+    )
+    heartbeat_timeout: float = field(
+        default=10.0,
+        validator=_positive,
+        metadata={"help": "Seconds a silent client keeps its session (and its resources)."},
+    )
+    drain_timeout: float = field(
+        default=10.0,
+        validator=_not_negative,
+        metadata={
+            "help": "Seconds to finish in-flight requests on SIGINT/SIGTERM before stopping."
+        },
+    )
+    max_message_size: ByteSize = field(
+        default=ByteSize(16 << 20),
+        validator=_positive,
+        metadata={"help": "Largest request accepted; larger ones get a message_too_large error."},
+    )
+    session_queue_size: int = field(
+        default=1024,
+        validator=_positive,
+        metadata={
+            "help": "Requests a client may have queued at the server before it gets busy errors."
+        },
+    )
+    log_level: str = field(
+        default="info",
+        validator=_one_of(*LOG_LEVELS),
+        metadata={"help": "Logging level (debug, info, warning, error)."},
+    )
+
+
+def field_help() -> dict[str, str]:
+    """One-line help per setting (the ``--help`` text of its flag)."""
+    return {a.name: a.metadata["help"] for a in attrs.fields(ServerConfig)}
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True)
+
+    def number(kind: type) -> Any:
+        expected = "an integer" if kind is int else "a number"
+
+        def hook(value: Any, _: Any) -> Any:
+            if isinstance(value, bool):
+                raise TypeError(f"expected {expected}, got a boolean")
+            if isinstance(value, (int, float)) and (kind is float or isinstance(value, int)):
+                return kind(value)
+            if isinstance(value, str):
+                try:
+                    return kind(value.strip().replace("_", ""))
+                except ValueError:
+                    raise ValueError(f"expected {expected}, got {value!r}") from None
+            raise TypeError(f"expected {expected}, got {value!r}")
+
+        return hook
+
+    def string(value: Any, _: Any) -> str:
+        if not isinstance(value, str):
+            raise TypeError(f"expected a string, got {value!r}")
+        return value
+
+    conv.register_structure_hook(int, number(int))
+    conv.register_structure_hook(float, number(float))
+    conv.register_structure_hook(str, string)
+    conv.register_structure_hook(ByteSize, lambda v, _: ByteSize(parse_size(v)))
+    return conv
+
+
+_converter = _make_converter()
+_FIELDS = {a.name: a for a in attrs.fields(ServerConfig)}
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    values: dict[str, tuple[Any, str]] = {}
+    for name in _FIELDS:
+        key = ENV_PREFIX + name.upper()
+        if key in environ:
+            values[name] = (environ[key], f"environment variable {key}")
+    return values
+
+
+def _from_file(path: Path) -> dict[str, tuple[Any, str]]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    values: dict[str, tuple[Any, str]] = {}
+    for name, value in data.items():
+        if name not in _FIELDS:
+            known = ", ".join(_FIELDS)
+            raise ConfigError(f"unknown setting {name!r} in {path} (known: {known})")
+        values[name] = (value, f"{path}")
+    return values
+
+
+def load_config(
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    config_file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> ServerConfig:
+    """Build the :class:`ServerConfig` from env, an optional TOML file and flag ``overrides``.
+
+    ``overrides`` maps field names to values given on the command line (already typed or strings).
+    Raises :class:`ConfigError` with a one-line message naming the bad setting and its source.
+    """
+    merged: dict[str, tuple[Any, str]] = {}
+    merged.update(_from_env(environ or {}))
+    if config_file is not None:
+        merged.update(_from_file(config_file))
+    for name, value in (overrides or {}).items():
+        if name not in _FIELDS:
+            raise ConfigError(f"unknown setting {name!r}")
+        merged[name] = (value, "--" + name.replace("_", "-"))
+    raw = {name: value for name, (value, _) in merged.items()}
+    try:
+        return _converter.structure(raw, ServerConfig)
+    except Exception as exc:
+        raise ConfigError(_describe(exc, merged)) from None
+
+
+def _describe(exc: Exception, merged: Mapping[str, tuple[Any, str]]) -> str:
+    def source(name: str) -> str:
+        return merged[name][1] if name in merged else "the default"
+
+    problems: list[str] = []
+    if isinstance(exc, cattrs.ClassValidationError):
+        for line in cattrs.transform_error(exc, path="", format_exception=_format_error):
+            message, _, where = line.rpartition(" @ ")
+            name = where.lstrip(".$")
+            if not name:  # raised by a validator in ServerConfig.__init__: "NAME: problem"
+                name, _, message = message.partition(": ")
+            problems.append(
+                f"{name} = {merged[name][0]!r} (from {source(name)}): {message}"
+                if name in merged
+                else f"{name}: {message}"
+            )
+    else:
+        problems.append(str(exc))
+    return "invalid setting: " + "; ".join(problems)
+
+
+def _format_error(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, (ValueError, TypeError)):
+        return str(exc)
+    return format_exception(exc, type_)

@@ -1,0 +1,73 @@
+"""The wire protocol: messages and their encoding, with no I/O.
+
+Nothing in this package imports trio or zmq; it turns attrs messages into frames (lists of
+``bytes``) and back, and raises :class:`kvtrio.errors.ProtocolError` for anything malformed.
+"""
+
+from ._codec import (
+    ERROR_KIND,
+    HeaderError,
+    as_int_array,
+    converter,
+    decode_header,
+    decode_reply,
+    decode_reply_header,
+    decode_request,
+    encode_error,
+    encode_reply,
+    encode_request,
+)
+from ._messages import (
+    OPERATIONS,
+    PROTOCOL_VERSION,
+    REQUEST_TYPES,
+    ChunkSize,
+    ErrorReply,
+    GetChunkSize,
+    GetStats,
+    Header,
+    Hello,
+    HelloReply,
+    Ping,
+    Pong,
+    Probe,
+    ProbeReply,
+    Reply,
+    Request,
+    ServerCounters,
+    SessionStats,
+    StatsReply,
+)
+
+__all__ = [
+    "ERROR_KIND",
+    "OPERATIONS",
+    "PROTOCOL_VERSION",
+    "REQUEST_TYPES",
+    "ChunkSize",
+    "ErrorReply",
+    "GetChunkSize",
+    "GetStats",
+    "Header",
+    "HeaderError",
+    "Hello",
+    "HelloReply",
+    "Ping",
+    "Pong",
+    "Probe",
+    "ProbeReply",
+    "Reply",
+    "Request",
+    "ServerCounters",
+    "SessionStats",
+    "StatsReply",
+    "as_int_array",
+    "converter",
+    "decode_header",
+    "decode_reply",
+    "decode_reply_header",
+    "decode_request",
+    "encode_error",
+    "encode_reply",
+    "encode_request",
+]

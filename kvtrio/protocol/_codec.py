@@ -1,0 +1,263 @@
+"""The one place where messages become bytes and bytes become messages.
+
+A message travels as two ZeroMQ frames, ``[header, body]``, both msgpack: the header is the array
+``[version, request_id, kind]`` and the body is a map of the message's fields (see
+``docs/protocol.md``). One cattrs converter, built from cattrs' msgpack preconfiguration, turns
+attrs classes into maps and back.
+
+Validation is strict but cheap: scalars must already have the right msgpack type (no silent
+``"12"`` → ``12`` coercion), and arrays of integers (token ids, block ids, hashes) are *trusted
+containers*: their hook checks the container once instead of structuring every element, because a
+per-int hook costs more than the whole rest of a lookup's decoding. The elements are type-checked
+where they are used, by the C code that packs them (see :func:`as_int_array`).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any, TypeVar, cast
+
+import cattrs
+import msgpack
+from cattrs.preconf.msgpack import make_converter
+from cattrs.v import format_exception
+
+from ..errors import ErrorCode, ProtocolError
+from ._messages import OPERATIONS, PROTOCOL_VERSION, ErrorReply, Header, Reply, Request
+
+__all__ = [
+    "ERROR_KIND",
+    "HeaderError",
+    "as_int_array",
+    "converter",
+    "decode_header",
+    "decode_reply",
+    "decode_reply_header",
+    "decode_request",
+    "encode_error",
+    "encode_reply",
+    "encode_request",
+]
+
+ERROR_KIND = "error"
+"""The header ``kind`` of an error reply."""
+
+_MAX_REQUEST_ID = 2**64 - 1
+_M = TypeVar("_M")
+IntTuple = tuple[int, ...]
+
+
+class HeaderError(ProtocolError):
+    """The header frame is invalid. ``request_id`` is set when it could still be read from it."""
+
+    def __init__(
+        self, message: str, request_id: int | None, code: ErrorCode = ErrorCode.BAD_REQUEST
+    ) -> None:
+        super().__init__(message, code)
+        self.request_id = request_id
+
+
+# --------------------------------------------------------------------------- the converter
+
+
+def _strict(expected: type, name: str) -> Any:
+    def hook(value: Any, _: Any) -> Any:
+        if type(value) is not expected:
+            raise TypeError(f"expected {name}, got {_msgpack_type(value)}")
+        return value
+
+    return hook
+
+
+def _structure_float(value: Any, _: Any) -> float:
+    if type(value) is float:
+        return value
+    if type(value) is int:
+        return float(value)
+    raise TypeError(f"expected a number, got {_msgpack_type(value)}")
+
+
+def _structure_int_tuple(value: Any, _: Any) -> IntTuple:
+    # Trusted container: msgpack arrays decode to tuples (use_list=False); elements are checked
+    # where they are packed (as_int_array), in C.
+    if type(value) is tuple:
+        return cast(IntTuple, value)
+    raise TypeError(f"expected an array of integers, got {_msgpack_type(value)}")
+
+
+def _msgpack_type(value: object) -> str:
+    names = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a float",
+        str: "a string",
+        bytes: "binary data",
+        tuple: "an array",
+        dict: "a map",
+        type(None): "nil",
+    }
+    return names.get(type(value), type(value).__name__)
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = make_converter()
+    conv.register_structure_hook(int, _strict(int, "an integer"))
+    conv.register_structure_hook(str, _strict(str, "a string"))
+    conv.register_structure_hook(bool, _strict(bool, "a boolean"))
+    conv.register_structure_hook(bytes, _strict(bytes, "binary data"))
+    conv.register_structure_hook(float, _structure_float)
+    conv.register_structure_hook_func(lambda t: t == IntTuple, _structure_int_tuple)
+    conv.register_unstructure_hook_func(lambda t: t == IntTuple, lambda v: v)
+    return cast(cattrs.Converter, conv)
+
+
+converter = _make_converter()
+"""The converter used for every message at the edge (and nowhere else)."""
+
+
+def as_int_array(values: Sequence[int], typecode: str, what: str) -> array[int]:
+    """Pack a trusted integer container into an ``array`` (C speed), validating every element.
+
+    Raises :class:`ProtocolError` naming ``what`` if an element is not an integer or out of range.
+    """
+    try:
+        return array(typecode, values)
+    except (TypeError, OverflowError) as exc:
+        raise ProtocolError(f"{what}: every element must be an integer in range ({exc})") from None
+
+
+def _structure(body: object, cls: type[_M], what: str) -> _M:
+    if type(body) is not dict:
+        raise ProtocolError(f"{what}: the body must be a msgpack map, got {_msgpack_type(body)}")
+    try:
+        return converter.structure(body, cls)
+    except Exception as exc:
+        details = cattrs.transform_error(exc, path="body", format_exception=_format_error)
+        raise ProtocolError(f"{what}: {'; '.join(details) or exc}") from None
+
+
+def _format_error(exc: BaseException, type_: Any) -> str:
+    # Our hooks raise TypeErrors that already say what was expected and what came.
+    if isinstance(exc, TypeError) and str(exc).startswith("expected "):
+        return str(exc)
+    return format_exception(exc, type_)
+
+
+def _unpack(frame: bytes) -> Any:
+    return msgpack.unpackb(frame, use_list=False, raw=False, strict_map_key=True)
+
+
+def _pack(obj: object) -> bytes:
+    return cast(bytes, msgpack.packb(obj, use_bin_type=True))
+
+
+# --------------------------------------------------------------------------- headers
+
+
+def decode_header(frame: bytes) -> Header:
+    """Decode and check a header frame.
+
+    Raises :class:`HeaderError` (with ``request_id`` when it could be read) for a malformed
+    header or a protocol version other than :data:`PROTOCOL_VERSION`.
+    """
+    try:
+        raw = _unpack(frame)
+    except Exception:
+        raise HeaderError("the header frame is not valid msgpack", None) from None
+    if type(raw) is not tuple or len(raw) < 2:
+        raise HeaderError("the header must be the array [version, request_id, kind]", None)
+    request_id = raw[1]
+    if type(request_id) is not int or not 0 <= request_id <= _MAX_REQUEST_ID:
+        raise HeaderError("the request id must be an unsigned 64-bit integer", None)
+    if len(raw) != 3:
+        raise HeaderError("the header must be the array [version, request_id, kind]", request_id)
+    version, _, kind = raw
+    if type(version) is not int:
+        raise HeaderError("the protocol version must be an integer", request_id)
+    if version != PROTOCOL_VERSION:
+        raise HeaderError(
+            f"the client speaks protocol version {version}, this server speaks version "
+            f"{PROTOCOL_VERSION}: use a kvtrio client that matches the server",
+            request_id,
+            ErrorCode.UNSUPPORTED_VERSION,
+        )
+    if type(kind) is not str:
+        raise HeaderError("the operation name must be a string", request_id)
+    return Header(version, request_id, kind)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def encode_request(request_id: int, request: Request) -> list[bytes]:
+    """The frames of a request (without the routing id the ROUTER socket adds)."""
+    return [
+        _pack((PROTOCOL_VERSION, request_id, request.op)),
+        _pack(converter.unstructure(request)),
+    ]
+
+
+def decode_request(op: str, body: bytes) -> Request:
+    """Decode the body of a request of operation ``op`` (the header's ``kind``).
+
+    Raises :class:`ProtocolError` with code ``unknown_operation`` or ``bad_request``.
+    """
+    cls = OPERATIONS.get(op)
+    if cls is None:
+        raise ProtocolError(f"unknown operation {op[:64]!r}", ErrorCode.UNKNOWN_OPERATION)
+    try:
+        raw = _unpack(body)
+    except Exception:
+        raise ProtocolError(f"invalid {cls.op!r} request: the body is not valid msgpack") from None
+    return _structure(raw, cls, f"invalid {cls.op!r} request")
+
+
+# --------------------------------------------------------------------------- replies
+
+
+def encode_reply(request_id: int, op: str, reply: Reply) -> list[bytes]:
+    """The frames of a successful reply to request ``request_id`` of operation ``op``."""
+    return [_pack((PROTOCOL_VERSION, request_id, op)), _pack(converter.unstructure(reply))]
+
+
+def encode_error(request_id: int, code: ErrorCode, message: str) -> list[bytes]:
+    """The frames of an error reply."""
+    return [
+        _pack((PROTOCOL_VERSION, request_id, ERROR_KIND)),
+        _pack({"code": code.value, "message": message}),
+    ]
+
+
+def decode_reply_header(frame: bytes) -> Header:
+    """Decode a reply header; unlike requests, any protocol version is accepted here.
+
+    A server of another version answers with an ``unsupported_version`` error reply, and the
+    client must be able to read it.
+    """
+    try:
+        raw = _unpack(frame)
+    except Exception:
+        raise ProtocolError("the reply header is not valid msgpack") from None
+    if (
+        type(raw) is not tuple
+        or len(raw) != 3
+        or type(raw[0]) is not int
+        or type(raw[1]) is not int
+        or type(raw[2]) is not str
+    ):
+        raise ProtocolError("the reply header must be the array [version, request_id, kind]")
+    return Header(*raw)
+
+
+def decode_reply(header: Header, body: bytes, request_type: type[Request]) -> Reply:
+    """Decode a reply body to ``request_type.reply_type``, or to :class:`ErrorReply`."""
+    try:
+        raw = _unpack(body)
+    except Exception:
+        raise ProtocolError(f"the {request_type.op!r} reply body is not valid msgpack") from None
+    if header.kind == ERROR_KIND:
+        return _structure(raw, ErrorReply, "invalid error reply")
+    if header.kind != request_type.op:
+        raise ProtocolError(f"expected a {request_type.op!r} reply, got {header.kind[:64]!r}")
+    return _structure(raw, request_type.reply_type, f"invalid {request_type.op!r} reply")

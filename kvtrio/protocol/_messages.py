@@ -1,0 +1,223 @@
+"""Wire messages as frozen attrs classes.
+
+Every request class names its operation (``op``) and the class of its successful reply
+(``reply_type``); :data:`OPERATIONS` maps operation names to request classes and is the tagged
+union the codec decodes with (the tag travels in the frame header, not in the body). No class here
+knows how it is serialised: :mod:`kvtrio.protocol._codec` does that at the edge.
+
+Adding an operation means adding a request class and its reply class here, listing the request in
+:data:`REQUEST_TYPES`, documenting both in ``docs/protocol.md``, and registering a handler in
+the server.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from attrs import field, frozen
+
+__all__ = [
+    "OPERATIONS",
+    "PROTOCOL_VERSION",
+    "REQUEST_TYPES",
+    "ChunkSize",
+    "ErrorReply",
+    "GetChunkSize",
+    "GetStats",
+    "Header",
+    "Hello",
+    "HelloReply",
+    "Ping",
+    "Pong",
+    "Probe",
+    "ProbeReply",
+    "Reply",
+    "Request",
+    "ServerCounters",
+    "SessionStats",
+    "StatsReply",
+]
+
+PROTOCOL_VERSION = 1
+"""Version of the wire protocol. Bumped on any incompatible change of a frame or message."""
+
+
+@frozen
+class Header:
+    """First frame of every message: ``[version, request_id, kind]`` as a msgpack array.
+
+    In a request ``kind`` is the operation name; in a reply it is the same operation name for a
+    result and ``"error"`` for an :class:`ErrorReply`. This layout never changes between protocol
+    versions, so a peer can always read the version and request id of any message.
+    """
+
+    version: int
+    request_id: int
+    kind: str
+
+
+class Reply:
+    """Base class of reply bodies."""
+
+    __slots__ = ()
+
+
+class Request:
+    """Base class of request bodies. Subclasses set :attr:`op` and :attr:`reply_type`."""
+
+    __slots__ = ()
+    op: ClassVar[str]
+    reply_type: ClassVar[type[Reply]]
+
+
+@frozen
+class ErrorReply(Reply):
+    """The reply to a request that failed: a stable code (see ``ErrorCode``) and a message."""
+
+    code: str
+    message: str
+
+
+# --------------------------------------------------------------------------- ping
+
+
+@frozen
+class Pong(Reply):
+    """Reply to :class:`Ping`. ``instance_id`` changes every time a server process starts."""
+
+    instance_id: str
+
+
+@frozen
+class Ping(Request):
+    """Liveness check and heartbeat: any request counts as a heartbeat, ping is the cheapest."""
+
+    op: ClassVar[str] = "ping"
+    reply_type: ClassVar[type[Reply]] = Pong
+
+
+# --------------------------------------------------------------------------- hello
+
+
+@frozen
+class HelloReply(Reply):
+    """What the server tells a client about itself."""
+
+    server_version: str
+    protocol_version: int
+    instance_id: str
+    chunk_size: int
+    heartbeat_timeout: float
+    """Seconds of silence after which the server ends a client's session."""
+    max_message_size: int
+
+
+@frozen
+class Hello(Request):
+    """A client announces itself; refused with ``unsupported_version`` if the protocols differ."""
+
+    op: ClassVar[str] = "hello"
+    reply_type: ClassVar[type[Reply]] = HelloReply
+
+    client_name: str
+    client_version: str
+    protocol_version: int
+
+
+# --------------------------------------------------------------------------- get_chunk_size
+
+
+@frozen
+class ChunkSize(Reply):
+    chunk_size: int
+
+
+@frozen
+class GetChunkSize(Request):
+    """The server's chunk size in tokens."""
+
+    op: ClassVar[str] = "get_chunk_size"
+    reply_type: ClassVar[type[Reply]] = ChunkSize
+
+
+# --------------------------------------------------------------------------- stats
+
+
+@frozen
+class SessionStats:
+    """Counters of one client session."""
+
+    session_id: str
+    """Hex form of the ZeroMQ routing id the server assigned to the client's connection."""
+    client_name: str
+    client_version: str
+    age_seconds: float
+    idle_seconds: float
+    requests: int
+    errors: int
+    in_flight: int
+
+
+@frozen
+class ServerCounters:
+    """Counters of the whole server since it started."""
+
+    requests: int
+    """Requests whose header could be read (each got exactly one reply)."""
+    errors: int
+    """Error replies sent."""
+    errors_by_code: dict[str, int]
+    frames_dropped: int
+    """Messages dropped because no request id could be read from them."""
+    replies_undeliverable: int
+    """Replies dropped because the client had disconnected or stopped reading."""
+    sessions_started: int
+    sessions_ended: int
+    sessions_expired: int
+    """Sessions ended because the client was silent longer than the heartbeat timeout."""
+
+
+@frozen
+class StatsReply(Reply):
+    server_version: str
+    instance_id: str
+    uptime_seconds: float
+    counters: ServerCounters
+    sessions: tuple[SessionStats, ...] = field(factory=tuple)
+
+
+@frozen
+class GetStats(Request):
+    """Server counters and one entry per live session."""
+
+    op: ClassVar[str] = "stats"
+    reply_type: ClassVar[type[Reply]] = StatsReply
+
+
+# --------------------------------------------------------------------------- probe
+
+
+@frozen
+class ProbeReply(Reply):
+    tokens: int
+    block_ids: int
+
+
+@frozen
+class Probe(Request):
+    """Integer arrays shaped like a lookup; answered with their lengths and nothing else done.
+
+    For measuring the protocol's own cost (``bench/protocol.py``) and for checking that a
+    client in another language encodes integer arrays the way the server reads them.
+    """
+
+    op: ClassVar[str] = "probe"
+    reply_type: ClassVar[type[Reply]] = ProbeReply
+
+    tokens: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+REQUEST_TYPES: tuple[type[Request], ...] = (Ping, Hello, GetChunkSize, GetStats, Probe)
+OPERATIONS: dict[str, type[Request]] = {cls.op: cls for cls in REQUEST_TYPES}
+"""Operation name → request class: the tagged union of requests."""

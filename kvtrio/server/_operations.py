@@ -1,0 +1,78 @@
+"""Handlers of the operations every server has: ping, hello, get_chunk_size, stats."""
+
+from __future__ import annotations
+
+import logging
+
+from .._version import __version__
+from ..errors import ErrorCode, RequestError
+from ..protocol import (
+    PROTOCOL_VERSION,
+    ChunkSize,
+    GetChunkSize,
+    GetStats,
+    Hello,
+    HelloReply,
+    Ping,
+    Pong,
+    Probe,
+    ProbeReply,
+    StatsReply,
+    as_int_array,
+)
+from ._session import Session
+from ._state import ServerState
+
+__all__ = ["register_core_operations"]
+
+log = logging.getLogger("kvtrio.server")
+
+_MAX_NAME = 128
+
+
+async def ping(session: Session, request: Ping) -> Pong:
+    return Pong(session.state.instance_id)
+
+
+async def hello(session: Session, request: Hello) -> HelloReply:
+    if request.protocol_version != PROTOCOL_VERSION:
+        raise RequestError(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"{request.client_name or 'the client'} speaks protocol version "
+            f"{request.protocol_version}, this server (kvtrio {__version__}) speaks version "
+            f"{PROTOCOL_VERSION}",
+        )
+    session.client_name = request.client_name[:_MAX_NAME]
+    session.client_version = request.client_version[:_MAX_NAME]
+    log.info("session %s: client %s %s", session.id, session.client_name, session.client_version)
+    config = session.state.config
+    return HelloReply(
+        server_version=__version__,
+        protocol_version=PROTOCOL_VERSION,
+        instance_id=session.state.instance_id,
+        chunk_size=config.chunk_size,
+        heartbeat_timeout=config.heartbeat_timeout,
+        max_message_size=config.max_message_size,
+    )
+
+
+async def get_chunk_size(session: Session, request: GetChunkSize) -> ChunkSize:
+    return ChunkSize(session.state.config.chunk_size)
+
+
+async def probe(session: Session, request: Probe) -> ProbeReply:
+    tokens = as_int_array(request.tokens, "q", "tokens")
+    block_ids = as_int_array(request.block_ids, "q", "block_ids")
+    return ProbeReply(len(tokens), len(block_ids))
+
+
+async def stats(session: Session, request: GetStats) -> StatsReply:
+    return session.state.stats()
+
+
+def register_core_operations(state: ServerState) -> None:
+    state.register(Ping, ping)
+    state.register(Hello, hello)
+    state.register(GetChunkSize, get_chunk_size)
+    state.register(GetStats, stats)
+    state.register(Probe, probe)

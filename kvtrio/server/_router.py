@@ -1,0 +1,145 @@
+"""The router task: owns the ROUTER socket, reads headers, routes requests to session tasks.
+
+The router never waits on a client: a request goes into its session's bounded queue without
+blocking (a full queue is answered ``busy``), so one slow client cannot stall another. Session
+tasks send their own replies through :meth:`Router.reply`; a client whose receive queue is full
+delays only its own session.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from ..errors import ErrorCode, PeerUnreachable, ProtocolError, RequestError
+from ..protocol import HeaderError, decode_header, encode_error
+from ..transport import Socket
+from ._session import Incoming, Session
+from ._state import ServerState
+
+__all__ = ["MAX_HEADER_SIZE", "Router"]
+
+log = logging.getLogger("kvtrio.server")
+
+MAX_HEADER_SIZE = 1024
+"""A header frame larger than this cannot be valid; such a message is dropped unread."""
+_BATCH = 64
+"""Messages routed per wakeup before the router yields to other tasks."""
+_MAX_BACKOFF = 0.05
+
+
+class Router:
+    def __init__(self, state: ServerState, socket: Socket, sessions: trio.Nursery) -> None:
+        self._state = state
+        self._socket = socket
+        self._sessions = sessions
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Receive and route messages until cancelled."""
+        task_status.started()
+        socket = self._socket
+        while True:
+            self.route(await socket.recv_multipart())
+            for _ in range(_BATCH - 1):
+                frames = socket.try_recv_multipart()
+                if frames is None:
+                    break
+                self.route(frames)
+
+    def route(self, frames: list[bytes]) -> None:
+        """Hand one message to its session, or answer/drop it here. Never waits."""
+        state = self._state
+        identity, parts = frames[0], frames[1:]
+        if not parts or len(parts[0]) > MAX_HEADER_SIZE:
+            self._drop(identity, "no readable header")
+            return
+        try:
+            header = decode_header(parts[0])
+        except HeaderError as exc:
+            if exc.request_id is None:
+                self._drop(identity, exc.message)
+                return
+            item = Incoming(exc.request_id, "?", b"", exc)
+        else:
+            item = Incoming(header.request_id, header.kind, parts[-1], _check_frames(parts, state))
+        state.counters.requests += 1
+        now = trio.current_time()
+        session = state.sessions.get(identity)
+        if state.draining:
+            self._answer_now(
+                identity, item.request_id, ErrorCode.SHUTTING_DOWN, "the server is shutting down"
+            )
+            return
+        if session is None:
+            if item.error is not None:  # nothing to keep in order with: answer here
+                self._answer_now(identity, item.request_id, item.error.code, item.error.message)
+                return
+            session = self._start_session(identity)
+        session.touch(now)
+        if session.offer(item):
+            state.accepted()
+        else:
+            self._answer_now(
+                identity,
+                item.request_id,
+                ErrorCode.BUSY,
+                f"more than {state.config.session_queue_size} requests queued; retry later",
+            )
+
+    def _start_session(self, identity: bytes) -> Session:
+        session = Session(identity, self._state, self)
+        self._state.sessions[identity] = session
+        self._state.counters.sessions_started += 1
+        self._sessions.start_soon(session.run, name=f"kvtrio session {identity.hex()}")
+        return session
+
+    def _drop(self, identity: bytes, why: str) -> None:
+        self._state.counters.frames_dropped += 1
+        log.debug("dropped a message from %s: %s", identity.hex(), why)
+
+    def _answer_now(self, identity: bytes, request_id: int, code: ErrorCode, message: str) -> None:
+        self._state.counters.error(code)
+        try:
+            sent = self._socket.try_send_multipart(
+                [identity, *encode_error(request_id, code, message)]
+            )
+        except PeerUnreachable:
+            sent = False
+        if not sent:
+            self._state.counters.replies_undeliverable += 1
+
+    async def reply(self, session: Session, frames: list[bytes]) -> None:
+        """Send a reply to ``session``'s client.
+
+        If the client's receive queue is full, retry with backoff for up to the heartbeat
+        timeout; a reply to a client that disconnected, or that never drains its queue, is
+        dropped and counted. Does not checkpoint when the reply goes out at once.
+        """
+        message = [session.identity, *frames]
+        try:
+            if self._socket.try_send_multipart(message):
+                return
+            delay = 0.0005
+            with trio.move_on_after(self._state.config.heartbeat_timeout):
+                while True:
+                    await trio.sleep(delay)
+                    if self._socket.try_send_multipart(message):
+                        return
+                    delay = min(delay * 2, _MAX_BACKOFF)
+        except PeerUnreachable:
+            pass
+        self._state.counters.replies_undeliverable += 1
+
+
+def _check_frames(parts: list[bytes], state: ServerState) -> RequestError | None:
+    """The error a well-headed request must get for its framing or size, if any."""
+    if len(parts) != 2:
+        return ProtocolError(f"a request is 2 frames [header, body], got {len(parts)}")
+    size = len(parts[0]) + len(parts[1])
+    if size > state.config.max_message_size:
+        return RequestError(
+            ErrorCode.MESSAGE_TOO_LARGE,
+            f"the request is {size} bytes, the limit is {state.config.max_message_size}",
+        )
+    return None

@@ -1,0 +1,114 @@
+"""Assembling a server: the root nursery, the router, the sessions nursery; start and stop."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+import zmq
+
+from ..config import ServerConfig
+from ..transport import ensure_endpoint_free, open_socket
+from ._operations import register_core_operations
+from ._router import Router
+from ._state import ServerState
+
+__all__ = ["ServerHandle", "open_server", "serve"]
+
+log = logging.getLogger("kvtrio.server")
+
+_HWM = 100_000
+_REPLY_LINGER_MS = 1000
+"""How long replies sent just before the server stops may still take to reach their clients."""
+
+
+class ServerHandle:
+    """What ``serve`` hands to its starter: where it listens, its state, how to stop it."""
+
+    def __init__(self, state: ServerState, stop_scope: trio.CancelScope) -> None:
+        self.state = state
+        self._stop_scope = stop_scope
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint the server is bound to (with the real port if 0 was asked for)."""
+        return self.state.endpoint
+
+    @property
+    def instance_id(self) -> str:
+        return self.state.instance_id
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Drain, then stop: new requests are refused with ``shutting_down``, accepted ones get
+        their replies for up to ``grace`` seconds (default: the configured drain timeout), then
+        every task of the server is cancelled and sessions clean up.
+
+        Cancellation: if the caller is cancelled while draining, the server is stopped at once.
+        """
+        if grace is None:
+            grace = self.state.config.drain_timeout
+        self.state.draining = True
+        try:
+            log.info("draining: %d requests in flight, %.1fs grace", self.state.pending, grace)
+            with trio.move_on_after(grace) as scope:
+                await self.state.wait_drained()
+            if scope.cancelled_caught:
+                log.warning(
+                    "drain timeout: stopping with %d requests unanswered", self.state.pending
+                )
+        finally:
+            self._stop_scope.cancel()
+
+    def stop(self) -> None:
+        """Stop now, without draining."""
+        self._stop_scope.cancel()
+
+
+def _router_options(config: ServerConfig) -> dict[int, int]:
+    hard_limit = max(2 * config.max_message_size, config.max_message_size + (1 << 20))
+    return {
+        zmq.ROUTER_MANDATORY: 1,  # tell us when a peer is gone or full instead of dropping
+        zmq.ROUTER_HANDOVER: 1,  # a client reconnecting with its routing id takes it over
+        zmq.SNDHWM: _HWM,
+        zmq.RCVHWM: _HWM,
+        zmq.MAXMSGSIZE: hard_limit,  # beyond this libzmq drops the connection unread
+    }
+
+
+@asynccontextmanager
+async def open_server(config: ServerConfig) -> AsyncIterator[ServerHandle]:
+    """Run a server for the duration of the block.
+
+    The server is bound and serving when the block starts. Leaving the block, or
+    :meth:`ServerHandle.shutdown` / :meth:`ServerHandle.stop` (which also cancel the block's body),
+    stops it: sessions are cancelled and clean up, then the socket is closed.
+    """
+    ensure_endpoint_free(config.endpoint)
+    with trio.CancelScope() as stop_scope:
+        async with open_socket(
+            zmq.ROUTER, options=_router_options(config), linger=_REPLY_LINGER_MS
+        ) as socket:
+            state = ServerState(config, socket.bind(config.endpoint))
+            register_core_operations(state)
+            async with trio.open_nursery() as root, trio.open_nursery() as sessions:
+                router = Router(state, socket, sessions)
+                await root.start(router.run)
+                try:
+                    yield ServerHandle(state, stop_scope)
+                finally:
+                    root.cancel_scope.cancel()
+
+
+async def serve(
+    config: ServerConfig, *, task_status: trio.TaskStatus[ServerHandle] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve until :meth:`ServerHandle.shutdown` or cancellation.
+
+    Start it with ``handle = await nursery.start(serve, config)``; the handle is passed to
+    ``task_status.started`` once the socket is bound.
+    """
+    async with open_server(config) as handle:
+        task_status.started(handle)
+        await trio.sleep_forever()

@@ -1,0 +1,213 @@
+"""One task per client connection: its requests in order, its resources, its heartbeat deadline."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+
+from ..errors import ErrorCode, RequestError
+from ..protocol import Request, SessionStats, decode_request, encode_error, encode_reply
+
+if TYPE_CHECKING:
+    from ._router import Router
+    from ._state import Operation, ServerState
+
+__all__ = ["CLEANUP_TIMEOUT", "Incoming", "Session"]
+
+log = logging.getLogger("kvtrio.server")
+
+CLEANUP_TIMEOUT = 5.0
+"""Seconds a session's shielded cleanup may take before it is abandoned (and logged)."""
+
+Cleanup = Callable[[], Awaitable[None]]
+
+
+@attrs.frozen
+class Incoming:
+    """A request as the router hands it to a session: header already read, body not decoded.
+
+    ``error`` is set when the router already knows the request must fail (bad framing, too
+    large); the session then answers it with that error, in order.
+    """
+
+    request_id: int
+    kind: str
+    body: bytes
+    error: RequestError | None = None
+
+
+class Session:
+    """The server side of one client connection (one ZeroMQ routing id).
+
+    Requests are handled one after the other, so a worker's STORE and RETRIEVE stay ordered,
+    except operations registered as concurrent, which run as child tasks. The session ends when
+    its client has been silent for ``heartbeat_timeout`` (the cancel scope's deadline, pushed
+    back by every message), when :meth:`end` is called, or when the server stops; then its
+    cleanups run, shielded and bounded by :data:`CLEANUP_TIMEOUT`.
+    """
+
+    def __init__(self, identity: bytes, state: ServerState, router: Router) -> None:
+        self.identity = identity
+        self.state = state
+        self._router = router
+        self._send, self._receive = trio.open_memory_channel[Incoming](
+            state.config.session_queue_size
+        )
+        self.scope = trio.CancelScope()
+        now = trio.current_time()
+        self.started_at = now
+        self.last_seen = now
+        self.client_name = ""
+        self.client_version = ""
+        self.requests = 0
+        self.errors = 0
+        self.in_flight = 0
+        self.end_reason: str | None = None
+        self._cleanups: list[Cleanup] = []
+        self.touch(now)
+
+    @property
+    def id(self) -> str:
+        return self.identity.hex()
+
+    def __repr__(self) -> str:
+        name = f" {self.client_name}" if self.client_name else ""
+        return f"<Session {self.id}{name}>"
+
+    # ----------------------------------------------------------------- used by the router
+
+    def touch(self, now: float) -> None:
+        """The client was heard from: push the heartbeat deadline back."""
+        self.last_seen = now
+        self.scope.deadline = now + self.state.config.heartbeat_timeout
+
+    def offer(self, item: Incoming) -> bool:
+        """Queue a request without waiting; False if the session's queue is full."""
+        try:
+            self._send.send_nowait(item)
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            return False
+        return True
+
+    # ----------------------------------------------------------------- used by handlers
+
+    def add_cleanup(self, cleanup: Cleanup) -> None:
+        """Run ``cleanup`` when the session ends (last added, first run; shielded, bounded)."""
+        self._cleanups.append(cleanup)
+
+    def end(self, reason: str) -> None:
+        """End the session: cancel its tasks and run its cleanups."""
+        if self.end_reason is None:
+            self.end_reason = reason
+        self.scope.cancel()
+
+    def stats(self, now: float) -> SessionStats:
+        return SessionStats(
+            session_id=self.id,
+            client_name=self.client_name,
+            client_version=self.client_version,
+            age_seconds=now - self.started_at,
+            idle_seconds=now - self.last_seen,
+            requests=self.requests,
+            errors=self.errors,
+            in_flight=self.in_flight,
+        )
+
+    # ----------------------------------------------------------------- the task
+
+    async def run(self) -> None:
+        """Serve this client's requests until the session ends, then clean up.
+
+        Cancellation (server stop, :meth:`end`, heartbeat deadline) ends the session; cleanup
+        runs shielded either way.
+        """
+        log.debug("session %s started", self.id)
+        try:
+            with self.scope:
+                async with trio.open_nursery() as children, self._receive:
+                    async for item in self._receive:
+                        await self._dispatch(item, children)
+        finally:
+            if self.scope.cancelled_caught and self.end_reason is None:
+                self.end_reason = "heartbeat timeout"
+                self.state.counters.sessions_expired += 1
+            await self._close()
+
+    async def _dispatch(self, item: Incoming, children: trio.Nursery) -> None:
+        self.requests += 1
+        self.in_flight += 1
+        try:
+            if item.error is not None:
+                raise item.error
+            request = decode_request_for(self.state, item)
+            operation = self.state.operations[type(request)]
+        except RequestError as exc:
+            await self._finish(item, encode_error(item.request_id, exc.code, exc.message), exc.code)
+            return
+        if operation.concurrent:
+            children.start_soon(self._handle, item, request, operation)
+        else:
+            await self._handle(item, request, operation)
+
+    async def _handle(self, item: Incoming, request: Request, operation: Operation) -> None:
+        code: ErrorCode | None = None
+        try:
+            reply = await operation.handler(self, request)
+            frames = encode_reply(item.request_id, item.kind, reply)
+        except RequestError as exc:
+            code = exc.code
+            frames = encode_error(item.request_id, exc.code, exc.message)
+        except Exception:
+            log.exception("%s: %r request %d failed", self, item.kind, item.request_id)
+            code = ErrorCode.INTERNAL
+            message = f"the server failed while handling {item.kind!r} (see its log)"
+            frames = encode_error(item.request_id, code, message)
+        await self._finish(item, frames, code)
+
+    async def _finish(self, item: Incoming, frames: list[bytes], code: ErrorCode | None) -> None:
+        self.in_flight -= 1
+        if code is not None:
+            self.errors += 1
+            self.state.counters.error(code)
+        try:
+            await self._router.reply(self, frames)
+        finally:
+            self.state.settled()
+
+    async def _close(self) -> None:
+        """Run cleanups shielded and bounded; forget the session; settle unanswered requests."""
+        self.state.sessions.pop(self.identity, None)
+        self._send.close()
+        unanswered = self.in_flight
+        while True:
+            try:
+                self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            unanswered += 1
+        self.in_flight = 0
+        self.state.settled(unanswered)
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + CLEANUP_TIMEOUT
+            for cleanup in reversed(self._cleanups):
+                try:
+                    await cleanup()
+                except Exception:
+                    log.exception("%s: cleanup %r failed", self, cleanup)
+        if scope.cancelled_caught:
+            log.error("%s: cleanup did not finish within %ss", self, CLEANUP_TIMEOUT)
+        self.state.counters.sessions_ended += 1
+        log.info("session %s ended (%s)", self, self.end_reason or "server stopping")
+
+
+def decode_request_for(state: ServerState, item: Incoming) -> Request:
+    """Decode ``item``'s body; an operation the protocol knows but this server does not serve
+    is reported as unknown."""
+    request = decode_request(item.kind, item.body)
+    if type(request) not in state.operations:
+        raise RequestError(ErrorCode.UNKNOWN_OPERATION, f"operation {item.kind!r} is not served")
+    return request

@@ -1,0 +1,277 @@
+"""A trio adapter for pyzmq sockets, correct under ZeroMQ's edge-triggered file descriptor.
+
+ZeroMQ exposes readiness through ``ZMQ_FD``, which is *edge*-triggered from the application's
+point of view: it becomes readable when the socket's state may have changed, and *any* libzmq call
+on the socket (send, recv, or reading ``ZMQ_EVENTS``) may consume that edge while processing
+pending commands. A task that waits on the FD after another task's send consumed the edge waits
+forever although a message is queued: the classic lost wakeup.
+
+The rules this adapter follows, so that no wakeup is lost:
+
+1. one *pump* task per socket owns ``trio.lowlevel.wait_readable(fd)`` (trio allows one waiter
+   per FD) and, whenever the FD fires, reads ``ZMQ_EVENTS`` and wakes parked readers or writers;
+2. every operation first tries the libzmq call with ``NOBLOCK``; only on ``EAGAIN`` does it read
+   ``ZMQ_EVENTS`` and, if the socket is still not ready, park on a :class:`trio.lowlevel.ParkingLot`
+   — with no checkpoint between the check and the park, so no edge can slip through;
+3. after every libzmq call, if any task is parked, ``ZMQ_EVENTS`` is read again and the parked
+   tasks whose condition now holds are woken (their edge may have been consumed by this call);
+4. nothing outside this module touches the pyzmq socket.
+
+Cancellation: a task parked in :meth:`Socket.recv_multipart` or :meth:`Socket.send_multipart` can
+be cancelled at any time; a message is either fully received/sent or not at all (ZeroMQ's multipart
+messages are atomic).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, cast
+
+import trio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from ..errors import PeerUnreachable, TransportError
+
+__all__ = ["Monitor", "Socket", "open_monitor", "open_socket"]
+
+# Plain ints: pyzmq's constants are enum flags, and flag arithmetic costs microseconds per call.
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+_NOBLOCK = int(zmq.NOBLOCK)
+_EVENTS = int(zmq.EVENTS)
+
+Frames = Sequence[bytes]
+
+
+class Socket:
+    """A pyzmq socket usable from many trio tasks at once. Create it with :func:`open_socket`."""
+
+    def __init__(self, zsock: zmq.Socket[bytes], linger: int = 0) -> None:
+        self._zsock = zsock
+        self._linger = linger
+        self._fd = cast(int, zsock.get(zmq.FD))
+        self._readers = trio.lowlevel.ParkingLot()
+        self._writers = trio.lowlevel.ParkingLot()
+        self._closed = False
+
+    # ----------------------------------------------------------------- configuration
+
+    def bind(self, endpoint: str) -> str:
+        """Bind to ``endpoint`` and return the endpoint actually bound (port 0 resolved)."""
+        try:
+            self._zsock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"cannot bind {endpoint}: {exc.strerror}") from None
+        last = self._zsock.get(zmq.LAST_ENDPOINT)
+        return last.decode() if isinstance(last, bytes) else str(last)
+
+    def connect(self, endpoint: str) -> None:
+        """Connect to ``endpoint`` (ZeroMQ connects in the background and reconnects by itself)."""
+        try:
+            self._zsock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"cannot connect to {endpoint}: {exc.strerror}") from None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ----------------------------------------------------------------- readiness
+
+    def _wake(self) -> int:
+        """Read ``ZMQ_EVENTS`` and wake the parked tasks whose condition holds; return events."""
+        try:
+            events = cast(int, self._zsock.get(_EVENTS))
+        except zmq.ZMQError:
+            events = _POLLIN | _POLLOUT  # let everyone find out about the failure
+        if events & _POLLIN:
+            self._readers.unpark_all()
+        if events & _POLLOUT:
+            self._writers.unpark_all()
+        return events
+
+    def _after_call(self) -> None:
+        # Rule 3: the call may have consumed the FD edge a parked task was waiting for.
+        if self._readers or self._writers:
+            self._wake()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("the socket was closed")
+
+    async def _pump(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Wait on the FD forever and turn its edges into wakeups (rule 1).
+
+        Returns when the socket is closed.
+        """
+        task_status.started()
+        while not self._closed:
+            try:
+                await trio.lowlevel.wait_readable(self._fd)
+            except trio.ClosedResourceError:
+                return
+            if not self._closed:
+                self._wake()
+
+    # ----------------------------------------------------------------- receiving
+
+    def try_recv_multipart(self) -> list[bytes] | None:
+        """Receive one message if one is queued, else return None. Never waits."""
+        self._check_open()
+        try:
+            frames = self._zsock.recv_multipart(_NOBLOCK)
+        except zmq.Again:
+            return None
+        except zmq.ZMQError as exc:
+            raise TransportError(f"receive failed: {exc.strerror}") from None
+        finally:
+            self._after_call()
+        return frames
+
+    async def recv_multipart(self) -> list[bytes]:
+        """Receive one whole message, waiting until one arrives.
+
+        Cancellation: if cancelled, no message has been taken from the socket.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            frames = self.try_recv_multipart()
+            if frames is not None:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return frames
+            # Rule 2: check the state ourselves before parking; no checkpoint in between.
+            if not self._wake() & _POLLIN:
+                await self._readers.park()
+
+    # ----------------------------------------------------------------- sending
+
+    def try_send_multipart(self, frames: Frames) -> bool:
+        """Send one message if the socket can take it now; return False if it would block.
+
+        On a ROUTER socket with ``ROUTER_MANDATORY`` set, raises :class:`PeerUnreachable` if the
+        peer is gone, and returns False if that peer's queue is full.
+        """
+        self._check_open()
+        try:
+            self._zsock.send_multipart(frames, _NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                raise PeerUnreachable("the peer is not connected") from None
+            raise TransportError(f"send failed: {exc.strerror}") from None
+        finally:
+            self._after_call()
+        return True
+
+    async def send_multipart(self, frames: Frames) -> None:
+        """Send one whole message, waiting while the socket is at its high-water mark.
+
+        Do not use this on a ROUTER with ``ROUTER_MANDATORY`` (its writability is not per peer);
+        use :meth:`try_send_multipart` with a retry policy instead.
+
+        Cancellation: if cancelled, the message has not been sent.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self.try_send_multipart(frames):
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return
+            if not self._wake() & _POLLOUT:
+                await self._writers.park()
+
+    # ----------------------------------------------------------------- closing
+
+    def _stop_monitor(self) -> None:
+        """Switch ZeroMQ's socket monitor off (idempotent)."""
+        if not self._closed:
+            self._zsock.disable_monitor()
+
+    def close(self) -> None:
+        """Close the socket now. Parked tasks raise :class:`trio.ClosedResourceError`.
+
+        Messages already sent keep being delivered in the background for up to the socket's
+        ``linger`` milliseconds. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        trio.lowlevel.notify_closing(self._fd)
+        self._readers.unpark_all()
+        self._writers.unpark_all()
+        self._zsock.close(linger=self._linger)
+
+
+@asynccontextmanager
+async def open_socket(
+    socket_type: int,
+    *,
+    options: Mapping[int, Any] | None = None,
+    linger: int = 0,
+    context: zmq.Context[Any] | None = None,
+) -> AsyncIterator[Socket]:
+    """Create a ZeroMQ socket of ``socket_type`` driven by trio, with its pump task.
+
+    ``options`` are set with ``setsockopt`` before use. The socket is closed and the pump stops
+    when the block exits, also on cancellation; messages sent but not yet on the wire get
+    ``linger`` more milliseconds (in libzmq's I/O thread; the close itself does not wait).
+    """
+    ctx = context if context is not None else zmq.Context.instance()
+    zsock: zmq.Socket[bytes] = ctx.socket(socket_type)
+    try:
+        zsock.setsockopt(zmq.LINGER, 0)
+        for option, value in (options or {}).items():
+            zsock.setsockopt(option, value)
+    except BaseException:
+        zsock.close(linger=0)
+        raise
+    sock = Socket(zsock, linger)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sock._pump)
+            try:
+                yield sock
+            finally:
+                sock.close()
+    finally:
+        sock.close()
+
+
+class Monitor:
+    """Connection events of a socket, from ZeroMQ's socket monitor. See :func:`open_monitor`."""
+
+    def __init__(self, pair: Socket) -> None:
+        self._pair = pair
+
+    async def receive(self) -> int:
+        """Wait for the next event and return its code (``zmq.EVENT_*``)."""
+        frames = await self._pair.recv_multipart()
+        return int(parse_monitor_message(frames)["event"])
+
+
+@asynccontextmanager
+async def open_monitor(socket: Socket, events: int) -> AsyncIterator[Monitor]:
+    """Follow ``socket``'s connection ``events`` for the duration of the block.
+
+    Open it before connecting ``socket`` (events are not queued for a reader that is not there
+    yet) and leave it before closing ``socket``. On exit, monitoring is switched off *before*
+    the reading socket closes: libzmq sends events with blocking sends from its I/O thread, so
+    an event for a reader that is gone would block every socket of the process (libzmq #3575).
+    """
+    socket._check_open()
+    # Unique forever: libzmq closes sockets asynchronously, so a reused name could still be
+    # bound by the monitor of a socket closed a moment ago and deliver its stale events.
+    endpoint = f"inproc://kvtrio-monitor-{uuid.uuid4().hex}"
+    socket._zsock.monitor(endpoint, events)
+    try:
+        async with open_socket(zmq.PAIR) as pair:
+            pair.connect(endpoint)
+            try:
+                yield Monitor(pair)
+            finally:
+                socket._stop_monitor()
+    finally:
+        socket._stop_monitor()

@@ -1,0 +1,157 @@
+"""Fixtures shared by the whole suite: endpoints, in-process servers, server processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from kvtrio.client import Client
+from kvtrio.config import ServerConfig
+from kvtrio.errors import KvtrioError
+from kvtrio.protocol import Ping, Pong
+from kvtrio.server import ServerHandle, serve
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll ``condition`` (a blocking check) until it returns a truthy value, or fail."""
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+async def await_condition(
+    condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition"
+) -> Any:
+    """Trio version of :func:`wait_for`: re-check ``condition`` until true, within a deadline."""
+    delay = 0.002
+    with trio.move_on_after(timeout):
+        while True:
+            value = condition()
+            if value:
+                return value
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A short temporary directory (ipc:// paths must stay under ~100 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def endpoint(short_dir: Path) -> str:
+    return f"ipc://{short_dir}/s.sock"
+
+
+@pytest.fixture
+def server_config(request: pytest.FixtureRequest, endpoint: str) -> ServerConfig:
+    """Test server settings; parametrize indirectly with a dict to override fields."""
+    overrides = getattr(request, "param", {})
+    return ServerConfig(**{"endpoint": endpoint, "drain_timeout": 2.0, **overrides})
+
+
+@pytest.fixture
+async def server(nursery: trio.Nursery, server_config: ServerConfig) -> AsyncIterator[ServerHandle]:
+    """A server running in the test's own trio loop."""
+    handle: ServerHandle = await nursery.start(serve, server_config)
+    yield handle
+    handle.stop()
+
+
+# --------------------------------------------------------------------------- server processes
+
+
+@attrs.define
+class ServerProcess:
+    """A ``kvtrio serve`` child process, stopped by PID when the test ends."""
+
+    endpoint: str
+    args: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[str] | None = None
+    log_path: Path | None = None
+
+    def start(self, timeout: float = 15.0) -> ServerProcess:
+        assert self.proc is None or self.proc.poll() is not None
+        assert self.log_path is not None
+        log = self.log_path.open("a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtrio", "serve", "--endpoint", self.endpoint, *self.args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            text=True,
+        )
+        log.close()
+        with Client(self.endpoint, timeout=0.5, heartbeat=False) as client:
+
+            def answers() -> bool:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    pytest.fail(f"kvtrio serve exited with {self.proc.returncode}:\n{self.log()}")
+                try:
+                    return isinstance(client.request(Ping()), Pong)
+                except KvtrioError:
+                    return False
+
+            wait_for(answers, timeout, "the server to answer ping")
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Signal the process and wait for it; SIGKILL if it does not exit in time."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log(self) -> str:
+        assert self.log_path is not None
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+
+@pytest.fixture
+def server_process(short_dir: Path, endpoint: str) -> Iterator[Callable[..., ServerProcess]]:
+    """Factory: ``server_process(*extra_args)`` starts ``kvtrio serve`` and waits for it."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        process = ServerProcess(endpoint, list(args), full_env, log_path=short_dir / "server.log")
+        started.append(process)
+        return process.start()
+
+    yield start
+    for process in started:
+        if process.proc is not None and process.proc.poll() is None:
+            process.stop(signal.SIGKILL)

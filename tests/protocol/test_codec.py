@@ -1,0 +1,185 @@
+"""The codec: every message round-trips, and every malformed input is a readable ProtocolError."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtrio.errors import ErrorCode, ProtocolError
+from kvtrio.protocol import (
+    PROTOCOL_VERSION,
+    ChunkSize,
+    ErrorReply,
+    GetChunkSize,
+    GetStats,
+    Header,
+    HeaderError,
+    Hello,
+    HelloReply,
+    Ping,
+    Pong,
+    Probe,
+    ProbeReply,
+    ServerCounters,
+    SessionStats,
+    StatsReply,
+    as_int_array,
+    decode_header,
+    decode_reply,
+    decode_reply_header,
+    decode_request,
+    encode_error,
+    encode_reply,
+    encode_request,
+)
+
+REQUESTS = [
+    Ping(),
+    Hello("engine", "1.2", PROTOCOL_VERSION),
+    GetChunkSize(),
+    GetStats(),
+    Probe(tuple(range(256)), tuple(range(64))),
+]
+STATS = StatsReply(
+    server_version="0.1.0",
+    instance_id="abc",
+    uptime_seconds=1.5,
+    counters=ServerCounters(3, 1, {"bad_request": 1}, 0, 0, 1, 0, 0),
+    sessions=(SessionStats("00ff", "engine", "1.2", 1.0, 0.5, 3, 1, 0),),
+)
+REPLIES = [
+    (Ping(), Pong("abc")),
+    (Hello("e", "1", 1), HelloReply("0.1.0", 1, "abc", 256, 10.0, 1 << 24)),
+    (GetChunkSize(), ChunkSize(256)),
+    (GetStats(), STATS),
+    (Probe((1,), ()), ProbeReply(1, 0)),
+]
+
+
+@pytest.mark.parametrize("request_", REQUESTS, ids=lambda r: r.op)
+def test_requests_round_trip(request_: object) -> None:
+    header_frame, body = encode_request(42, request_)  # type: ignore[arg-type]
+    header = decode_header(header_frame)
+    assert header == Header(PROTOCOL_VERSION, 42, request_.op)  # type: ignore[attr-defined]
+    assert decode_request(header.kind, body) == request_
+
+
+@pytest.mark.parametrize(("request_", "reply"), REPLIES, ids=lambda r: type(r).__name__)
+def test_replies_round_trip(request_: object, reply: object) -> None:
+    header_frame, body = encode_reply(7, request_.op, reply)  # type: ignore[attr-defined,arg-type]
+    header = decode_reply_header(header_frame)
+    assert (header.request_id, header.kind) == (7, request_.op)  # type: ignore[attr-defined]
+    assert decode_reply(header, body, type(request_)) == reply  # type: ignore[arg-type]
+
+
+def test_error_reply_round_trips() -> None:
+    header_frame, body = encode_error(9, ErrorCode.BUSY, "slow down")
+    header = decode_reply_header(header_frame)
+    assert header.kind == "error"
+    assert decode_reply(header, body, Ping) == ErrorReply("busy", "slow down")
+
+
+@given(
+    request_id=st.integers(0, 2**64 - 1), name=st.text(max_size=50), version=st.text(max_size=20)
+)
+def test_hello_round_trips_any_strings_and_ids(request_id: int, name: str, version: str) -> None:
+    frames = encode_request(request_id, Hello(name, version, PROTOCOL_VERSION))
+    header = decode_header(frames[0])
+    assert header.request_id == request_id
+    assert decode_request(header.kind, frames[1]) == Hello(name, version, PROTOCOL_VERSION)
+
+
+# --------------------------------------------------------------------------- headers
+
+
+@pytest.mark.parametrize(
+    ("frame", "request_id", "fragment"),
+    [
+        (b"\xc1", None, "not valid msgpack"),
+        (msgpack.packb({"a": 1}), None, "array"),
+        (msgpack.packb([1]), None, "array"),
+        (msgpack.packb([1, -1, "ping"]), None, "unsigned"),
+        (msgpack.packb([1, "x", "ping"]), None, "unsigned"),
+        (msgpack.packb([1, 1.5, "ping"]), None, "unsigned"),
+        (msgpack.packb([1, 5]), 5, "array"),
+        (msgpack.packb([1, 5, "ping", 0]), 5, "array"),
+        (msgpack.packb(["1", 5, "ping"]), 5, "version must be an integer"),
+        (msgpack.packb([1, 5, 3]), 5, "operation name must be a string"),
+        (msgpack.packb([1, 5, "ping"]) + b"\x00", None, "not valid msgpack"),
+    ],
+)
+def test_bad_headers(frame: bytes, request_id: int | None, fragment: str) -> None:
+    with pytest.raises(HeaderError, match=fragment) as info:
+        decode_header(frame)
+    assert info.value.request_id == request_id
+    assert info.value.code is ErrorCode.BAD_REQUEST
+
+
+def test_other_protocol_version_is_refused_with_the_request_id() -> None:
+    with pytest.raises(HeaderError, match="speaks protocol version 99") as info:
+        decode_header(msgpack.packb([99, 5, "ping"]))
+    assert info.value.request_id == 5
+    assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
+
+
+# --------------------------------------------------------------------------- bodies
+
+
+def test_unknown_operation() -> None:
+    with pytest.raises(ProtocolError, match="unknown operation 'frobnicate'") as info:
+        decode_request("frobnicate", msgpack.packb({}))
+    assert info.value.code is ErrorCode.UNKNOWN_OPERATION
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"\xc1", "not valid msgpack"),
+        (msgpack.packb([1, 2]), "must be a msgpack map, got an array"),
+        (msgpack.packb({}), "required field missing @ body.client_name"),
+        (
+            msgpack.packb({"client_name": 1, "client_version": "1", "protocol_version": 1}),
+            "expected a string, got an integer @ body.client_name",
+        ),
+        (
+            msgpack.packb({"client_name": "a", "client_version": "1", "protocol_version": True}),
+            "expected an integer, got a boolean @ body.protocol_version",
+        ),
+        (
+            msgpack.packb({"client_name": "a", "client_version": "1", "protocol_version": 1.0}),
+            "expected an integer, got a float @ body.protocol_version",
+        ),
+    ],
+)
+def test_bad_hello_bodies(body: bytes, fragment: str) -> None:
+    with pytest.raises(ProtocolError, match=fragment) as info:
+        decode_request("hello", body)
+    assert info.value.code is ErrorCode.BAD_REQUEST
+    assert str(info.value).startswith("invalid 'hello' request")
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
+    body = msgpack.packb({"client_name": "a", "client_version": "1", "protocol_version": 1, "x": 2})
+    assert decode_request("hello", body) == Hello("a", "1", 1)
+
+
+def test_reply_of_the_wrong_operation_is_refused() -> None:
+    header_frame, body = encode_reply(1, "ping", Pong("x"))
+    with pytest.raises(ProtocolError, match="expected a 'stats' reply"):
+        decode_reply(decode_reply_header(header_frame), body, GetStats)
+
+
+def test_int_arrays_are_checked_when_packed() -> None:
+    assert list(as_int_array((1, 2, 3), "q", "tokens")) == [1, 2, 3]
+    with pytest.raises(ProtocolError, match="tokens: every element must be an integer"):
+        as_int_array((1, "2"), "q", "tokens")  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="block_ids"):
+        as_int_array((2**70,), "q", "block_ids")
+
+
+def test_int_arrays_must_be_arrays() -> None:
+    body = msgpack.packb({"tokens": 5, "block_ids": []})
+    with pytest.raises(ProtocolError, match="expected an array of integers, got an integer"):
+        decode_request("probe", body)

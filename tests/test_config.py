@@ -1,0 +1,92 @@
+"""Settings: precedence (flags > file > env > defaults) and one-line errors naming the source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+
+from kvtrio.config import ServerConfig, field_help, load_config, parse_size
+from kvtrio.errors import ConfigError
+
+
+def test_defaults() -> None:
+    config = load_config(environ={})
+    assert config == ServerConfig()
+    assert config.endpoint == "tcp://127.0.0.1:5577"
+    assert config.chunk_size == 256
+
+
+def test_precedence(tmp_path: Path) -> None:
+    file = tmp_path / "kvtrio.toml"
+    file.write_text('chunk_size = 512\nl1_size = "2GiB"\nlog_level = "debug"\n')
+    env = {"KVTRIO_CHUNK_SIZE": "1024", "KVTRIO_LOOKUP_TIMEOUT": "0.25", "KVTRIO_OTHER": "x"}
+    config = load_config({"log_level": "warning"}, config_file=file, environ=env)
+    assert config.chunk_size == 512  # file beats env
+    assert config.lookup_timeout == 0.25  # env beats default
+    assert config.l1_size == 2 << 30
+    assert config.log_level == "warning"  # flag beats file
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("4096", 4096),
+        (4096, 4096),
+        ("4GiB", 4 << 30),
+        ("1.5MB", 1_500_000),
+        ("512m", 512 * 10**6),
+        ("64KiB", 64 << 10),
+        ("1_000", 1000),
+        ("2 gib", 2 << 30),
+    ],
+)
+def test_sizes(text: str | int, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "message"),
+    [
+        ({"chunk_size": "abc"}, {}, "chunk_size = 'abc' (from --chunk-size): expected an integer"),
+        ({}, {"KVTRIO_LOOKUP_TIMEOUT": "-1"}, "from environment variable KVTRIO_LOOKUP_TIMEOUT"),
+        ({"l1_size": "4XB"}, {}, "is not a size"),
+        ({"endpoint": "http://x"}, {}, "must be tcp://HOST:PORT or ipc://PATH"),
+        ({"log_level": "loud"}, {}, "must be one of debug, info, warning, error"),
+        ({"chunk_size": 1 << 21}, {}, "must be at most 1048576"),
+        (
+            {"heartbeat_timeout": 0},
+            {},
+            "heartbeat_timeout = 0 (from --heartbeat-timeout): must be greater than 0",
+        ),
+    ],
+)
+def test_invalid_settings_are_one_line_errors(overrides: dict, env: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides, environ=env)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(config_file=tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("chunk_size = [")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(config_file=bad)
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("chunk_sise = 5")
+    with pytest.raises(ConfigError, match="unknown setting 'chunk_sise'"):
+        load_config(config_file=unknown)
+    typed = tmp_path / "typed.toml"
+    typed.write_text("chunk_size = true")
+    with pytest.raises(ConfigError, match=f"from {typed}"):
+        load_config(config_file=typed)
+
+
+def test_every_setting_has_help() -> None:
+    helps = field_help()
+    assert set(helps) == {a.name for a in attrs.fields(ServerConfig)}
+    assert all(helps.values())

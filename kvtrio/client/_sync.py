@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -98,6 +98,7 @@ class Client:
         self._outbox: collections.deque[tuple[int, _Call]] = collections.deque()
         self._closing = False
         self._lock = threading.Lock()  # orders submit() against close()
+        self._io_idle = False  # the I/O thread is (about to be) asleep in poll
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -127,7 +128,8 @@ class Client:
                 call.future.set_exception(ClientClosed("the client is closed"))
                 return call.future
             self._outbox.append((request_id, call))
-        self._wake()
+        if self._io_idle:  # see _IOLoop.wait for why no wakeup is lost
+            self._wake()
         return call.future
 
     def request(
@@ -219,6 +221,7 @@ class _IOLoop:
         self.deadlines: list[tuple[float, int]] = []
         self.last_send = time.monotonic()
         self.poller = zmq.Poller()
+        self.watching_out = False
         self.poller.register(dealer, zmq.POLLIN)
         self.poller.register(monitor, zmq.POLLIN)
         self.poller.register(client._wake_r, zmq.POLLIN)
@@ -231,7 +234,7 @@ class _IOLoop:
             now = time.monotonic()
             self.expire(now)
             self.heartbeat(now)
-            events = dict(self.poller.poll(self.poll_timeout(now)))
+            events = self.wait(self.poll_timeout(now))
             if events.get(client._wake_r):
                 with contextlib.suppress(BlockingIOError):
                     os.read(client._wake_r, 65536)
@@ -250,9 +253,29 @@ class _IOLoop:
             self.client.in_flight -= 1
         return call
 
+    def wait(self, timeout_ms: int) -> dict[Any, int]:
+        """Poll the sockets and the wakeup pipe.
+
+        Callers write to the pipe only while ``_io_idle`` is set, which saves a write and a
+        read per request while this thread is busy. No wakeup is lost: the flag is set *before*
+        the outbox is checked one last time, and a caller appends to the outbox *before* it
+        reads the flag, so either this check sees the new request or the caller sees the flag.
+        """
+        client = self.client
+        client._io_idle = True
+        try:
+            if client._outbox:
+                timeout_ms = 0
+            return dict(self.poller.poll(timeout_ms))
+        finally:
+            client._io_idle = False
+
     def poll_timeout(self, now: float) -> int:
         # Wait for writability only while something waits to be sent (no connection yet).
-        self.poller.register(self.dealer, zmq.POLLIN | (zmq.POLLOUT if self.unsent else 0))
+        watch_out = bool(self.unsent)
+        if watch_out != self.watching_out:
+            self.watching_out = watch_out
+            self.poller.register(self.dealer, zmq.POLLIN | (zmq.POLLOUT if watch_out else 0))
         wake_at = self.last_send + self.heartbeat_interval() if self.client._heartbeat else now + 1
         if self.deadlines:
             wake_at = min(wake_at, self.deadlines[0][0])

@@ -42,6 +42,7 @@ _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 
 Frames = Sequence[bytes]
 
@@ -155,8 +156,13 @@ class Socket:
         peer is gone, and returns False if that peer's queue is full.
         """
         self._check_open()
+        send = self._zsock.send
         try:
-            self._zsock.send_multipart(frames, _NOBLOCK)
+            # Frame by frame with plain-int flags (pyzmq's send_multipart does enum arithmetic).
+            # A multipart message is atomic: once the first frame is taken, the rest will be.
+            for frame in frames[:-1]:
+                send(frame, _SNDMORE_NOBLOCK)
+            send(frames[-1], _NOBLOCK)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:

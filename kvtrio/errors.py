@@ -31,6 +31,7 @@ __all__ = [
     "ServerBusy",
     "ServerError",
     "ServerUnavailable",
+    "SessionEnded",
     "ShuttingDown",
     "TransportError",
     "UnknownOperation",
@@ -56,7 +57,10 @@ class ErrorCode(str, enum.Enum):
     BUSY = "busy"
     """The client has too many requests queued at the server; retry later."""
     SHUTTING_DOWN = "shutting_down"
-    """The server is draining and accepts no new requests."""
+    """The server is draining or stopping; the request was not (or not fully) handled."""
+    SESSION_ENDED = "session_ended"
+    """The client's session ended (heartbeat timeout) before the request was answered; what the
+    session held is gone. The request may be retried: it starts a new session."""
     INTERNAL = "internal"
     """The server failed while handling a valid request (a bug; the server logged it)."""
 
@@ -179,6 +183,10 @@ class ServerBusy(ServerError):
 
 class ShuttingDown(ServerError):
     code = ErrorCode.SHUTTING_DOWN
+
+
+class SessionEnded(ServerError):
+    code = ErrorCode.SESSION_ENDED
 
 
 class InternalServerError(ServerError):

@@ -72,7 +72,8 @@ class AsyncClient:
         self.connected = False
         self.server_info: HelloReply | None = None
         self._last_send = trio.current_time()
-        self._connected_event = trio.Event()
+        self._connected_event = trio.Event()  # set once, after the first hello
+        self._up = trio.Event()  # set while the connection is up; replaced when it drops
 
     async def request(self, request: Request, *, timeout: float | None = None) -> Reply:
         """Send ``request`` and return its reply.
@@ -91,6 +92,7 @@ class AsyncClient:
         self._calls[request_id] = call
         try:
             with trio.move_on_after(timeout):
+                await self._up.wait()  # never queue a request for a connection that is down
                 await self._socket.send_multipart(encode_request(request_id, request))
                 call.sent = True
                 self._last_send = trio.current_time()
@@ -123,32 +125,46 @@ class AsyncClient:
     # ----------------------------------------------------------------- background tasks
 
     async def _receive_replies(self) -> None:
+        # Take and deliver replies with no checkpoint in between, so that when the connection
+        # drops no reply is held by this task while the monitor task fails the calls in flight.
+        socket = self._socket
         while True:
-            frames = await self._socket.recv_multipart()
-            header = read_reply_header(frames)
-            call = self._calls.get(header.request_id) if header is not None else None
-            if header is None or call is None:
-                continue  # a late reply to an abandoned request, or garbage
-            try:
-                result: Reply | ServerError = reply_or_error(header, frames[1], call.request_type)
-            except ProtocolError as exc:
-                call.settle(outcome.Error(exc))
-                continue
-            if isinstance(result, ServerError):
-                call.settle(outcome.Error(result))
-            else:
-                call.settle(outcome.Value(result))
+            await socket.wait_readable()
+            while (frames := socket.try_recv_multipart()) is not None:
+                self._deliver(frames)
+
+    def _deliver(self, frames: list[bytes]) -> None:
+        """Settle the call a reply answers (late replies and garbage are ignored)."""
+        header = read_reply_header(frames)
+        call = self._calls.get(header.request_id) if header is not None else None
+        if header is None or call is None:
+            return
+        try:
+            result: Reply | ServerError = reply_or_error(header, frames[1], call.request_type)
+        except ProtocolError as exc:
+            call.settle(outcome.Error(exc))
+            return
+        if isinstance(result, ServerError):
+            call.settle(outcome.Error(result))
+        else:
+            call.settle(outcome.Value(result))
 
     async def _follow_connection(self, monitor: Monitor, nursery: trio.Nursery) -> None:
         while True:
             event = await monitor.receive()
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected = True
+                self._up.set()
                 nursery.start_soon(self._say_hello)
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 if self.connected:
                     log.info("lost connection to %s", self.endpoint)
                 self.connected = False
+                if self._up.is_set():
+                    self._up = trio.Event()
+                # Replies that arrived before the connection closed are still good.
+                while (frames := self._socket.try_recv_multipart()) is not None:
+                    self._deliver(frames)
                 self._fail_sent()
 
     async def _say_hello(self) -> None:

@@ -48,12 +48,13 @@ MONITOR_EVENTS = (
 def dealer_options() -> dict[int, Any]:
     """Options of a client's DEALER socket.
 
-    ``IMMEDIATE`` keeps requests out of the queue of a connection that does not exist (so
-    "not sent" really means not sent), and the client picks its own routing id so that a
+    ``IMMEDIATE`` stays off: with it on, libzmq discards replies that arrived but were not read
+    yet when a connection drops, so the last replies of a stopping server could vanish. Instead
+    the clients only write to the socket while the monitor says the connection is up, which
+    keeps "not sent" meaning "not processed". The client picks its own routing id so that a
     reconnection to the same server finds its session again (the server sets ROUTER_HANDOVER).
     """
     return {
-        zmq.IMMEDIATE: 1,
         zmq.ROUTING_ID: b"k" + os.urandom(15),
         zmq.RECONNECT_IVL: 100,
         zmq.RECONNECT_IVL_MAX: 1000,

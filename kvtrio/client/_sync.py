@@ -271,8 +271,9 @@ class _IOLoop:
             client._io_idle = False
 
     def poll_timeout(self, now: float) -> int:
-        # Wait for writability only while something waits to be sent (no connection yet).
-        watch_out = bool(self.unsent)
+        # Requests left unsent while connected means the socket is at its high-water mark:
+        # wait for writability then (not while disconnected: the socket would always say yes).
+        watch_out = bool(self.unsent) and self.client.connected
         if watch_out != self.watching_out:
             self.watching_out = watch_out
             self.poller.register(self.dealer, zmq.POLLIN | (zmq.POLLOUT if watch_out else 0))
@@ -299,8 +300,8 @@ class _IOLoop:
             self.unsent.append((request_id, call))
 
     def flush(self) -> None:
-        """Send queued requests until the socket would block (no connection: IMMEDIATE)."""
-        while self.unsent:
+        """Send queued requests while the connection is up (see ``dealer_options``)."""
+        while self.unsent and self.client.connected:
             request_id, call = self.unsent[0]
             if request_id not in self.calls:  # expired while waiting to be sent
                 self.unsent.popleft()
@@ -397,6 +398,7 @@ class _IOLoop:
             client.state = "disconnected"
             self.fail_unsent_fail_fast()
             if event == zmq.EVENT_DISCONNECTED:
+                self.read_replies()  # replies that arrived before the close are still good
                 for request_id, call in list(self.calls.items()):
                     if call.sent:
                         self.pop(request_id)

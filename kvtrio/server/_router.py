@@ -66,21 +66,23 @@ class Router:
         state.counters.requests += 1
         now = trio.current_time()
         session = state.sessions.get(identity)
+        if session is not None and session.ending:
+            session = None  # ended but not cleaned up yet: this message starts a new session
         if state.draining:
-            self._answer_now(
+            self.answer_now(
                 identity, item.request_id, ErrorCode.SHUTTING_DOWN, "the server is shutting down"
             )
             return
         if session is None:
             if item.error is not None:  # nothing to keep in order with: answer here
-                self._answer_now(identity, item.request_id, item.error.code, item.error.message)
+                self.answer_now(identity, item.request_id, item.error.code, item.error.message)
                 return
             session = self._start_session(identity)
         session.touch(now)
         if session.offer(item):
             state.accepted()
         else:
-            self._answer_now(
+            self.answer_now(
                 identity,
                 item.request_id,
                 ErrorCode.BUSY,
@@ -98,7 +100,8 @@ class Router:
         self._state.counters.frames_dropped += 1
         log.debug("dropped a message from %s: %s", identity.hex(), why)
 
-    def _answer_now(self, identity: bytes, request_id: int, code: ErrorCode, message: str) -> None:
+    def answer_now(self, identity: bytes, request_id: int, code: ErrorCode, message: str) -> None:
+        """Send an error reply without waiting; if the client cannot take it now, count it."""
         self._state.counters.error(code)
         try:
             sent = self._socket.try_send_multipart(

@@ -29,7 +29,7 @@ CLEANUP_TIMEOUT = 5.0
 Cleanup = Callable[[], Awaitable[None]]
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class Incoming:
     """A request as the router hands it to a session: header already read, body not decoded.
 
@@ -68,7 +68,8 @@ class Session:
         self.client_version = ""
         self.requests = 0
         self.errors = 0
-        self.in_flight = 0
+        self._active: set[Incoming] = set()
+        """Requests taken from the queue and not answered yet."""
         self.end_reason: str | None = None
         self._cleanups: list[Cleanup] = []
         self._heartbeat_timeout = state.config.heartbeat_timeout
@@ -78,6 +79,15 @@ class Session:
     @property
     def id(self) -> str:
         return self.identity.hex()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    @property
+    def ending(self) -> bool:
+        """True once the session has been told to end (it takes no new requests then)."""
+        return self.scope.cancel_called
 
     def __repr__(self) -> str:
         name = f" {self.client_name}" if self.client_name else ""
@@ -141,7 +151,7 @@ class Session:
         log.debug("session %s started", self.id)
         try:
             with self.scope:
-                async with trio.open_nursery() as children, self._receive:
+                async with trio.open_nursery() as children:
                     await self._serve_queue(children)
         finally:
             if self.scope.cancelled_caught and self.end_reason is None:
@@ -175,7 +185,7 @@ class Session:
 
     async def _dispatch(self, item: Incoming, children: trio.Nursery) -> None:
         self.requests += 1
-        self.in_flight += 1
+        self._active.add(item)
         try:
             if item.error is not None:
                 raise item.error
@@ -205,7 +215,7 @@ class Session:
         await self._finish(item, frames, code)
 
     async def _finish(self, item: Incoming, frames: list[bytes], code: ErrorCode | None) -> None:
-        self.in_flight -= 1
+        self._active.discard(item)
         if code is not None:
             self.errors += 1
             self.state.counters.error(code)
@@ -215,18 +225,26 @@ class Session:
             self.state.settled()
 
     async def _close(self) -> None:
-        """Run cleanups shielded and bounded; forget the session; settle unanswered requests."""
-        self.state.sessions.pop(self.identity, None)
+        """Answer what is left, run cleanups shielded and bounded, forget the session."""
+        if self.state.sessions.get(self.identity) is self:
+            del self.state.sessions[self.identity]
         self._send.close()
-        unanswered = self.in_flight
+        unanswered = list(self._active)
+        self._active.clear()
         while True:
             try:
-                self._receive.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                unanswered.append(self._receive.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
                 break
-            unanswered += 1
-        self.in_flight = 0
-        self.state.settled(unanswered)
+        self._receive.close()
+        if self.end_reason is None or self.state.draining:
+            code, message = ErrorCode.SHUTTING_DOWN, "the server stopped before answering"
+        else:
+            code = ErrorCode.SESSION_ENDED
+            message = f"the session ended ({self.end_reason}) before answering; retry"
+        for item in unanswered:  # exactly one reply each, also now
+            self._router.answer_now(self.identity, item.request_id, code, message)
+        self.state.settled(len(unanswered))
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + CLEANUP_TIMEOUT
             for cleanup in reversed(self._cleanups):

@@ -147,6 +147,20 @@ class Socket:
             if not self._wake() & _POLLIN:
                 await self._readers.park()
 
+    async def wait_readable(self) -> None:
+        """Wait until a message is queued, without taking it (then use
+        :meth:`try_recv_multipart`). Returns at once, after a checkpoint, if one already is.
+
+        For readers that must never hold a received message across a checkpoint.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            self._check_open()
+            if self._wake() & _POLLIN:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return
+            await self._readers.park()
+
     # ----------------------------------------------------------------- sending
 
     def try_send_multipart(self, frames: Frames) -> bool:

@@ -1,0 +1,43 @@
+"""Where chunks live: keys, the shared L1 arena, its index, eviction policies and leases.
+
+Synchronous and free of I/O except for mapping the arena; the server drives it from its event
+loop.
+"""
+
+from ._allocator import ExtentAllocator
+from ._arena import SharedArena, default_shm_dir
+from ._eviction import LRU, EvictionPolicy
+from ._l1 import Entry, EntryState, L1Cache, L1Stats, Reservation
+from ._leases import Lease, LeaseKind, LeaseTable
+from .keys import (
+    HASH_SCHEME_TOKENS,
+    KEY_SIZE,
+    ChunkChain,
+    ModelProfile,
+    block_hash_scheme,
+    namespace,
+    object_key,
+)
+
+__all__ = [
+    "HASH_SCHEME_TOKENS",
+    "KEY_SIZE",
+    "LRU",
+    "ChunkChain",
+    "Entry",
+    "EntryState",
+    "EvictionPolicy",
+    "ExtentAllocator",
+    "L1Cache",
+    "L1Stats",
+    "Lease",
+    "LeaseKind",
+    "LeaseTable",
+    "ModelProfile",
+    "Reservation",
+    "SharedArena",
+    "block_hash_scheme",
+    "default_shm_dir",
+    "namespace",
+    "object_key",
+]

@@ -1,0 +1,150 @@
+"""Pins and reservations as request-scoped leases.
+
+Every pin the server takes on behalf of a client is a :class:`Lease`: it belongs to an engine
+request and to the client session that took it, carries a count and an expiry, and is released
+exactly once — by the operation that ends it, by the request's end, by its session's end, or by
+expiry. The table only keeps the books; whoever removes a lease undoes its effect on the L1 (the
+table is storage-agnostic and has no I/O).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections.abc import Iterable
+
+import attrs
+
+__all__ = ["Lease", "LeaseKind", "LeaseTable"]
+
+
+class LeaseKind(enum.Enum):
+    LOOKUP = "lookup"  # a lookup's pin of a hit chunk, awaiting the ranks' retrieves
+    READ = "read"  # a worker copying a chunk out of L1 (retrieve → release)
+    WRITE = "write"  # a worker copying a chunk into a reserved slot (store → commit)
+
+
+@attrs.define(eq=False, slots=True)
+class Lease:
+    kind: LeaseKind
+    request: str
+    owner: str
+    """Session id of the client that holds it."""
+    key: bytes
+    count: int
+    expires_at: float
+    active: bool = True
+
+
+class LeaseTable:
+    """All live leases, indexed by request, by owner and by expiry."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, dict[tuple[LeaseKind, str, bytes], Lease]] = {}
+        self._by_owner: dict[str, set[Lease]] = {}
+        self._lookups: dict[tuple[str, bytes], Lease] = {}  # (request, key) → LOOKUP lease
+        self._expiry: list[tuple[float, int, Lease]] = []
+        self._seq = itertools.count()
+        self.live = 0
+        self.expired_total = 0
+
+    def add(
+        self, kind: LeaseKind, request: str, owner: str, key: bytes, count: int, expires_at: float
+    ) -> Lease:
+        """Record a lease; one per (kind, request, owner, key): adding again adds to its count
+        and pushes its expiry back."""
+        slot = (kind, owner, key)
+        leases = self._by_request.setdefault(request, {})
+        lease = leases.get(slot)
+        if lease is not None:
+            lease.count += count
+            lease.expires_at = max(lease.expires_at, expires_at)
+        else:
+            lease = Lease(kind, request, owner, key, count, expires_at)
+            leases[slot] = lease
+            self._by_owner.setdefault(owner, set()).add(lease)
+            if kind is LeaseKind.LOOKUP:
+                self._lookups[(request, key)] = lease
+            self.live += 1
+        heapq.heappush(self._expiry, (lease.expires_at, next(self._seq), lease))
+        return lease
+
+    def get(self, kind: LeaseKind, request: str, owner: str, key: bytes) -> Lease | None:
+        leases = self._by_request.get(request)
+        return leases.get((kind, owner, key)) if leases else None
+
+    def take_lookup(self, request: str, key: bytes, count: int = 1) -> int:
+        """Consume up to ``count`` of the LOOKUP pins ``request`` holds on ``key`` (whoever took
+        them); return how many were consumed. A lease whose count reaches 0 is removed."""
+        lease = self._lookups.get((request, key))
+        if lease is None:
+            return 0
+        taken = min(count, lease.count)
+        lease.count -= taken
+        if lease.count == 0:
+            self.remove(lease)
+        return taken
+
+    def remove(self, lease: Lease) -> None:
+        """Forget ``lease`` (idempotent). Its heap entry is dropped lazily."""
+        if not lease.active:
+            return
+        lease.active = False
+        self.live -= 1
+        leases = self._by_request[lease.request]
+        del leases[(lease.kind, lease.owner, lease.key)]
+        if not leases:
+            del self._by_request[lease.request]
+        owned = self._by_owner[lease.owner]
+        owned.discard(lease)
+        if not owned:
+            del self._by_owner[lease.owner]
+        if lease.kind is LeaseKind.LOOKUP:
+            del self._lookups[(lease.request, lease.key)]
+
+    def pop_request(
+        self, request: str, kinds: Iterable[LeaseKind] = tuple(LeaseKind)
+    ) -> list[Lease]:
+        """Remove and return the leases of ``request`` of the given kinds."""
+        wanted = set(kinds)
+        leases = [
+            lease for lease in self._by_request.get(request, {}).values() if lease.kind in wanted
+        ]
+        for lease in leases:
+            self.remove(lease)
+        return leases
+
+    def pop_owner(self, owner: str) -> list[Lease]:
+        """Remove and return every lease held by session ``owner``."""
+        leases = list(self._by_owner.get(owner, ()))
+        for lease in leases:
+            self.remove(lease)
+        return leases
+
+    def pop_expired(self, now: float) -> list[Lease]:
+        """Remove and return the leases whose expiry is at or before ``now``."""
+        expired = []
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, _, lease = heapq.heappop(heap)
+            if lease.active and lease.expires_at <= now:
+                self.remove(lease)
+                expired.append(lease)
+        self.expired_total += len(expired)
+        return expired
+
+    def next_expiry(self) -> float | None:
+        """When the earliest lease may expire (None if there is none)."""
+        heap = self._expiry
+        while heap and not heap[0][2].active:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def count(self, kind: LeaseKind) -> int:
+        return sum(
+            1
+            for leases in self._by_request.values()
+            for lease in leases.values()
+            if lease.kind is kind
+        )

@@ -134,6 +134,25 @@ class ServerConfig:
             "help": "Requests a client may have queued at the server before it gets busy errors."
         },
     )
+    pin_ttl: float = field(
+        default=60.0,
+        validator=_positive,
+        metadata={"help": "Seconds a lookup's or retrieve's pin lives unless released."},
+    )
+    reservation_ttl: float = field(
+        default=30.0,
+        validator=_positive,
+        metadata={"help": "Seconds a worker has to write a store's slots and commit them."},
+    )
+    request_ttl: float = field(
+        default=600.0,
+        validator=_positive,
+        metadata={"help": "Seconds an idle request's prompt hashes are remembered."},
+    )
+    shm_dir: str = field(
+        default="",
+        metadata={"help": "Directory of the shared-memory L1 file (default /dev/shm)."},
+    )
     log_level: str = field(
         default="info",
         validator=_one_of(*LOG_LEVELS),

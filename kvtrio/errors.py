@@ -21,9 +21,11 @@ __all__ = [
     "ConfigError",
     "ConnectionLost",
     "ErrorCode",
+    "Incompatible",
     "InternalServerError",
     "KvtrioError",
     "MessageTooLarge",
+    "NotRegistered",
     "PeerUnreachable",
     "ProtocolError",
     "RequestError",
@@ -61,6 +63,12 @@ class ErrorCode(str, enum.Enum):
     SESSION_ENDED = "session_ended"
     """The client's session ended (heartbeat timeout) before the request was answered; what the
     session held is gone. The request may be retried: it starts a new session."""
+    NOT_REGISTERED = "not_registered"
+    """A worker operation came from a client that has not registered its KV cache (or whose
+    session ended, e.g. after a server restart): register again."""
+    INCOMPATIBLE = "incompatible"
+    """The registration or lookup conflicts with how the model is already registered (KV
+    format, hash scheme, world size); the message says what differs."""
     INTERNAL = "internal"
     """The server failed while handling a valid request (a bug; the server logged it)."""
 
@@ -187,6 +195,14 @@ class ShuttingDown(ServerError):
 
 class SessionEnded(ServerError):
     code = ErrorCode.SESSION_ENDED
+
+
+class NotRegistered(ServerError):
+    code = ErrorCode.NOT_REGISTERED
+
+
+class Incompatible(ServerError):
+    code = ErrorCode.INCOMPATIBLE
 
 
 class InternalServerError(ServerError):

@@ -1,6 +1,19 @@
-"""Clients of a kvtrio server: :func:`open_client` for trio code, :class:`Client` for threads."""
+"""Clients of a kvtrio server.
+
+:func:`open_client` for trio code, :class:`Client` for threads, and the engine adapters
+:class:`SchedulerAdapter` / :class:`WorkerAdapter` built on it.
+"""
 
 from ._async import AsyncClient, open_client
+from ._scheduler import SchedulerAdapter
 from ._sync import Client
+from ._worker import LoadStoreOp, WorkerAdapter
 
-__all__ = ["AsyncClient", "Client", "open_client"]
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "LoadStoreOp",
+    "SchedulerAdapter",
+    "WorkerAdapter",
+    "open_client",
+]

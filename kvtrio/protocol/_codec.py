@@ -24,7 +24,8 @@ from cattrs.preconf.msgpack import make_converter
 from cattrs.v import format_exception
 
 from ..errors import ErrorCode, ProtocolError
-from ._messages import OPERATIONS, PROTOCOL_VERSION, ErrorReply, Header, Reply, Request
+from ._messages import PROTOCOL_VERSION, ErrorReply, Header, Reply, Request
+from ._operations import OPERATIONS
 
 __all__ = [
     "ERROR_KIND",
@@ -46,6 +47,7 @@ ERROR_KIND = "error"
 _MAX_REQUEST_ID = 2**64 - 1
 _M = TypeVar("_M")
 IntTuple = tuple[int, ...]
+BytesTuple = tuple[bytes, ...]
 
 
 class HeaderError(ProtocolError):
@@ -86,6 +88,12 @@ def _structure_int_tuple(value: Any, _: Any) -> IntTuple:
     raise TypeError(f"expected an array of integers, got {_msgpack_type(value)}")
 
 
+def _structure_bytes_tuple(value: Any, _: Any) -> BytesTuple:
+    if type(value) is tuple and all(type(item) is bytes for item in value):
+        return cast(BytesTuple, value)
+    raise TypeError(f"expected an array of binary values, got {_msgpack_type(value)}")
+
+
 def _msgpack_type(value: object) -> str:
     names = {
         bool: "a boolean",
@@ -109,6 +117,8 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(float, _structure_float)
     conv.register_structure_hook_func(lambda t: t == IntTuple, _structure_int_tuple)
     conv.register_unstructure_hook_func(lambda t: t == IntTuple, lambda v: v)
+    conv.register_structure_hook_func(lambda t: t == BytesTuple, _structure_bytes_tuple)
+    conv.register_unstructure_hook_func(lambda t: t == BytesTuple, lambda v: v)
     return cast(cattrs.Converter, conv)
 
 

@@ -17,9 +17,9 @@ from typing import ClassVar
 from attrs import field, frozen
 
 __all__ = [
-    "OPERATIONS",
+    "CORE_REQUEST_TYPES",
     "PROTOCOL_VERSION",
-    "REQUEST_TYPES",
+    "CacheStats",
     "ChunkSize",
     "ErrorReply",
     "GetChunkSize",
@@ -178,12 +178,39 @@ class ServerCounters:
 
 
 @frozen
+class CacheStats:
+    """Levels and counters of the cache."""
+
+    l1_capacity_bytes: int
+    l1_used_bytes: int
+    l1_entries: int
+    l1_ready: int
+    l1_writing: int
+    l1_pinned_entries: int
+    l1_pins: int
+    """Pins held right now, over all entries."""
+    l1_evictions: int
+    store_failures: int
+    """Chunks a store could not place (no room even after eviction)."""
+    leases: int
+    """Live leases (lookup pins, reads, write reservations)."""
+    leases_expired: int
+    registrations: int
+    requests: int
+    """Requests whose prompt the server remembers."""
+    lookups: int
+    lookup_hit_chunks: int
+    lookup_miss_chunks: int
+
+
+@frozen
 class StatsReply(Reply):
     server_version: str
     instance_id: str
     uptime_seconds: float
     counters: ServerCounters
     sessions: tuple[SessionStats, ...] = field(factory=tuple)
+    cache: CacheStats | None = None
 
 
 @frozen
@@ -218,6 +245,5 @@ class Probe(Request):
     block_ids: tuple[int, ...]
 
 
-REQUEST_TYPES: tuple[type[Request], ...] = (Ping, Hello, GetChunkSize, GetStats, Probe)
-OPERATIONS: dict[str, type[Request]] = {cls.op: cls for cls in REQUEST_TYPES}
+CORE_REQUEST_TYPES: tuple[type[Request], ...] = (Ping, Hello, GetChunkSize, GetStats, Probe)
 """Operation name → request class: the tagged union of requests."""

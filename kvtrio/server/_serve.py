@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -10,7 +11,10 @@ import trio
 import zmq
 
 from ..config import ServerConfig
+from ..errors import ConfigError
+from ..storage import L1Cache, SharedArena, default_shm_dir
 from ..transport import ensure_endpoint_free, open_socket
+from ._cache import CacheService
 from ._operations import register_core_operations
 from ._router import Router
 from ._state import ServerState
@@ -86,19 +90,51 @@ async def open_server(config: ServerConfig) -> AsyncIterator[ServerHandle]:
     stops it: sessions are cancelled and clean up, then the socket is closed.
     """
     ensure_endpoint_free(config.endpoint)
-    with trio.CancelScope() as stop_scope:
-        async with open_socket(
-            zmq.ROUTER, options=_router_options(config), linger=_REPLY_LINGER_MS
-        ) as socket:
-            state = ServerState(config, socket.bind(config.endpoint))
-            register_core_operations(state)
-            async with trio.open_nursery() as root, trio.open_nursery() as sessions:
-                router = Router(state, socket, sessions)
-                await root.start(router.run)
-                try:
-                    yield ServerHandle(state, stop_scope)
-                finally:
-                    root.cancel_scope.cancel()
+    arena = create_arena(config)
+    try:
+        with trio.CancelScope() as stop_scope:
+            async with open_socket(
+                zmq.ROUTER, options=_router_options(config), linger=_REPLY_LINGER_MS
+            ) as socket:
+                state = ServerState(config, socket.bind(config.endpoint))
+                register_core_operations(state)
+                cache = CacheService(state, arena, L1Cache(arena.size))
+                cache.install()
+                async with trio.open_nursery() as root, trio.open_nursery() as sessions:
+                    await root.start(cache.serve_reaper)
+                    router = Router(state, socket, sessions)
+                    await root.start(router.run)
+                    try:
+                        yield ServerHandle(state, stop_scope)
+                    finally:
+                        root.cancel_scope.cancel()
+    finally:
+        arena.close()
+
+
+def create_arena(config: ServerConfig) -> SharedArena:
+    """Create the shared-memory L1 arena, refusing a size the directory cannot hold.
+
+    Pages of a tmpfs file are allocated when first written; if ``/dev/shm`` is smaller than the
+    arena, a worker writing into it later dies of SIGBUS. So the free space is checked up front
+    (the usual culprit is a container's 64 MiB default ``/dev/shm``).
+    """
+    directory = config.shm_dir or default_shm_dir()
+    try:
+        stat = os.statvfs(directory)
+    except OSError as exc:
+        raise ConfigError(f"shm_dir {directory}: {exc.strerror}") from None
+    free = stat.f_bavail * stat.f_frsize
+    if free < config.l1_size:
+        raise ConfigError(
+            f"the L1 arena needs {config.l1_size / 2**30:.2f} GiB in {directory}, which has "
+            f"{free / 2**30:.2f} GiB free: lower --l1-size, or give it more room (for a "
+            "container: --shm-size)"
+        )
+    try:
+        return SharedArena.create(config.l1_size, directory=directory)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the L1 arena in {directory}: {exc.strerror}") from None
 
 
 async def serve(

@@ -13,7 +13,7 @@ import trio
 from .._version import __version__
 from ..config import ServerConfig
 from ..errors import ErrorCode
-from ..protocol import Reply, Request, ServerCounters, StatsReply
+from ..protocol import CacheStats, Reply, Request, ServerCounters, StatsReply
 
 if TYPE_CHECKING:
     from ._session import Session
@@ -64,6 +64,8 @@ class ServerState:
         self.counters = Counters()
         self.sessions: dict[bytes, Session] = {}
         self.operations: dict[type[Request], Operation] = {}
+        self.cache_stats: Callable[[], CacheStats] | None = None
+        """Set by the cache service: its part of the ``stats`` reply."""
         self.draining = False
         self.pending = 0
         """Requests accepted by the router that have not been answered (or dropped) yet."""
@@ -115,4 +117,5 @@ class ServerState:
                 sessions_expired=c.sessions_expired,
             ),
             sessions=tuple(session.stats(now) for session in self.sessions.values()),
+            cache=self.cache_stats() if self.cache_stats is not None else None,
         )

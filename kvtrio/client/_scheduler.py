@@ -1,0 +1,132 @@
+"""The engine scheduler's side: lookups and request ends, never raising into the step loop."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+from ..errors import KvtrioError
+from ..protocol import EndSession, FreeLookupLocks, Lookup, LookupReply, Reply
+from ._sync import Client
+
+__all__ = ["SchedulerAdapter", "as_block_hashes"]
+
+log = logging.getLogger("kvtrio.client")
+
+_DEFAULT_CHUNK_SIZE = 256
+
+
+def as_block_hashes(hashes: Sequence[bytes | int]) -> tuple[bytes, ...]:
+    """Engine block hashes as bytes: ints (older vLLM, trace ids) become 16-byte little-endian
+    two's complement."""
+    return tuple(
+        h if isinstance(h, bytes) else int(h).to_bytes(16, "little", signed=True) for h in hashes
+    )
+
+
+class SchedulerAdapter:
+    """What an engine's scheduler calls (method names of vLLM's LMCache multiprocess adapter).
+
+    Lookups are submitted without waiting and polled with :meth:`check_lookup_result`. While the
+    server is away, lookups report 0 hits at once (``fail_fast``); nothing here raises into the
+    engine: failures are logged and count as misses.
+    """
+
+    def __init__(
+        self,
+        server_url: str,
+        model_name: str,
+        world_size: int,
+        kv_rank: int,
+        block_size: int,
+        *,
+        tenant: str = "",
+        timeout: float = 5.0,
+        client: Client | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.world_size = world_size
+        self.kv_rank = kv_rank
+        self.block_size = block_size
+        self.tenant = tenant
+        self.timeout = timeout
+        self._own_client = client is None
+        self.client = (
+            client
+            if client is not None
+            else Client(server_url, timeout=timeout, client_name=f"kvtrio-scheduler/{model_name}")
+        )
+        self._lookups: dict[str, Future[Reply]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def chunk_size(self) -> int:
+        info = self.client.server_info
+        return info.chunk_size if info is not None else _DEFAULT_CHUNK_SIZE
+
+    @property
+    def num_blocks_per_chunk(self) -> int:
+        return max(1, self.chunk_size // self.block_size)
+
+    def maybe_submit_lookup_request(
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes | int] | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> None:
+        """Start a lookup for ``request_id`` unless one is already pending or answered."""
+        with self._lock:
+            if request_id in self._lookups:
+                return
+            lookup = Lookup(
+                request=request_id,
+                model=self.model_name,
+                world_size=self.world_size,
+                tokens=tuple(token_ids) if token_ids is not None and block_hashes is None else (),
+                block_hashes=as_block_hashes(block_hashes) if block_hashes is not None else (),
+                tenant=self.tenant,
+            )
+            self._lookups[request_id] = self.client.submit(
+                lookup, timeout=self.timeout, fail_fast=True
+            )
+
+    def check_lookup_result(self, request_id: str) -> int | None:
+        """Matched tokens of the lookup, or None while it is pending (0 if it failed)."""
+        with self._lock:
+            future = self._lookups.get(request_id)
+        if future is None or not future.done():
+            return None
+        try:
+            reply = future.result()
+        except KvtrioError as exc:
+            log.debug("lookup of %s failed: %s", request_id, exc)
+            return 0
+        assert isinstance(reply, LookupReply)
+        return reply.hit_tokens
+
+    def cleanup_lookup_result(self, request_id: str) -> None:
+        """Forget the local result of ``request_id``'s lookup (its pins stay for the retrieve)."""
+        with self._lock:
+            self._lookups.pop(request_id, None)
+
+    def free_lookup_locks(self, request_id: str) -> None:
+        """Release the pins of ``request_id``'s lookup without ending it (no load will come)."""
+        self._send(FreeLookupLocks(request_id, self.model_name, self.tenant))
+
+    def end_session(self, request_id: str) -> None:
+        """The request is finished or aborted: release everything it holds at the server."""
+        self.cleanup_lookup_result(request_id)
+        self._send(EndSession(request_id, self.model_name, self.tenant))
+
+    def _send(self, request: EndSession | FreeLookupLocks) -> None:
+        def done(future: Future[Reply]) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                log.debug("%s of %s failed: %s", request.op, request.request, future.exception())
+
+        self.client.submit(request, timeout=self.timeout, fail_fast=True).add_done_callback(done)
+
+    def close(self) -> None:
+        if self._own_client:
+            self.client.close()

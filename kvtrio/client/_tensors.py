@@ -1,0 +1,125 @@
+"""Engine KV tensors as the transfer path sees them: a layout and numpy views (torch is lazy)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..transfer import KVLayout
+
+__all__ = ["describe_kv_caches", "infer_layout_kind"]
+
+_TORCH_DTYPES = {
+    "torch.float16": "float16",
+    "torch.bfloat16": "bfloat16",
+    "torch.float32": "float32",
+    "torch.float8_e4m3fn": "float8_e4m3fn",
+    "torch.float8_e5m2": "float8_e5m2",
+    "torch.uint8": "uint8",
+    "torch.int8": "int8",
+}
+
+
+_NUMPY_DTYPES = {"float16": "float16", "float32": "float32", "uint8": "uint8", "int8": "int8"}
+
+
+def infer_layout_kind(shape: tuple[int, ...], block_size: int, device: str) -> str:
+    """The layout kind of a per-layer KV tensor of ``shape``; ``ValueError`` if ambiguous."""
+    if len(shape) == 3 and shape[1] == block_size:
+        return "mla"
+    if len(shape) == 5:
+        if shape[1] == 2 and shape[2] == block_size and shape[0] != 2:
+            return "flash_infer"
+        if shape[0] == 2:
+            tokens_at_2, tokens_at_3 = shape[2] == block_size, shape[3] == block_size
+            if tokens_at_2 and not tokens_at_3:
+                return "flash_attn"
+            if tokens_at_3 and not tokens_at_2:
+                return "cpu"
+            if tokens_at_2 and tokens_at_3:
+                # heads == block size: a CPU engine uses vLLM's CPU layout.
+                return "cpu" if device == "cpu" else "flash_attn"
+    raise ValueError(
+        f"cannot tell the KV layout of a tensor of shape {shape} with block size {block_size}; "
+        "pass layout= explicitly (flash_attn, flash_infer, mla or cpu)"
+    )
+
+
+def describe_kv_caches(
+    kv_caches: Mapping[str, Any], block_size: int, layout: str | None
+) -> tuple[KVLayout, list[np.ndarray[Any, Any]]]:
+    """Validate an engine's per-layer KV tensors; return their layout and numpy views of them.
+
+    Accepts torch tensors (imported only if given) or numpy arrays. The views share memory with
+    the tensors (bfloat16 and fp8 are viewed as same-size integers: the transfer copies bytes).
+    Raises ``ValueError`` with what is wrong.
+    """
+    if not kv_caches:
+        raise ValueError("no KV cache tensors given")
+    names = list(kv_caches)
+    arrays, dtypes, device = _as_arrays(kv_caches)
+    first = arrays[0]
+    for name, array in zip(names, arrays, strict=True):
+        if array.shape != first.shape or array.dtype != first.dtype:
+            raise ValueError(f"{name}: all layers must have the same shape and dtype")
+        if not array.flags.c_contiguous:
+            raise ValueError(f"{name}: the KV tensor must be contiguous")
+    shape = tuple(first.shape)
+    kind = layout or infer_layout_kind(shape, block_size, device)
+    if kind == "mla" and len(shape) == 3:
+        num_blocks, heads, head_dim = shape[0], 1, shape[2]
+    elif kind == "flash_attn" and len(shape) == 5:
+        num_blocks, heads, head_dim = shape[1], shape[3], shape[4]
+    elif kind == "flash_infer" and len(shape) == 5:
+        num_blocks, heads, head_dim = shape[0], shape[3], shape[4]
+    elif kind == "cpu" and len(shape) == 5:
+        num_blocks, heads, head_dim = shape[1], shape[2], shape[4]
+    else:
+        raise ValueError(f"a tensor of shape {shape} cannot have layout {kind!r}")
+    kv_layout = KVLayout(
+        kind=kind,
+        num_layers=len(arrays),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_heads=heads,
+        head_dim=head_dim,
+        dtype=dtypes,
+    )
+    if tuple(kv_layout.layer_shape) != shape:
+        raise ValueError(
+            f"tensor shape {shape} does not match layout {kind} {kv_layout.layer_shape}"
+        )
+    return kv_layout, arrays
+
+
+def _as_arrays(kv_caches: Mapping[str, Any]) -> tuple[list[np.ndarray[Any, Any]], str, str]:
+    """numpy views of the tensors, their dtype name, their device kind."""
+    values = list(kv_caches.values())
+    if all(isinstance(v, np.ndarray) for v in values):
+        dtype = _NUMPY_DTYPES.get(values[0].dtype.name)
+        if dtype is None:
+            raise ValueError(f"unsupported KV dtype {values[0].dtype}")
+        return list(values), dtype, "cpu"
+    import torch  # the engine has it; kvtrio does not require it
+
+    arrays = []
+    for name, tensor in kv_caches.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"{name} lives on {tensor.device}: GPU KV caches need kvtrio's CUDA IPC transfer "
+                "path, which is not available yet; only CPU engines are supported"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name}: the KV tensor must be contiguous")
+        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+            tensor.element_size()
+        ]
+        arrays.append(tensor.view(as_int).numpy())
+    dtype = _TORCH_DTYPES.get(str(values[0].dtype))
+    if dtype is None:
+        raise ValueError(f"unsupported KV dtype {values[0].dtype}")
+    return arrays, dtype, "cpu"

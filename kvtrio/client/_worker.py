@@ -1,0 +1,398 @@
+"""The engine worker's side: register the KV cache, store and retrieve through the L1 arena.
+
+CPU engines own their KV tensors; the server only assigns arena slots. This adapter copies
+between the tensors and the slots in its own transfer thread (numpy, single-threaded: the engine
+owns the other cores), so the engine's step loop only queues work and polls
+:meth:`WorkerAdapter.get_finished`. It never raises into the step loop and never needs the engine
+to restart: when it meets a new server instance it registers again by itself; while the server
+is away, stores fail and retrieves report every block failed, promptly.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..errors import KvtrioError, NotRegistered
+from ..protocol import (
+    Commit,
+    HelloReply,
+    LayoutSpec,
+    Register,
+    Registered,
+    Release,
+    Reply,
+    Retrieve,
+    RetrieveReply,
+    Store,
+    StoreReply,
+    Unregister,
+)
+from ..storage import HASH_SCHEME_TOKENS, SharedArena
+from ..transfer import KVLayout, gather, scatter
+from ._scheduler import as_block_hashes
+from ._sync import Client
+from ._tensors import describe_kv_caches
+
+__all__ = ["LoadStoreOp", "WorkerAdapter"]
+
+log = logging.getLogger("kvtrio.client")
+
+_WRITE_MARGIN = 2.0
+"""Seconds before a reservation expires after which a slot is no longer written."""
+
+
+def _ints(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+@attrs.frozen
+class LoadStoreOp:
+    """One store or retrieve of a request (vLLM's LMCache adapter ``LoadStoreOp``).
+
+    ``block_ids`` are the request's engine blocks from its first token on; ``[start, end)`` is
+    the token range to move (only its full chunks are moved). Give ``token_ids`` or
+    ``block_hashes`` (hash mode) at least on the first operation of a request.
+    """
+
+    block_ids: tuple[int, ...] = attrs.field(converter=_ints)
+    token_ids: Sequence[int] | None = None
+    block_hashes: Sequence[bytes | int] | None = None
+    start: int = 0
+    end: int = 0
+
+
+@attrs.define
+class _Mapped:
+    registered: Registered
+    arena: SharedArena
+    generation: int
+
+
+class WorkerAdapter:
+    """What an engine's worker (one per rank) calls. See the module docstring."""
+
+    def __init__(
+        self,
+        server_url: str,
+        model_name: str,
+        world_size: int,
+        kv_rank: int,
+        block_size: int,
+        *,
+        tenant: str = "",
+        hash_scheme: str = HASH_SCHEME_TOKENS,
+        instance_id: str | None = None,
+        timeout: float = 5.0,
+    ) -> None:
+        self.model_name = model_name
+        self.world_size = world_size
+        self.kv_rank = kv_rank
+        self.block_size = block_size
+        self.tenant = tenant
+        self.hash_scheme = hash_scheme
+        self.instance_id = instance_id or uuid.uuid4().hex
+        self.timeout = timeout
+        self._layout: KVLayout | None = None
+        self._arrays: list[np.ndarray[Any, Any]] = []
+        self._mapped: _Mapped | None = None
+        self._generation = 0
+        self._lock = threading.Lock()
+        self._transfers = ThreadPoolExecutor(1, thread_name_prefix=f"kvtrio-transfer-{kv_rank}")
+        self._pending_stores: collections.Counter[str] = collections.Counter()
+        self._pending_retrieves: collections.Counter[str] = collections.Counter()
+        self._stored: set[str] = set()
+        self._engine_finished: set[str] = set()
+        self._retrieves_done: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._tokens_sent: dict[str, int] = {}
+        self.client = Client(
+            server_url,
+            timeout=timeout,
+            client_name=f"kvtrio-worker/{model_name}/{kv_rank}",
+            on_server_change=self._on_server_change,
+        )
+
+    # ----------------------------------------------------------------- registration
+
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, Any], *, layout: str | None = None
+    ) -> None:
+        """Register the engine's KV tensors (one per layer, in layer order), as allocated.
+
+        CPU tensors only; ``layout`` (``flash_attn``, ``flash_infer``, ``mla``, ``cpu``) is
+        inferred from the shapes when not given. Raises ``ValueError`` for tensors it cannot
+        serve; a server that is away is not an error (registration happens when it appears).
+        """
+        self._layout, self._arrays = describe_kv_caches(kv_caches, self.block_size, layout)
+        try:
+            self._register_wait(self.timeout)
+        except KvtrioError as exc:
+            log.warning("kvtrio at %s: registration deferred (%s)", self.client.endpoint, exc)
+
+    def _register(self) -> Future[Reply]:
+        assert self._layout is not None
+        layout = self._layout
+        with self._lock:
+            self._generation += 1
+            generation = self._generation
+        request = Register(
+            instance_id=self.instance_id,
+            model=self.model_name,
+            world_size=self.world_size,
+            rank=self.kv_rank,
+            layout=LayoutSpec(
+                kind=layout.kind,
+                num_layers=layout.num_layers,
+                num_blocks=layout.num_blocks,
+                block_size=layout.block_size,
+                num_heads=layout.num_heads,
+                head_dim=layout.head_dim,
+                dtype=layout.dtype,
+            ),
+            hash_scheme=self.hash_scheme,
+            tenant=self.tenant,
+        )
+        future = self.client.submit(request, timeout=self.timeout)
+        future.add_done_callback(lambda f: self._registered(f, generation))
+        return future
+
+    def _register_wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        future = self._register()
+        future.result(max(0.0, deadline - time.monotonic()))
+
+    def _registered(self, future: Future[Reply], generation: int) -> None:
+        if future.cancelled() or future.exception() is not None:
+            log.warning("kvtrio registration failed: %s", future.exception())
+            return
+        reply = future.result()
+        assert isinstance(reply, Registered)
+        with self._lock:
+            if generation != self._generation:
+                return  # a newer registration is under way
+            old = self._mapped
+            if old is None or old.arena.path != reply.arena_path:
+                arena = SharedArena.attach(reply.arena_path, reply.arena_size)
+                if old is not None:
+                    old.arena.close()
+            else:
+                arena = old.arena
+            self._mapped = _Mapped(reply, arena, generation)
+        log.info("kvtrio: rank %d registered at %s", self.kv_rank, self.client.endpoint)
+
+    def _on_server_change(self, info: HelloReply) -> None:
+        # In the client's I/O thread: only queue the registration, never wait here.
+        if self._layout is not None:
+            with self._lock:
+                self._mapped = None  # the old arena's slots mean nothing to the new server
+            self._register()
+
+    @property
+    def registered(self) -> bool:
+        return self._mapped is not None
+
+    @property
+    def chunk_size(self) -> int:
+        mapped = self._mapped
+        return mapped.registered.chunk_size if mapped is not None else 256
+
+    # ----------------------------------------------------------------- submitting
+
+    def submit_store_request(self, request_id: str, op: LoadStoreOp, event: object = None) -> None:
+        """Queue a store; the request counts as stored in :meth:`get_finished` once done."""
+        with self._lock:
+            self._pending_stores[request_id] += 1
+            self._stored.add(request_id)
+        self._transfers.submit(self._run_store, request_id, op)
+
+    def submit_retrieve_request(
+        self, request_id: str, op: LoadStoreOp, event: object = None
+    ) -> None:
+        """Queue a retrieve; :meth:`get_finished` reports it, :meth:`get_block_ids_with_load_errors`
+        names the blocks that could not be loaded."""
+        with self._lock:
+            self._pending_retrieves[request_id] += 1
+        self._transfers.submit(self._run_retrieve, request_id, op)
+
+    def batched_submit_store_requests(
+        self, request_ids: Sequence[str], ops: Sequence[LoadStoreOp], event: object = None
+    ) -> None:
+        for request_id, op in zip(request_ids, ops, strict=True):
+            self.submit_store_request(request_id, op, event)
+
+    def batched_submit_retrieve_requests(
+        self, request_ids: Sequence[str], ops: Sequence[LoadStoreOp], event: object = None
+    ) -> None:
+        for request_id, op in zip(request_ids, ops, strict=True):
+            self.submit_retrieve_request(request_id, op, event)
+
+    def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
+        """``(stores done, retrieves done)`` since the last call.
+
+        vLLM's rule: a request's stores are reported done only once the engine has also reported
+        the request finished (its blocks are held until then).
+        """
+        with self._lock:
+            self._engine_finished.update(r for r in finished_req_ids if r in self._stored)
+            stores = {r for r in self._engine_finished if not self._pending_stores[r]}
+            for request_id in stores:
+                self._engine_finished.discard(request_id)
+                self._stored.discard(request_id)
+                self._tokens_sent.pop(request_id, None)
+                del self._pending_stores[request_id]
+            retrieves, self._retrieves_done = self._retrieves_done, set()
+        return stores, retrieves
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Engine blocks whose retrieve failed since the last call (the engine recomputes them)."""
+        with self._lock:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    # ----------------------------------------------------------------- transfers (own thread)
+
+    def _prompt(self, request_id: str, op: LoadStoreOp) -> dict[str, Any]:
+        """The token ids / block hashes to send with an operation: only what the server may not
+        have seen from this worker yet."""
+        end = op.end
+        if self._tokens_sent.get(request_id, -1) >= end:
+            return {}
+        self._tokens_sent[request_id] = end
+        if op.block_hashes is not None:
+            return {"block_hashes": as_block_hashes(op.block_hashes[: -(-end // self.block_size)])}
+        if op.token_ids is not None:
+            return {"tokens": tuple(op.token_ids[:end])}
+        return {}
+
+    def _blocks_of(self, op: LoadStoreOp, chunk: int) -> Sequence[int]:
+        per_chunk = self.chunk_size // self.block_size
+        return op.block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
+
+    def _run_store(self, request_id: str, op: LoadStoreOp) -> None:
+        try:
+            self._store(request_id, op)
+        except NotRegistered:
+            self._reregister()
+        except KvtrioError as exc:
+            log.debug("store of %s failed: %s", request_id, exc)
+        except Exception:
+            log.exception("store of %s failed", request_id)
+        finally:
+            with self._lock:
+                self._pending_stores[request_id] -= 1
+
+    def _store(self, request_id: str, op: LoadStoreOp) -> None:
+        mapped, layout = self._mapped, self._layout
+        if mapped is None or layout is None:
+            return  # not registered (yet): nothing is stored
+        started = time.monotonic()
+        reply = self.client.call(
+            Store(request_id, op.start, op.end, **self._prompt(request_id, op)),
+            StoreReply,
+            fail_fast=True,
+        )
+        deadline = started + reply.expires_in - _WRITE_MARGIN
+        written: list[int] = []
+        failed: list[int] = []
+        for slot in reply.slots:
+            if slot.status != "write":
+                continue
+            if time.monotonic() > deadline:  # never write into a slot that may be reassigned
+                failed.append(slot.chunk)
+                continue
+            try:
+                gather(
+                    layout,
+                    self._arrays,
+                    self._blocks_of(op, slot.chunk),
+                    mapped.arena.view(slot.offset, slot.nbytes),
+                )
+            except Exception:
+                log.exception("copying chunk %d of %s into L1 failed", slot.chunk, request_id)
+                failed.append(slot.chunk)
+            else:
+                written.append(slot.chunk)
+        if written or failed:
+            self.client.call(
+                Commit(request_id, tuple(written), tuple(failed)), Reply, fail_fast=True
+            )
+
+    def _run_retrieve(self, request_id: str, op: LoadStoreOp) -> None:
+        first, last = op.start // self.chunk_size, op.end // self.chunk_size
+        loaded: set[int] = set()
+        try:
+            loaded = self._retrieve(request_id, op)
+        except NotRegistered:
+            self._reregister()
+        except KvtrioError as exc:
+            log.debug("retrieve of %s failed: %s", request_id, exc)
+        except Exception:
+            log.exception("retrieve of %s failed", request_id)
+        finally:
+            failed = {
+                b for c in range(first, last) if c not in loaded for b in self._blocks_of(op, c)
+            }
+            with self._lock:
+                self._failed_blocks.update(failed)
+                self._pending_retrieves[request_id] -= 1
+                if not self._pending_retrieves[request_id]:
+                    del self._pending_retrieves[request_id]
+                    self._retrieves_done.add(request_id)
+
+    def _retrieve(self, request_id: str, op: LoadStoreOp) -> set[int]:
+        mapped, layout = self._mapped, self._layout
+        if mapped is None or layout is None:
+            return set()
+        reply = self.client.call(
+            Retrieve(request_id, op.start, op.end, **self._prompt(request_id, op)),
+            RetrieveReply,
+            fail_fast=True,
+        )
+        loaded: set[int] = set()
+        try:
+            for slot in reply.slots:
+                if slot.status == "read":
+                    scatter(
+                        layout,
+                        self._arrays,
+                        self._blocks_of(op, slot.chunk),
+                        mapped.arena.view(slot.offset, slot.nbytes),
+                    )
+                    loaded.add(slot.chunk)
+        finally:
+            read = tuple(s.chunk for s in reply.slots if s.status == "read")
+            if read:
+                self.client.submit(Release(request_id, read), fail_fast=True)
+        return loaded
+
+    def _reregister(self) -> None:
+        if self._layout is not None:
+            log.info("kvtrio: server lost this worker's registration; registering again")
+            with self._lock:
+                self._mapped = None
+            self._register()
+
+    # ----------------------------------------------------------------- shutdown
+
+    def shutdown(self) -> None:
+        """Finish queued transfers, unregister (best effort), close the connection."""
+        self._transfers.shutdown(wait=True)
+        if self._mapped is not None:
+            with contextlib.suppress(KvtrioError):
+                self.client.request(Unregister(), timeout=1.0, fail_fast=True)
+        self.client.close()
+        with self._lock:
+            if self._mapped is not None:
+                self._mapped.arena.close()
+                self._mapped = None

@@ -1,0 +1,274 @@
+"""Messages of the cache operations: register, lookup, store/commit, retrieve/release, ends.
+
+Who sends what (vLLM kv_offload style, interfaces split by caller):
+
+* the engine's **scheduler**: ``lookup``, ``free_lookup_locks``, ``end_session``;
+* each **worker** (one per rank): ``register`` / ``unregister`` its KV cache, then ``store`` +
+  ``commit`` and ``retrieve`` + ``release``.
+
+CPU workers copy the bytes themselves: ``store`` answers with arena slots to write, ``commit``
+makes them visible; ``retrieve`` answers with pinned slots to read, ``release`` unpins them.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from attrs import field, frozen
+
+from ._messages import Reply, Request
+
+__all__ = [
+    "CACHE_REQUEST_TYPES",
+    "Commit",
+    "CommitReply",
+    "EndSession",
+    "FreeLookupLocks",
+    "LayoutSpec",
+    "Lookup",
+    "LookupReply",
+    "Register",
+    "Registered",
+    "Release",
+    "Released",
+    "Retrieve",
+    "RetrieveReply",
+    "Slot",
+    "Store",
+    "StoreReply",
+    "Unregister",
+]
+
+IntTuple = tuple[int, ...]
+BytesTuple = tuple[bytes, ...]
+
+
+@frozen
+class LayoutSpec:
+    """The shape of a worker's paged KV cache (see ``kvtrio.transfer.KVLayout``)."""
+
+    kind: str
+    """``flash_attn``, ``flash_infer``, ``mla`` or ``cpu`` (vLLM's CPU backend)."""
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_heads: int
+    head_dim: int
+    dtype: str
+
+
+# --------------------------------------------------------------------------- register
+
+
+@frozen
+class Registered(Reply):
+    chunk_size: int
+    arena_path: str
+    """Path of the shared-memory file to map read-write (the L1 arena)."""
+    arena_size: int
+    chunk_bytes: int
+    """Bytes of one chunk of this worker's model in the canonical format."""
+    reservation_ttl: float
+    """Seconds a store's slots stay reserved; never write into a slot after that."""
+    pin_ttl: float
+
+
+@frozen
+class Register(Request):
+    """A worker registers its KV cache; replaces an earlier registration of the same session."""
+
+    op: ClassVar[str] = "register"
+    reply_type: ClassVar[type[Reply]] = Registered
+
+    instance_id: str
+    model: str
+    world_size: int
+    rank: int
+    layout: LayoutSpec
+    hash_scheme: str
+    """``tokens/sha256-128/v1`` (token mode) or ``blocks/<engine hash>/v1`` (hash mode)."""
+    device: str = "cpu"
+    tenant: str = ""
+
+
+@frozen
+class Released(Reply):
+    released: int
+    """Pins and reservations released."""
+
+
+@frozen
+class Unregister(Request):
+    """A worker withdraws its registration; everything it held is released."""
+
+    op: ClassVar[str] = "unregister"
+    reply_type: ClassVar[type[Reply]] = Released
+
+
+# --------------------------------------------------------------------------- lookup
+
+
+@frozen
+class LookupReply(Reply):
+    hit_tokens: int
+    hit_chunks: int
+
+
+@frozen
+class Lookup(Request):
+    """How many leading tokens of this prompt does the cache hold for every rank?
+
+    Exactly one of ``tokens`` (token mode) and ``block_hashes`` (hash mode, one per engine
+    block) is given. The hit chunks are pinned for the request: ``num_readers`` pins per object
+    (0: one per rank's object, or ``world_size`` when all ranks share one object, as with MLA). A
+    new lookup of the same request replaces the previous one's pins.
+    """
+
+    op: ClassVar[str] = "lookup"
+    reply_type: ClassVar[type[Reply]] = LookupReply
+
+    request: str
+    model: str
+    world_size: int
+    tokens: IntTuple = ()
+    block_hashes: BytesTuple = ()
+    num_readers: int = 0
+    tenant: str = ""
+
+
+# --------------------------------------------------------------------------- store / retrieve
+
+
+@frozen
+class Slot:
+    """What to do for one chunk of a store or retrieve."""
+
+    chunk: int
+    """Chunk index in the prompt (token ``chunk * chunk_size`` onward)."""
+    status: str
+    """store: ``write`` (copy into the slot, then commit), ``present`` (already cached),
+    ``busy`` (someone else is writing it), ``failed`` (no room); retrieve: ``read`` (copy out of
+    the slot, then release) or ``failed`` (recompute it)."""
+    offset: int = 0
+    nbytes: int = 0
+
+
+@frozen
+class StoreReply(Reply):
+    slots: tuple[Slot, ...]
+    expires_in: float
+    """Seconds left to write the ``write`` slots and commit them."""
+
+
+@frozen
+class Store(Request):
+    """Reserve L1 slots for the full chunks of tokens ``[start, end)`` of a request.
+
+    ``start`` is a multiple of the chunk size; ``end`` is rounded down to one. ``tokens`` (or
+    ``block_hashes``) must be sent unless the server already knows the request's prompt up to
+    ``end`` (from its lookup or an earlier operation); sending them again is harmless.
+    ``block_ids`` are the engine blocks of those tokens (needed by server-driven transfers only).
+    """
+
+    op: ClassVar[str] = "store"
+    reply_type: ClassVar[type[Reply]] = StoreReply
+
+    request: str
+    start: int
+    end: int
+    tokens: IntTuple = ()
+    block_hashes: BytesTuple = ()
+    block_ids: IntTuple = ()
+
+
+@frozen
+class CommitReply(Reply):
+    committed: int
+    rejected: IntTuple = field(factory=tuple)
+    """Chunks whose reservation had expired: not stored."""
+
+
+@frozen
+class Commit(Request):
+    """After a store: ``written`` chunks become visible, ``failed`` ones are dropped."""
+
+    op: ClassVar[str] = "commit"
+    reply_type: ClassVar[type[Reply]] = CommitReply
+
+    request: str
+    written: IntTuple = ()
+    failed: IntTuple = ()
+
+
+@frozen
+class RetrieveReply(Reply):
+    slots: tuple[Slot, ...]
+
+
+@frozen
+class Retrieve(Request):
+    """Pinned slots of the full chunks of tokens ``[start, end)``; same fields as Store.
+
+    Consumes the pins this rank's share of the request's lookup took.
+    """
+
+    op: ClassVar[str] = "retrieve"
+    reply_type: ClassVar[type[Reply]] = RetrieveReply
+
+    request: str
+    start: int
+    end: int
+    tokens: IntTuple = ()
+    block_hashes: BytesTuple = ()
+    block_ids: IntTuple = ()
+
+
+@frozen
+class Release(Request):
+    """After a retrieve: the worker is done reading these chunks."""
+
+    op: ClassVar[str] = "release"
+    reply_type: ClassVar[type[Reply]] = Released
+
+    request: str
+    chunks: IntTuple = ()
+
+
+# --------------------------------------------------------------------------- request ends
+
+
+@frozen
+class FreeLookupLocks(Request):
+    """Release every pin the request's lookups still hold."""
+
+    op: ClassVar[str] = "free_lookup_locks"
+    reply_type: ClassVar[type[Reply]] = Released
+
+    request: str
+    model: str
+    tenant: str = ""
+
+
+@frozen
+class EndSession(Request):
+    """The engine is done with the request: release its lookup pins and forget its prompt."""
+
+    op: ClassVar[str] = "end_session"
+    reply_type: ClassVar[type[Reply]] = Released
+
+    request: str
+    model: str
+    tenant: str = ""
+
+
+CACHE_REQUEST_TYPES: tuple[type[Request], ...] = (
+    Register,
+    Unregister,
+    Lookup,
+    Store,
+    Commit,
+    Retrieve,
+    Release,
+    FreeLookupLocks,
+    EndSession,
+)

@@ -1,0 +1,399 @@
+"""The cache operations: register, lookup, store/commit, retrieve/release, request ends.
+
+All state changes happen synchronously inside a handler (no checkpoint in the middle), so each
+operation is atomic with respect to every other. Every pin and reservation is a lease
+(``storage.LeaseTable``) undone exactly once: by the operation that ends it, by the request's
+end, by its session's end, or by the reaper when it expires.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import trio
+
+from ..config import ServerConfig
+from ..errors import ErrorCode, RequestError
+from ..protocol import (
+    CacheStats,
+    Commit,
+    CommitReply,
+    EndSession,
+    FreeLookupLocks,
+    Lookup,
+    LookupReply,
+    Register,
+    Registered,
+    Release,
+    Released,
+    Retrieve,
+    RetrieveReply,
+    Slot,
+    Store,
+    StoreReply,
+    Unregister,
+)
+from ..storage import (
+    ChunkChain,
+    Entry,
+    L1Cache,
+    Lease,
+    LeaseKind,
+    LeaseTable,
+    Reservation,
+    SharedArena,
+)
+from ._registry import Registration, Registry, request_key
+from ._session import Session
+from ._state import ServerState
+
+__all__ = ["CacheService"]
+
+log = logging.getLogger("kvtrio.cache")
+
+_REAPER_PERIOD = 1.0
+"""Longest sleep of the reaper; leases expire at most this late."""
+
+
+class CacheService:
+    """The L1 cache behind the protocol's cache operations. One per server."""
+
+    def __init__(self, state: ServerState, arena: SharedArena, l1: L1Cache) -> None:
+        self.state = state
+        self.config: ServerConfig = state.config
+        self.arena = arena
+        self.l1 = l1
+        self.leases = LeaseTable()
+        self.registry = Registry(state.config.chunk_size)
+        self._watched: set[str] = set()  # sessions whose end releases their leases
+        self.lookups = 0
+        self.lookup_hit_chunks = 0
+        self.lookup_miss_chunks = 0
+
+    def install(self) -> None:
+        """Register the handlers with the server (lookup runs concurrently)."""
+        state = self.state
+        state.register(Register, self.register)
+        state.register(Unregister, self.unregister)
+        state.register(Lookup, self.lookup, concurrent=True)
+        state.register(Store, self.store)
+        state.register(Commit, self.commit)
+        state.register(Retrieve, self.retrieve)
+        state.register(Release, self.release)
+        state.register(FreeLookupLocks, self.free_lookup_locks)
+        state.register(EndSession, self.end_session)
+        state.cache_stats = self.stats
+
+    # ----------------------------------------------------------------- registration
+
+    async def register(self, session: Session, request: Register) -> Registered:
+        released = self._drop_registration(session.id, quarantine=False)
+        registration = self.registry.register(session.id, request)
+        self._watch(session)
+        log.info(
+            "session %s registered %s rank %d/%d (%s, %s)%s",
+            session.id,
+            request.model,
+            request.rank,
+            request.world_size,
+            request.layout.kind,
+            request.layout.dtype,
+            f", replacing its registration ({released} released)" if released else "",
+        )
+        config = self.config
+        return Registered(
+            chunk_size=config.chunk_size,
+            arena_path=self.arena.path,
+            arena_size=self.arena.size,
+            chunk_bytes=registration.chunk_bytes,
+            reservation_ttl=config.reservation_ttl,
+            pin_ttl=config.pin_ttl,
+        )
+
+    async def unregister(self, session: Session, request: Unregister) -> Released:
+        return Released(self._drop_registration(session.id, quarantine=False))
+
+    def _drop_registration(self, session_id: str, *, quarantine: bool) -> int:
+        registration = self.registry.unregister(session_id)
+        released = self._undo(self.leases.pop_owner(session_id), quarantine=quarantine)
+        if registration is not None:
+            log.info(
+                "session %s unregistered %s rank %d",
+                session_id,
+                registration.model,
+                registration.rank,
+            )
+        return released
+
+    def _watch(self, session: Session) -> None:
+        """Make the session's end release everything it holds (once per session)."""
+        if session.id in self._watched:
+            return
+        self._watched.add(session.id)
+
+        async def session_ended() -> None:
+            self._watched.discard(session.id)
+            # The client may still be alive (silent, not dead): a late write must land in a
+            # quarantined slot, never in one handed to someone else.
+            self._drop_registration(session.id, quarantine=True)
+
+        session.add_cleanup(session_ended)
+
+    def _registration(self, session: Session) -> Registration:
+        registration = self.registry.by_session.get(session.id)
+        if registration is None:
+            raise RequestError(
+                ErrorCode.NOT_REGISTERED,
+                "this client has not registered a KV cache (or its session ended): register first",
+            )
+        return registration
+
+    # ----------------------------------------------------------------- lookup
+
+    async def lookup(self, session: Session, request: Lookup) -> LookupReply:
+        model = self.registry.models.get((request.model, request.tenant))
+        if model is None:
+            return LookupReply(0, 0)  # no engine of this model has registered (yet)
+        if request.world_size != model.world_size:
+            raise RequestError(
+                ErrorCode.INCOMPATIBLE,
+                f"model {request.model!r} is registered with world size {model.world_size}, "
+                f"the lookup says {request.world_size}",
+            )
+        now = trio.current_time()
+        key = request_key(request.model, request.tenant, request.request)
+        chain = self.registry.chain(key, now)
+        self._extend(chain, model.profile.block_size, request.tokens, request.block_hashes)
+        hit = len(chain.hashes)
+        for space in model.spaces:
+            hit = self.l1.prefix([space + h for h in chain.hashes[:hit]])
+        # (L2 joins here: the remaining chunks go to the backends within the lookup timeout.)
+        self._undo(self.leases.pop_request(key, [LeaseKind.LOOKUP]), quarantine=False)
+        readers = request.num_readers or (
+            model.world_size if model.profile.shared_across_ranks else 1
+        )
+        expires = now + self.config.pin_ttl
+        for chunk_hash in chain.hashes[:hit]:
+            for space in model.spaces:
+                object_key = space + chunk_hash
+                self.l1.pin(object_key, readers)
+                self.leases.add(LeaseKind.LOOKUP, key, session.id, object_key, readers, expires)
+        if hit:
+            self._watch(session)
+        self.lookups += 1
+        self.lookup_hit_chunks += hit
+        self.lookup_miss_chunks += len(chain.hashes) - hit
+        return LookupReply(hit_tokens=hit * self.config.chunk_size, hit_chunks=hit)
+
+    # ----------------------------------------------------------------- store
+
+    async def store(self, session: Session, request: Store) -> StoreReply:
+        registration = self._registration(session)
+        key, chain, chunks = self._chunks(registration, request)
+        expires = trio.current_time() + self.config.reservation_ttl
+        slots = []
+        for index in chunks:
+            object_key = registration.space + chain.hashes[index]
+            outcome = self.l1.reserve(object_key, registration.chunk_bytes)
+            if isinstance(outcome, Entry):
+                self.leases.add(LeaseKind.WRITE, key, session.id, object_key, 1, expires)
+                slots.append(Slot(index, "write", outcome.offset, outcome.nbytes))
+            elif outcome is Reservation.PRESENT:
+                slots.append(Slot(index, "present"))
+            elif outcome is Reservation.IN_PROGRESS:
+                slots.append(Slot(index, "busy"))
+            else:
+                slots.append(Slot(index, "failed"))
+        return StoreReply(tuple(slots), self.config.reservation_ttl)
+
+    async def commit(self, session: Session, request: Commit) -> CommitReply:
+        registration = self._registration(session)
+        key = request_key(registration.model, registration.tenant, request.request)
+        chain = self.registry.requests.get(key)
+        hashes = chain.chain.hashes if chain is not None else []
+        committed, rejected = 0, []
+        for index, ok in [(i, True) for i in request.written] + [
+            (i, False) for i in request.failed
+        ]:
+            lease = None
+            if 0 <= index < len(hashes):
+                object_key = registration.space + hashes[index]
+                lease = self.leases.get(LeaseKind.WRITE, key, session.id, object_key)
+            if lease is None:
+                if ok:
+                    rejected.append(index)  # never reserved, or the reservation expired
+                continue
+            self.leases.remove(lease)
+            if ok:
+                self.l1.commit(lease.key)
+                committed += 1
+            else:
+                self.l1.abort(lease.key)
+        return CommitReply(committed, tuple(rejected))
+
+    # ----------------------------------------------------------------- retrieve
+
+    async def retrieve(self, session: Session, request: Retrieve) -> RetrieveReply:
+        registration = self._registration(session)
+        key, chain, chunks = self._chunks(registration, request)
+        expires = trio.current_time() + self.config.pin_ttl
+        slots = []
+        for index in chunks:
+            object_key = registration.space + chain.hashes[index]
+            entry = self.l1.get(object_key)
+            if entry is None:
+                slots.append(Slot(index, "failed"))
+                continue
+            self.l1.pin(object_key)  # the read's own pin first, so the entry stays pinned
+            self.leases.add(LeaseKind.READ, key, session.id, object_key, 1, expires)
+            consumed = self.leases.take_lookup(key, object_key)
+            if consumed:
+                self.l1.unpin(object_key, consumed)
+            slots.append(Slot(index, "read", entry.offset, entry.nbytes))
+        return RetrieveReply(tuple(slots))
+
+    async def release(self, session: Session, request: Release) -> Released:
+        registration = self._registration(session)
+        key = request_key(registration.model, registration.tenant, request.request)
+        state = self.registry.requests.get(key)
+        hashes = state.chain.hashes if state is not None else []
+        leases = []
+        for index in request.chunks:
+            if 0 <= index < len(hashes):
+                object_key = registration.space + hashes[index]
+                lease = self.leases.get(LeaseKind.READ, key, session.id, object_key)
+                if lease is not None:
+                    self.leases.remove(lease)
+                    leases.append(lease)
+        return Released(self._undo(leases, quarantine=False))
+
+    # ----------------------------------------------------------------- request ends
+
+    async def free_lookup_locks(self, session: Session, request: FreeLookupLocks) -> Released:
+        key = request_key(request.model, request.tenant, request.request)
+        return Released(
+            self._undo(self.leases.pop_request(key, [LeaseKind.LOOKUP]), quarantine=False)
+        )
+
+    async def end_session(self, session: Session, request: EndSession) -> Released:
+        key = request_key(request.model, request.tenant, request.request)
+        released = self._undo(self.leases.pop_request(key, [LeaseKind.LOOKUP]), quarantine=False)
+        self.registry.forget_request(key)
+        return Released(released)
+
+    # ----------------------------------------------------------------- shared pieces
+
+    def _extend(
+        self,
+        chain: ChunkChain,
+        block_size: int,
+        tokens: Sequence[int],
+        block_hashes: Sequence[bytes],
+    ) -> None:
+        """Feed a request's prompt to its chain, in the mode the model is registered in."""
+        if tokens and block_hashes:
+            raise RequestError(ErrorCode.BAD_REQUEST, "send tokens or block_hashes, not both")
+        if block_hashes:
+            if not block_size:
+                raise RequestError(
+                    ErrorCode.INCOMPATIBLE, "this model is registered in token mode: send tokens"
+                )
+            chain.extend_block_hashes(block_hashes, self.config.chunk_size // block_size)
+        elif tokens:
+            if block_size:
+                raise RequestError(
+                    ErrorCode.INCOMPATIBLE,
+                    "this model is registered in hash mode: send block_hashes",
+                )
+            try:
+                chain.extend_tokens(tokens)
+            except (TypeError, OverflowError):
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST, "tokens must be integers in [0, 2**32)"
+                ) from None
+
+    def _chunks(
+        self, registration: Registration, request: Store | Retrieve
+    ) -> tuple[str, ChunkChain, range]:
+        """The request key, its chain, and the chunk indices of ``[start, end)``."""
+        size = self.config.chunk_size
+        if request.start % size or request.start < 0 or request.end < request.start:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"the range [{request.start}, {request.end}) must start at a multiple of the "
+                f"chunk size {size} and not end before it starts",
+            )
+        key = request_key(registration.model, registration.tenant, request.request)
+        chain = self.registry.chain(key, trio.current_time())
+        self._extend(chain, registration.profile.block_size, request.tokens, request.block_hashes)
+        chunks = range(request.start // size, request.end // size)
+        if len(chain.hashes) < chunks.stop:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"the server knows {len(chain.hashes)} chunks of request {request.request!r}; "
+                f"send its tokens (or block hashes) up to {request.end}",
+            )
+        return key, chain, chunks
+
+    def _undo(self, leases: Sequence[Lease], *, quarantine: bool) -> int:
+        """Undo what removed leases held: unpin, or drop a reservation. Returns the count."""
+        l1 = self.l1
+        for lease in leases:
+            if lease.kind is LeaseKind.WRITE:
+                if quarantine:
+                    l1.abort_quarantined(
+                        lease.key, trio.current_time() + self.config.reservation_ttl
+                    )
+                else:
+                    l1.abort(lease.key)
+            else:
+                l1.unpin(lease.key, lease.count)
+        return len(leases)
+
+    # ----------------------------------------------------------------- the reaper
+
+    async def serve_reaper(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Expire leases, free quarantined slots, forget idle requests; never returns.
+
+        Expired write reservations are quarantined (their writer may be slow, not dead).
+        """
+        task_status.started()
+        while True:
+            now = trio.current_time()
+            expired = self.leases.pop_expired(now)
+            if expired:
+                log.warning(
+                    "%d leases expired (clients that neither released nor ended them)", len(expired)
+                )
+                self._undo(expired, quarantine=True)
+            self.l1.release_quarantine(now)
+            self.registry.forget_idle_requests(now - self.config.request_ttl)
+            wake = now + _REAPER_PERIOD
+            for when in (self.leases.next_expiry(), self.l1.next_quarantine_release()):
+                if when is not None:
+                    wake = min(wake, when)
+            await trio.sleep_until(wake)
+
+    def stats(self) -> CacheStats:
+        l1 = self.l1.stats()
+        return CacheStats(
+            l1_capacity_bytes=l1.capacity_bytes,
+            l1_used_bytes=l1.used_bytes,
+            l1_entries=l1.entries,
+            l1_ready=l1.ready,
+            l1_writing=l1.writing,
+            l1_pinned_entries=l1.pinned_entries,
+            l1_pins=l1.pins,
+            l1_evictions=l1.evictions,
+            store_failures=l1.store_failures,
+            leases=self.leases.live,
+            leases_expired=self.leases.expired_total,
+            registrations=len(self.registry.by_session),
+            requests=len(self.registry.requests),
+            lookups=self.lookups,
+            lookup_hit_chunks=self.lookup_hit_chunks,
+            lookup_miss_chunks=self.lookup_miss_chunks,
+        )

@@ -1,0 +1,134 @@
+"""A stand-in engine worker process for the end-to-end tests.
+
+It owns a paged KV cache in ordinary CPU memory (numpy arrays, or torch tensors with --torch),
+registers it through kvtrio's WorkerAdapter, and obeys JSON commands, one per line on stdin,
+answering one JSON line each on stdout:
+
+    {"cmd": "fill", "seed": 1}                        random KV data everywhere
+    {"cmd": "digest", "blocks": [...]}                per-layer SHA-256 of those blocks' bytes
+    {"cmd": "store", "request": "r", "tokens": [...], "blocks": [...], "end": N}
+    {"cmd": "retrieve", "request": "r", "tokens": [...], "blocks": [...], "end": N}
+    {"cmd": "wait", "request": "r", "timeout": 10}    until store/retrieve of r is done
+    {"cmd": "finished", "requests": [...]}             get_finished(requests)
+    {"cmd": "errors"}                                  get_block_ids_with_load_errors()
+    {"cmd": "registered"}                              whether the adapter is registered
+    {"cmd": "exit"}
+
+Usage: python engine_worker.py ENDPOINT MODEL WORLD_SIZE RANK LAYOUT [--hash-mode] [--torch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from kvtrio.client import LoadStoreOp, WorkerAdapter
+from kvtrio.storage import HASH_SCHEME_TOKENS, block_hash_scheme
+
+SHAPES = {  # small model: 4 layers, 256 blocks of 16 tokens, 2 heads × 32 dims
+    "flash_attn": lambda nb: (2, nb, 16, 2, 32),
+    "flash_infer": lambda nb: (nb, 2, 16, 2, 32),
+    "cpu": lambda nb: (2, nb, 2, 16, 32),
+    "mla": lambda nb: (nb, 16, 48),
+}
+BLOCK_AXIS = {"flash_attn": 1, "flash_infer": 0, "cpu": 1, "mla": 0}
+LAYERS, BLOCKS, BLOCK_SIZE = 4, 256, 16
+
+
+def block_hashes(tokens: list[int]) -> list[bytes]:
+    """A stand-in for an engine's prefix-chained block hashes."""
+    hashes, previous = [], b""
+    for i in range(len(tokens) // BLOCK_SIZE):
+        previous = hashlib.sha256(previous + str(tokens[i * 16 : (i + 1) * 16]).encode()).digest()
+        hashes.append(previous)
+    return hashes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("endpoint")
+    parser.add_argument("model")
+    parser.add_argument("world_size", type=int)
+    parser.add_argument("rank", type=int)
+    parser.add_argument("layout")
+    parser.add_argument("--hash-mode", action="store_true")
+    parser.add_argument("--torch", action="store_true")
+    args = parser.parse_args()
+
+    shape = SHAPES[args.layout](BLOCKS)
+    if args.torch:
+        import torch
+
+        tensors: dict[str, Any] = {
+            f"layer.{i}": torch.zeros(shape, dtype=torch.bfloat16) for i in range(LAYERS)
+        }
+        arrays = [t.view(torch.int16).numpy() for t in tensors.values()]
+    else:
+        arrays = [np.zeros(shape, dtype=np.float16) for _ in range(LAYERS)]
+        tensors = {f"layer.{i}": a for i, a in enumerate(arrays)}
+    scheme = block_hash_scheme("sha256-test") if args.hash_mode else HASH_SCHEME_TOKENS
+    adapter = WorkerAdapter(
+        args.endpoint,
+        args.model,
+        args.world_size,
+        args.rank,
+        BLOCK_SIZE,
+        hash_scheme=scheme,
+        timeout=3.0,
+    )
+    adapter.register_kv_caches(tensors, layout=args.layout)
+    done: set[str] = set()
+
+    def op(command: dict[str, Any]) -> LoadStoreOp:
+        tokens = command["tokens"]
+        prompt = {"block_hashes": block_hashes(tokens)} if args.hash_mode else {"token_ids": tokens}
+        return LoadStoreOp(block_ids=command["blocks"], start=0, end=command["end"], **prompt)
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        cmd = command["cmd"]
+        reply: dict[str, Any] = {"ok": True}
+        if cmd == "fill":
+            rng = np.random.default_rng(command["seed"] + args.rank)
+            for array in arrays:
+                array.view(np.uint8)[...] = rng.integers(
+                    0, 256, array.nbytes, dtype=np.uint8
+                ).reshape(array.view(np.uint8).shape)
+        elif cmd == "digest":
+            axis = BLOCK_AXIS[args.layout]
+            reply["digests"] = [
+                hashlib.sha256(np.take(a, command["blocks"], axis=axis).tobytes()).hexdigest()
+                for a in arrays
+            ]
+        elif cmd == "store":
+            adapter.submit_store_request(command["request"], op(command))
+        elif cmd == "retrieve":
+            adapter.submit_retrieve_request(command["request"], op(command))
+        elif cmd == "wait":
+            deadline = time.monotonic() + command.get("timeout", 10)
+            while command["request"] not in done and time.monotonic() < deadline:
+                stores, retrieves = adapter.get_finished([command["request"]])
+                done |= stores | retrieves
+                time.sleep(0.005)
+            reply["done"] = command["request"] in done
+            done.discard(command["request"])
+        elif cmd == "errors":
+            reply["blocks"] = sorted(adapter.get_block_ids_with_load_errors())
+        elif cmd == "registered":
+            reply["registered"] = adapter.registered
+        elif cmd == "exit":
+            adapter.shutdown()
+            print(json.dumps(reply), flush=True)
+            return
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()

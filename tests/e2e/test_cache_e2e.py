@@ -1,0 +1,423 @@
+"""End to end on real processes: a kvtrio server, engine worker processes, a scheduler adapter.
+
+Workers hold their KV cache in ordinary CPU memory and copy through the shared L1 arena; every
+retrieve is checked byte for byte, layer by layer, against what was stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtrio.client import Client, SchedulerAdapter
+from kvtrio.errors import BadRequest, Incompatible, NotRegistered
+from kvtrio.protocol import (
+    GetStats,
+    LayoutSpec,
+    Lookup,
+    LookupReply,
+    Register,
+    StatsReply,
+    Store,
+)
+
+from ..conftest import ServerProcess, wait_for
+
+WORKER = Path(__file__).with_name("engine_worker.py")
+CHUNK, BLOCK = 256, 16
+PER_CHUNK = CHUNK // BLOCK
+PROMPT = list(range(5000, 5000 + 10 * CHUNK))  # 10 full chunks
+SOURCE = list(range(160))  # the blocks the prompt is stored from
+TARGET = list(range(255, 95, -1))  # 160 other blocks, in another order, to retrieve into
+SERVER_ARGS = ("--l1-size", "64MiB", "--heartbeat-timeout", "1", "--pin-ttl", "30")
+
+
+class Worker:
+    """An engine worker process (``engine_worker.py``) driven over stdin/stdout."""
+
+    def __init__(
+        self, endpoint: str, model: str, world: int, rank: int, layout: str, flags: tuple[str, ...]
+    ) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), endpoint, model, str(world), str(rank), layout, *flags],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._read() == {"ready": True}
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the worker exited with {self.proc.poll()}"
+        return dict(json.loads(line))
+
+    def __call__(self, cmd: str, **fields: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **fields}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def store(self, request: str, tokens: list[int], blocks: list[int]) -> None:
+        self("store", request=request, tokens=tokens, blocks=blocks, end=len(tokens))
+        assert self("wait", request=request)["done"]
+
+    def retrieve(self, request: str, tokens: list[int], blocks: list[int], end: int) -> list[int]:
+        """Retrieve tokens ``[0, end)`` into ``blocks``; return the blocks that failed."""
+        self("retrieve", request=request, tokens=tokens, blocks=blocks, end=end)
+        assert self("wait", request=request)["done"]
+        return list(self("errors")["blocks"])
+
+    def digests(self, blocks: list[int]) -> list[str]:
+        return list(self("digest", blocks=blocks)["digests"])
+
+    def wait_registered(self) -> None:
+        wait_for(lambda: self("registered")["registered"], what="the worker to register")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(AssertionError, BrokenPipeError, OSError):
+                self("exit")
+        self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+
+
+@pytest.fixture
+def server(server_process: Callable[..., ServerProcess]) -> ServerProcess:
+    return server_process(*SERVER_ARGS)
+
+
+@pytest.fixture
+def workers(server: ServerProcess) -> Iterator[Callable[..., Worker]]:
+    started: list[Worker] = []
+
+    def start(
+        model: str = "m", world: int = 1, rank: int = 0, layout: str = "flash_attn", *flags: str
+    ) -> Worker:
+        worker = Worker(server.endpoint, model, world, rank, layout, flags)
+        started.append(worker)
+        worker.wait_registered()
+        return worker
+
+    yield start
+    for worker in started:
+        worker.close()
+
+
+@pytest.fixture
+def scheduler(server: ServerProcess) -> Iterator[Callable[..., SchedulerAdapter]]:
+    adapters: list[SchedulerAdapter] = []
+
+    def make(model: str = "m", world: int = 1) -> SchedulerAdapter:
+        adapter = SchedulerAdapter(server.endpoint, model, world, 0, BLOCK, timeout=3.0)
+        adapters.append(adapter)
+        wait_for(lambda: adapter.client.server_info is not None, what="the scheduler to connect")
+        return adapter
+
+    yield make
+    for adapter in adapters:
+        adapter.close()
+
+
+def lookup(
+    adapter: SchedulerAdapter, request: str, tokens: list[int] | None = None, **kw: Any
+) -> int:
+    adapter.maybe_submit_lookup_request(request, token_ids=tokens, **kw)
+    wait_for(lambda: adapter.check_lookup_result(request) is not None, what="the lookup")
+    hits = adapter.check_lookup_result(request)
+    assert hits is not None
+    adapter.cleanup_lookup_result(request)
+    return hits
+
+
+def stats(server: ServerProcess) -> StatsReply:
+    with Client(server.endpoint, heartbeat=False) as client:
+        return client.call(GetStats(), StatsReply)
+
+
+def cache(server: ServerProcess) -> Any:
+    reply = stats(server)
+    assert reply.cache is not None
+    return reply.cache
+
+
+def chunk_blocks(blocks: list[int], chunk: int) -> list[int]:
+    return blocks[chunk * PER_CHUNK : (chunk + 1) * PER_CHUNK]
+
+
+def assert_same_bytes(
+    worker: Worker, before: list[list[str]], blocks: list[int], chunks: int
+) -> None:
+    for chunk in range(chunks):
+        assert worker.digests(chunk_blocks(blocks, chunk)) == before[chunk], (
+            f"chunk {chunk} differs"
+        )
+
+
+# --------------------------------------------------------------------------- the happy path
+
+
+@pytest.mark.parametrize("layout", ["flash_attn", "flash_infer", "cpu"])
+def test_store_lookup_retrieve_into_other_blocks_bytes_equal(
+    workers: Callable[..., Worker],
+    scheduler: Callable[..., SchedulerAdapter],
+    server: ServerProcess,
+    layout: str,
+) -> None:
+    worker = workers("m", 1, 0, layout)
+    sched = scheduler()
+    worker("fill", seed=1)
+    before = [worker.digests(chunk_blocks(SOURCE, c)) for c in range(10)]
+    worker.store("first", PROMPT, SOURCE)
+    assert lookup(sched, "second", [*PROMPT, 1, 2, 3]) == 10 * CHUNK  # the prompt plus new tokens
+    assert worker.retrieve("second", [*PROMPT, 1, 2, 3], TARGET, end=10 * CHUNK) == []
+    assert_same_bytes(worker, before, TARGET, 10)
+    sched.end_session("second")
+    wait_for(lambda: cache(server).l1_pins == 0, what="every pin to be released")
+    assert cache(server).leases == 0
+
+
+def test_partial_prefix(
+    workers: Callable[..., Worker],
+    scheduler: Callable[..., SchedulerAdapter],
+    server: ServerProcess,
+) -> None:
+    worker = workers()
+    sched = scheduler()
+    worker("fill", seed=2)
+    worker.store("first", PROMPT, SOURCE)
+    diverging = PROMPT[: 6 * CHUNK + 100] + [7] * (4 * CHUNK)  # differs inside chunk 6
+    assert lookup(sched, "partial", diverging) == 6 * CHUNK
+    sched.end_session("partial")
+    assert lookup(sched, "unrelated", [9] * (3 * CHUNK)) == 0
+
+
+def test_hash_mode(
+    workers: Callable[..., Worker], scheduler: Callable[..., SchedulerAdapter]
+) -> None:
+    from .engine_worker import block_hashes
+
+    worker = workers("hashed", 1, 0, "flash_attn", "--hash-mode")
+    sched = scheduler("hashed")
+    worker("fill", seed=3)
+    before = [worker.digests(chunk_blocks(SOURCE, c)) for c in range(10)]
+    worker.store("first", PROMPT, SOURCE)
+    assert lookup(sched, "second", None, block_hashes=block_hashes(PROMPT)) == 10 * CHUNK
+    assert worker.retrieve("second", PROMPT, TARGET, end=10 * CHUNK) == []
+    assert_same_bytes(worker, before, TARGET, 10)
+    # a token-mode lookup of a hash-mode model is refused, not silently missed
+    with Client(sched.client.endpoint) as client, pytest.raises(Incompatible, match="hash mode"):
+        client.request(Lookup("x", "hashed", 1, tokens=tuple(PROMPT)))
+
+
+def test_world_size_two_counts_only_chunks_both_ranks_have(
+    workers: Callable[..., Worker],
+    scheduler: Callable[..., SchedulerAdapter],
+    server: ServerProcess,
+) -> None:
+    rank0 = workers("tp", 2, 0)
+    rank1 = workers("tp", 2, 1)
+    sched = scheduler("tp", 2)
+    for worker, seed in ((rank0, 10), (rank1, 20)):
+        worker("fill", seed=seed)
+    before = {w: [w.digests(chunk_blocks(SOURCE, c)) for c in range(10)] for w in (rank0, rank1)}
+    rank0.store("a", PROMPT, SOURCE)
+    rank1.store("a", PROMPT[: 7 * CHUNK], SOURCE[: 7 * PER_CHUNK])
+    assert lookup(sched, "b", PROMPT) == 7 * CHUNK
+    for worker in (rank0, rank1):
+        assert worker.retrieve("b", PROMPT, TARGET, end=7 * CHUNK) == []
+        assert_same_bytes(worker, before[worker], TARGET, 7)
+    wait_for(lambda: cache(server).l1_pins == 0, what="the retrieves to release every pin")
+
+
+def test_mla_ranks_share_one_object_read_by_both(
+    workers: Callable[..., Worker],
+    scheduler: Callable[..., SchedulerAdapter],
+    server: ServerProcess,
+) -> None:
+    rank0 = workers("mla", 2, 0, "mla")
+    rank1 = workers("mla", 2, 1, "mla")
+    sched = scheduler("mla", 2)
+    rank0("fill", seed=5)
+    before = [rank0.digests(chunk_blocks(SOURCE, c)) for c in range(4)]
+    rank0.store("a", PROMPT[: 4 * CHUNK], SOURCE)  # one rank stores; both read
+    sched.maybe_submit_lookup_request("b", token_ids=PROMPT[: 4 * CHUNK])
+    wait_for(lambda: sched.check_lookup_result("b") == 4 * CHUNK, what="the lookup")
+    assert cache(server).l1_pins == 4 * 2  # 4 shared objects, 2 readers each
+    assert rank0.retrieve("b", PROMPT, TARGET, end=4 * CHUNK) == []
+    assert cache(server).l1_pins == 4  # rank 0's reads are released, rank 1's pins remain
+    assert rank1.retrieve("b", PROMPT, TARGET, end=4 * CHUNK) == []
+    assert_same_bytes(rank1, before, TARGET, 4)  # rank 1 got rank 0's bytes
+    wait_for(lambda: cache(server).l1_pins == 0, what="both readers to release")
+
+
+# --------------------------------------------------------------------------- pins and capacity
+
+
+def test_end_session_releases_every_pin_exactly_once(
+    workers: Callable[..., Worker],
+    scheduler: Callable[..., SchedulerAdapter],
+    server: ServerProcess,
+) -> None:
+    worker = workers()
+    sched = scheduler()
+    worker.store("a", PROMPT, SOURCE)
+    assert lookup(sched, "b", PROMPT) == 10 * CHUNK
+    assert cache(server).l1_pins == 10
+    assert lookup(sched, "b", PROMPT) == 10 * CHUNK  # a repeated lookup replaces its pins
+    assert cache(server).l1_pins == 10
+    sched.free_lookup_locks("b")
+    sched.end_session("b")
+    sched.end_session("b")
+    wait_for(lambda: cache(server).l1_pins == 0, what="the pins to go")
+    assert cache(server).requests == 1  # only "a", which the worker never ended
+
+
+def test_l1_full_of_pinned_chunks_refuses_stores_and_evicts_nothing(
+    server_process: Callable[..., ServerProcess], short_dir: Path
+) -> None:
+    # 3 chunks of 4 layers × 2 × 256 tokens × 64 × 2 bytes = 256 KiB fit in a 768 KiB L1.
+    server = server_process("--l1-size", "768KiB")
+    worker = Worker(server.endpoint, "m", 1, 0, "flash_attn", ())
+    sched = SchedulerAdapter(server.endpoint, "m", 1, 0, BLOCK)
+    try:
+        worker.wait_registered()
+        worker("fill", seed=4)
+        worker.store("a", PROMPT[: 3 * CHUNK], SOURCE)
+        assert lookup(sched, "pin-all", PROMPT[: 3 * CHUNK]) == 3 * CHUNK
+        other = [11] * (2 * CHUNK)
+        worker.store("b", other, SOURCE)
+        state = cache(server)
+        assert state.store_failures == 2
+        assert state.l1_evictions == 0
+        assert lookup(sched, "check", PROMPT[: 3 * CHUNK]) == 3 * CHUNK  # nothing pinned lost
+        assert lookup(sched, "check-other", other) == 0
+        sched.end_session("pin-all")
+        sched.end_session("check")
+        wait_for(lambda: cache(server).l1_pins == 0, what="the ends to reach the server")
+        worker.store("c", other, SOURCE)  # room is made by evicting now-unpinned chunks
+        assert lookup(sched, "check-again", other) == 2 * CHUNK
+        assert cache(server).l1_evictions == 2
+    finally:
+        sched.close()
+        worker.close()
+
+
+def test_a_lookup_does_not_wait_for_another_clients_store_in_progress(
+    server: ServerProcess,
+    workers: Callable[..., Worker],
+    scheduler: Callable[..., SchedulerAdapter],
+) -> None:
+    workers()  # registers the model
+    sched = scheduler()
+    with Client(server.endpoint) as slow_writer:
+        layout = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")
+        slow_writer.request(Register("slow", "m", 1, 0, layout, "tokens/sha256-128/v1"))
+        reply = slow_writer.request(Store("s", 0, 4 * CHUNK, tokens=tuple(PROMPT[: 4 * CHUNK])))
+        assert {slot.status for slot in reply.slots} == {"write"}  # type: ignore[attr-defined]
+        # The writer now "copies" (never commits). A lookup meanwhile answers at once, and the
+        # reserved chunks are invisible to it.
+        started = time.monotonic()
+        assert lookup(sched, "l", PROMPT[: 4 * CHUNK]) == 0
+        assert time.monotonic() - started < 1.0
+        assert cache(server).l1_writing == 4
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_a_killed_workers_pins_and_registration_are_freed_after_the_heartbeat_timeout(
+    server: ServerProcess,
+    workers: Callable[..., Worker],
+    scheduler: Callable[..., SchedulerAdapter],
+) -> None:
+    worker = workers()
+    sched = scheduler()
+    worker.store("a", PROMPT, SOURCE)
+    assert lookup(sched, "b", PROMPT) == 10 * CHUNK
+    # The worker reserves slots and dies before committing them.
+    worker("store", request="c", tokens=[3] * (2 * CHUNK), blocks=SOURCE, end=2 * CHUNK)
+    worker.proc.send_signal(signal.SIGKILL)
+    worker.proc.wait()
+    sched.end_session("b")
+    wait_for(lambda: cache(server).registrations == 0, timeout=10, what="the registration to go")
+    state = cache(server)
+    assert (state.l1_pins, state.l1_writing, state.leases) == (0, 0, 0)
+    assert lookup(sched, "d", [3] * (2 * CHUNK)) == 0  # nothing half-written became visible
+
+
+def test_operations_without_registration_and_incompatible_engines_are_refused(
+    server: ServerProcess, workers: Callable[..., Worker]
+) -> None:
+    workers("m")  # float16 flash_attn, token mode
+    with Client(server.endpoint) as client:
+        with pytest.raises(NotRegistered, match="register first"):
+            client.request(Store("x", 0, CHUNK, tokens=tuple(range(CHUNK))))
+        layout = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "bfloat16")
+        with pytest.raises(Incompatible, match="dtype: 'float16' vs 'bfloat16'"):
+            client.request(Register("other", "m", 1, 0, layout, "tokens/sha256-128/v1"))
+        odd = LayoutSpec("flash_attn", 4, 256, 48, 2, 32, "float16")
+        with pytest.raises(
+            BadRequest, match="block size 48 does not divide the server's chunk size 256"
+        ):
+            client.request(Register("odd", "odd", 1, 0, odd, "tokens/sha256-128/v1"))
+        reply = client.request(Lookup("r", "unknown-model", 1, tokens=(1, 2, 3)))
+        assert reply == LookupReply(0, 0)
+
+
+def test_the_engine_keeps_running_through_a_server_restart(
+    server: ServerProcess,
+    workers: Callable[..., Worker],
+    scheduler: Callable[..., SchedulerAdapter],
+) -> None:
+    worker = workers()
+    sched = scheduler()
+    worker("fill", seed=9)
+    before = [worker.digests(chunk_blocks(SOURCE, c)) for c in range(10)]
+    worker.store("a", PROMPT, SOURCE)
+    assert lookup(sched, "b", PROMPT) == 10 * CHUNK
+
+    server.kill()
+    # While the server is away: prompt answers, failures instead of hangs or exceptions.
+    started = time.monotonic()
+    assert lookup(sched, "c", PROMPT) == 0
+    worker("store", request="d", tokens=PROMPT, blocks=SOURCE, end=len(PROMPT))
+    assert worker("wait", request="d", timeout=10)["done"]
+    failed = worker.retrieve("e", PROMPT, TARGET, end=10 * CHUNK)
+    assert sorted(failed) == sorted(TARGET)
+    assert time.monotonic() - started < 10
+
+    server.start()
+    worker.wait_registered()  # re-registered by itself
+    assert lookup(sched, "f", PROMPT) == 0  # the new server's L1 is empty
+    worker.store("g", PROMPT, SOURCE)
+    assert lookup(sched, "h", PROMPT) == 10 * CHUNK
+    assert worker.retrieve("h", PROMPT, TARGET, end=10 * CHUNK) == []
+    assert_same_bytes(worker, before, TARGET, 10)
+
+
+def test_torch_cpu_tensors_as_the_engine_allocated_them(
+    workers: Callable[..., Worker], scheduler: Callable[..., SchedulerAdapter]
+) -> None:
+    """vLLM's CPU backend allocates plain torch.zeros tensors (bfloat16 here, in its layout)."""
+    pytest.importorskip("torch")
+    worker = workers("torch-model", 1, 0, "cpu", "--torch")
+    sched = scheduler("torch-model")
+    worker("fill", seed=12)
+    before = [worker.digests(chunk_blocks(SOURCE, c)) for c in range(10)]
+    worker.store("a", PROMPT, SOURCE)
+    assert lookup(sched, "b", PROMPT) == 10 * CHUNK
+    assert worker.retrieve("b", PROMPT, TARGET, end=10 * CHUNK) == []
+    assert_same_bytes(worker, before, TARGET, 10)

@@ -173,38 +173,57 @@ class WorkerAdapter:
         future.result(max(0.0, deadline - time.monotonic()))
 
     def _registered(self, future: Future[Reply], generation: int) -> None:
+        # In the client's I/O thread: mapping the arena takes a while, do it in the transfer
+        # thread (which also orders it before any transfer submitted after it).
         if future.cancelled() or future.exception() is not None:
             log.warning("kvtrio registration failed: %s", future.exception())
             return
         reply = future.result()
         assert isinstance(reply, Registered)
+        with contextlib.suppress(RuntimeError):  # the adapter shut down meanwhile
+            self._transfers.submit(self._attach, reply, generation)
+
+    def _attach(self, reply: Registered, generation: int) -> None:
         with self._lock:
             if generation != self._generation:
-                return  # a newer registration is under way
+                return
             old = self._mapped
-            if old is None or old.arena.path != reply.arena_path:
+        arena = old.arena if old is not None and old.arena.path == reply.arena_path else None
+        if arena is None:
+            try:
                 arena = SharedArena.attach(reply.arena_path, reply.arena_size)
-                if old is not None:
-                    old.arena.close()
-            else:
-                arena = old.arena
+            except OSError as exc:
+                log.error("kvtrio: cannot map the L1 arena %s: %s", reply.arena_path, exc)
+                return
+        with self._lock:
+            if generation != self._generation:
+                if old is None or arena is not old.arena:
+                    arena.close()
+                return  # a newer registration is under way
+            if old is not None and old.arena is not arena:
+                old.arena.close()
             self._mapped = _Mapped(reply, arena, generation)
         log.info("kvtrio: rank %d registered at %s", self.kv_rank, self.client.endpoint)
 
     def _on_server_change(self, info: HelloReply) -> None:
-        # In the client's I/O thread: only queue the registration, never wait here.
+        # In the client's I/O thread: only queue the registration, never wait here. Registering
+        # bumps the generation, so the old arena (meaningless to the new server) stops being
+        # used at once.
         if self._layout is not None:
-            with self._lock:
-                self._mapped = None  # the old arena's slots mean nothing to the new server
             self._register()
+
+    def _current(self) -> _Mapped | None:
+        """The arena of the current registration, if it is attached."""
+        mapped = self._mapped
+        return mapped if mapped is not None and mapped.generation == self._generation else None
 
     @property
     def registered(self) -> bool:
-        return self._mapped is not None
+        return self._current() is not None
 
     @property
     def chunk_size(self) -> int:
-        mapped = self._mapped
+        mapped = self._current()
         return mapped.registered.chunk_size if mapped is not None else 256
 
     # ----------------------------------------------------------------- submitting
@@ -293,7 +312,7 @@ class WorkerAdapter:
                 self._pending_stores[request_id] -= 1
 
     def _store(self, request_id: str, op: LoadStoreOp) -> None:
-        mapped, layout = self._mapped, self._layout
+        mapped, layout = self._current(), self._layout
         if mapped is None or layout is None:
             return  # not registered (yet): nothing is stored
         started = time.monotonic()
@@ -351,7 +370,7 @@ class WorkerAdapter:
                     self._retrieves_done.add(request_id)
 
     def _retrieve(self, request_id: str, op: LoadStoreOp) -> set[int]:
-        mapped, layout = self._mapped, self._layout
+        mapped, layout = self._current(), self._layout
         if mapped is None or layout is None:
             return set()
         reply = self.client.call(
@@ -379,8 +398,6 @@ class WorkerAdapter:
     def _reregister(self) -> None:
         if self._layout is not None:
             log.info("kvtrio: server lost this worker's registration; registering again")
-            with self._lock:
-                self._mapped = None
             self._register()
 
     # ----------------------------------------------------------------- shutdown
@@ -388,7 +405,7 @@ class WorkerAdapter:
     def shutdown(self) -> None:
         """Finish queued transfers, unregister (best effort), close the connection."""
         self._transfers.shutdown(wait=True)
-        if self._mapped is not None:
+        if self._current() is not None:
             with contextlib.suppress(KvtrioError):
                 self.client.request(Unregister(), timeout=1.0, fail_fast=True)
         self.client.close()

@@ -101,6 +101,7 @@ async def open_server(config: ServerConfig) -> AsyncIterator[ServerHandle]:
                 cache = CacheService(state, arena, L1Cache(arena.size))
                 cache.install()
                 async with trio.open_nursery() as root, trio.open_nursery() as sessions:
+                    root.start_soon(_preallocate, arena)
                     await root.start(cache.serve_reaper)
                     router = Router(state, socket, sessions)
                     await root.start(router.run)
@@ -110,6 +111,26 @@ async def open_server(config: ServerConfig) -> AsyncIterator[ServerHandle]:
                         root.cancel_scope.cancel()
     finally:
         arena.close()
+
+
+_ARENA_LIMITER = trio.CapacityLimiter(1)
+"""Blocking work on the L1 arena file (allocating its pages) runs one job at a time."""
+
+
+async def _preallocate(arena: SharedArena) -> None:
+    """Allocate the arena's pages in a worker thread while the server already serves.
+
+    Cancellation: the thread finishes its system call; the result is abandoned.
+    """
+    started = trio.current_time()
+    try:
+        await trio.to_thread.run_sync(
+            arena.preallocate, limiter=_ARENA_LIMITER, abandon_on_cancel=True
+        )
+    except OSError as exc:
+        log.error("could not allocate the L1 arena's memory up front: %s", exc.strerror)
+        return
+    log.debug("L1 arena allocated in %.2fs", trio.current_time() - started)
 
 
 def create_arena(config: ServerConfig) -> SharedArena:

@@ -20,6 +20,8 @@ import numpy.typing as npt
 
 __all__ = ["SharedArena", "default_shm_dir"]
 
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
 
 def default_shm_dir() -> str:
     """``/dev/shm`` where it exists (Linux), else the temporary directory."""
@@ -29,12 +31,13 @@ def default_shm_dir() -> str:
 class SharedArena:
     """A mapped shared-memory file. Create it in the server, :meth:`attach` it in workers."""
 
-    def __init__(self, path: str, size: int, fd: int, owner: bool) -> None:
+    def __init__(self, path: str, size: int, fd: int, owner: bool, populate: bool = False) -> None:
         self.path = path
         self.size = size
         self._owner = owner
+        flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
         try:
-            self._mmap = mmap.mmap(fd, size)
+            self._mmap = mmap.mmap(fd, size, flags=flags)
         finally:
             os.close(fd)
         self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8)
@@ -58,14 +61,34 @@ class SharedArena:
         return cls(path, size, fd, owner=True)
 
     @classmethod
-    def attach(cls, path: str, size: int) -> SharedArena:
-        """Map an existing arena read-write. Raises ``OSError`` if it is missing or too small."""
+    def attach(cls, path: str, size: int, *, populate: bool = True) -> SharedArena:
+        """Map an existing arena read-write. Raises ``OSError`` if it is missing or too small.
+
+        With ``populate`` (Linux), the page tables are filled at once (about 0.5 s per GiB here),
+        so that copies into the arena later run at memory speed instead of page-faulting
+        (first writes ran at 0.85 GB/s, populated ones at 6.2 GB/s). Blocking: call it from a
+        worker thread.
+        """
         fd = os.open(path, os.O_RDWR)
         actual = os.fstat(fd).st_size
         if actual < size:
             os.close(fd)
             raise OSError(f"{path} is {actual} bytes, expected {size}")
-        return cls(path, size, fd, owner=False)
+        return cls(path, size, fd, owner=False, populate=populate)
+
+    def preallocate(self) -> None:
+        """Allocate every page of the file now (tmpfs allocates on first write otherwise).
+
+        Blocking (about 0.2 s per GiB here): the server runs it in a worker thread after it
+        started. Raises ``OSError`` (e.g. ``ENOSPC``) if the memory is not there.
+        """
+        if not hasattr(os, "posix_fallocate"):  # pragma: no cover - not Linux
+            return
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, self.size)
+        finally:
+            os.close(fd)
 
     def view(self, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
         """The bytes ``[offset, offset + nbytes)`` as a writable uint8 array (no copy)."""

@@ -6,6 +6,7 @@ answering one JSON line each on stdout:
 
     {"cmd": "fill", "seed": 1}                        random KV data everywhere
     {"cmd": "digest", "blocks": [...]}                per-layer SHA-256 of those blocks' bytes
+    {"cmd": "canonical", "blocks": [...]}             SHA-256 of them in the canonical format
     {"cmd": "store", "request": "r", "tokens": [...], "blocks": [...], "end": N}
     {"cmd": "retrieve", "request": "r", "tokens": [...], "blocks": [...], "end": N}
     {"cmd": "wait", "request": "r", "timeout": 10}    until store/retrieve of r is done
@@ -30,6 +31,7 @@ import numpy as np
 
 from kvtrio.client import LoadStoreOp, WorkerAdapter
 from kvtrio.storage import HASH_SCHEME_TOKENS, block_hash_scheme
+from kvtrio.transfer import gather
 
 SHAPES = {  # small model: 4 layers, 256 blocks of 16 tokens, 2 heads × 32 dims
     "flash_attn": lambda nb: (2, nb, 16, 2, 32),
@@ -107,6 +109,12 @@ def main() -> None:
                 hashlib.sha256(np.take(a, command["blocks"], axis=axis).tobytes()).hexdigest()
                 for a in arrays
             ]
+        elif cmd == "canonical":  # SHA-256 of the blocks in kvtrio's canonical chunk format
+            layout = adapter._layout
+            assert layout is not None
+            out = np.empty(layout.chunk_nbytes(len(command["blocks"]) * BLOCK_SIZE), np.uint8)
+            gather(layout, arrays, command["blocks"], out)
+            reply["digest"] = hashlib.sha256(out.tobytes()).hexdigest()
         elif cmd == "store":
             adapter.submit_store_request(command["request"], op(command))
         elif cmd == "retrieve":

@@ -189,6 +189,21 @@ def test_store_lookup_retrieve_into_other_blocks_bytes_equal(
     assert cache(server).leases == 0
 
 
+def test_engines_with_different_layouts_of_one_model_share_chunks(
+    workers: Callable[..., Worker], scheduler: Callable[..., SchedulerAdapter]
+) -> None:
+    writer = workers("shared", 1, 0, "flash_attn")
+    reader = workers("shared", 1, 0, "flash_infer")
+    sched = scheduler("shared")
+    writer("fill", seed=6)
+    before = [writer("canonical", blocks=chunk_blocks(SOURCE, c))["digest"] for c in range(10)]
+    writer.store("a", PROMPT, SOURCE)
+    assert lookup(sched, "b", PROMPT) == 10 * CHUNK
+    assert reader.retrieve("b", PROMPT, TARGET, end=10 * CHUNK) == []
+    after = [reader("canonical", blocks=chunk_blocks(TARGET, c))["digest"] for c in range(10)]
+    assert after == before
+
+
 def test_partial_prefix(
     workers: Callable[..., Worker],
     scheduler: Callable[..., SchedulerAdapter],

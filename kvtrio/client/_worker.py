@@ -18,12 +18,12 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
 
-from ..errors import KvtrioError, NotRegistered
+from ..errors import BadRequest, KvtrioError, NotRegistered
 from ..protocol import (
     Commit,
     HelloReply,
@@ -47,6 +47,8 @@ from ._tensors import describe_kv_caches
 __all__ = ["LoadStoreOp", "WorkerAdapter"]
 
 log = logging.getLogger("kvtrio.client")
+
+_R = TypeVar("_R", StoreReply, RetrieveReply)
 
 _WRITE_MARGIN = 2.0
 """Seconds before a reservation expires after which a slot is no longer written."""
@@ -210,6 +212,8 @@ class WorkerAdapter:
         # bumps the generation, so the old arena (meaningless to the new server) stops being
         # used at once.
         if self._layout is not None:
+            with self._lock:
+                self._tokens_sent.clear()  # the new server knows no prompt
             self._register()
 
     def _current(self) -> _Mapped | None:
@@ -281,11 +285,11 @@ class WorkerAdapter:
 
     # ----------------------------------------------------------------- transfers (own thread)
 
-    def _prompt(self, request_id: str, op: LoadStoreOp) -> dict[str, Any]:
+    def _prompt(self, request_id: str, op: LoadStoreOp, *, force: bool = False) -> dict[str, Any]:
         """The token ids / block hashes to send with an operation: only what the server may not
-        have seen from this worker yet."""
+        have seen from this worker yet (everything with ``force``)."""
         end = op.end
-        if self._tokens_sent.get(request_id, -1) >= end:
+        if not force and self._tokens_sent.get(request_id, -1) >= end:
             return {}
         self._tokens_sent[request_id] = end
         if op.block_hashes is not None:
@@ -316,11 +320,7 @@ class WorkerAdapter:
         if mapped is None or layout is None:
             return  # not registered (yet): nothing is stored
         started = time.monotonic()
-        reply = self.client.call(
-            Store(request_id, op.start, op.end, **self._prompt(request_id, op)),
-            StoreReply,
-            fail_fast=True,
-        )
+        reply = self._call_with_prompt(Store, StoreReply, request_id, op)
         deadline = started + reply.expires_in - _WRITE_MARGIN
         written: list[int] = []
         failed: list[int] = []
@@ -346,6 +346,18 @@ class WorkerAdapter:
             self.client.call(
                 Commit(request_id, tuple(written), tuple(failed)), Reply, fail_fast=True
             )
+
+    def _call_with_prompt(
+        self, kind: type[Store | Retrieve], reply_type: type[_R], request_id: str, op: LoadStoreOp
+    ) -> _R:
+        """Send a store or retrieve, with the prompt if the server may lack it; if the server
+        says it lacks it after all (it forgot the request), send it again with the prompt."""
+        try:
+            request = kind(request_id, op.start, op.end, **self._prompt(request_id, op))
+            return self.client.call(request, reply_type, fail_fast=True)
+        except BadRequest:
+            request = kind(request_id, op.start, op.end, **self._prompt(request_id, op, force=True))
+            return self.client.call(request, reply_type, fail_fast=True)
 
     def _run_retrieve(self, request_id: str, op: LoadStoreOp) -> None:
         first, last = op.start // self.chunk_size, op.end // self.chunk_size
@@ -373,11 +385,7 @@ class WorkerAdapter:
         mapped, layout = self._current(), self._layout
         if mapped is None or layout is None:
             return set()
-        reply = self.client.call(
-            Retrieve(request_id, op.start, op.end, **self._prompt(request_id, op)),
-            RetrieveReply,
-            fail_fast=True,
-        )
+        reply = self._call_with_prompt(Retrieve, RetrieveReply, request_id, op)
         loaded: set[int] = set()
         try:
             for slot in reply.slots:

@@ -279,7 +279,10 @@ class CacheService:
     async def end_session(self, session: Session, request: EndSession) -> Released:
         key = request_key(request.model, request.tenant, request.request)
         released = self._undo(self.leases.pop_request(key, [LeaseKind.LOOKUP]), quarantine=False)
-        self.registry.forget_request(key)
+        if not self.leases.holds(key):
+            self.registry.forget_request(key)
+        # else: a worker's store or retrieve is still under way (engines save asynchronously)
+        # and its commit/release needs the prompt; the idle-request sweep forgets it later.
         return Released(released)
 
     # ----------------------------------------------------------------- shared pieces

@@ -141,6 +141,10 @@ class LeaseTable:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
+    def holds(self, request: str) -> bool:
+        """Whether any lease of ``request`` is live."""
+        return request in self._by_request
+
     def count(self, kind: LeaseKind) -> int:
         return sum(
             1

@@ -21,6 +21,9 @@ import pytest
 from kvtrio.client import Client, SchedulerAdapter
 from kvtrio.errors import BadRequest, Incompatible, NotRegistered
 from kvtrio.protocol import (
+    Commit,
+    CommitReply,
+    EndSession,
     GetStats,
     LayoutSpec,
     Lookup,
@@ -436,3 +439,20 @@ def test_torch_cpu_tensors_as_the_engine_allocated_them(
     assert lookup(sched, "b", PROMPT) == 10 * CHUNK
     assert worker.retrieve("b", PROMPT, TARGET, end=10 * CHUNK) == []
     assert_same_bytes(worker, before, TARGET, 10)
+
+
+def test_a_store_in_flight_survives_the_end_of_its_request(
+    server: ServerProcess, workers: Callable[..., Worker]
+) -> None:
+    """Engines save asynchronously: the scheduler may end a request before its worker commits."""
+    workers()
+    layout = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")
+    with Client(server.endpoint) as writer, Client(server.endpoint) as sched:
+        writer.request(Register("w", "m", 1, 0, layout, "tokens/sha256-128/v1"))
+        reply = writer.request(Store("late", 0, 2 * CHUNK, tokens=tuple(PROMPT[: 2 * CHUNK])))
+        assert [slot.status for slot in reply.slots] == ["write", "write"]  # type: ignore[attr-defined]
+        sched.request(EndSession("late", "m"))
+        committed = writer.request(Commit("late", written=(0, 1)))
+        assert committed == CommitReply(2, ())
+        found = sched.request(Lookup("check", "m", 1, tokens=tuple(PROMPT[: 2 * CHUNK])))
+        assert found == LookupReply(2 * CHUNK, 2)

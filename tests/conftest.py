@@ -70,7 +70,9 @@ def endpoint(short_dir: Path) -> str:
 def server_config(request: pytest.FixtureRequest, endpoint: str) -> ServerConfig:
     """Test server settings; parametrize indirectly with a dict to override fields."""
     overrides = getattr(request, "param", {})
-    return ServerConfig(**{"endpoint": endpoint, "drain_timeout": 2.0, **overrides})
+    return ServerConfig(
+        **{"endpoint": endpoint, "drain_timeout": 2.0, "l1_size": 64 << 20, **overrides}
+    )
 
 
 @pytest.fixture
@@ -146,7 +148,13 @@ def server_process(short_dir: Path, endpoint: str) -> Iterator[Callable[..., Ser
     started: list[ServerProcess] = []
 
     def start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "KVTRIO_L1_SIZE": "64MiB",
+            "KVTRIO_DRAIN_TIMEOUT": "1",
+            **(env or {}),
+        }
         process = ServerProcess(endpoint, list(args), full_env, log_path=short_dir / "server.log")
         started.append(process)
         return process.start()
@@ -154,4 +162,4 @@ def server_process(short_dir: Path, endpoint: str) -> Iterator[Callable[..., Ser
     yield start
     for process in started:
         if process.proc is not None and process.proc.poll() is None:
-            process.stop(signal.SIGKILL)
+            process.stop(signal.SIGTERM)  # gracefully: the server removes its L1 arena

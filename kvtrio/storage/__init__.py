@@ -5,7 +5,7 @@ loop.
 """
 
 from ._allocator import ExtentAllocator
-from ._arena import SharedArena, default_shm_dir
+from ._arena import SharedArena, default_shm_dir, reclaim_stale_arenas
 from ._eviction import LRU, EvictionPolicy
 from ._l1 import Entry, EntryState, L1Cache, L1Stats, Reservation
 from ._leases import Lease, LeaseKind, LeaseTable
@@ -40,4 +40,5 @@ __all__ = [
     "default_shm_dir",
     "namespace",
     "object_key",
+    "reclaim_stale_arenas",
 ]

@@ -10,6 +10,7 @@ resource tracker unlinks segments when an attaching process exits (Python ≤ 3.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import tempfile
@@ -18,9 +19,43 @@ import uuid
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SharedArena", "default_shm_dir"]
+__all__ = ["SharedArena", "default_shm_dir", "reclaim_stale_arenas"]
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_SUFFIX = ".l1"
+
+
+def reclaim_stale_arenas(directory: str, prefix: str = "kvtrio") -> list[str]:
+    """Remove arena files whose creating server died without removing them (SIGKILL, crash).
+
+    A live server holds an exclusive ``flock`` on its arena; a file nobody holds a lock on is a
+    leftover and still pins its memory (tmpfs). Returns the paths removed. Workers still mapping
+    a removed file keep their mapping until they unmap it.
+    """
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(prefix + "-") and name.endswith(_SUFFIX)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live server owns it
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def default_shm_dir() -> str:
@@ -38,7 +73,13 @@ class SharedArena:
         flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
         try:
             self._mmap = mmap.mmap(fd, size, flags=flags)
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        # The creator keeps the file open with an exclusive lock for as long as it lives: that
+        # is how a later server tells a dead owner's leftover file from a live one.
+        self._lock_fd: int | None = fd if owner else None
+        if not owner:
             os.close(fd)
         self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8)
 
@@ -50,9 +91,12 @@ class SharedArena:
 
         Raises ``OSError`` if the file cannot be created or sized.
         """
-        path = os.path.join(directory or default_shm_dir(), f"{prefix}-{uuid.uuid4().hex}.l1")
+        directory = directory or default_shm_dir()
+        reclaim_stale_arenas(directory, prefix)
+        path = os.path.join(directory, f"{prefix}-{uuid.uuid4().hex}{_SUFFIX}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, size)
         except BaseException:
             os.close(fd)
@@ -107,6 +151,9 @@ class SharedArena:
         if self._owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __repr__(self) -> str:
         return f"<SharedArena {self.path} {self.size} bytes>"

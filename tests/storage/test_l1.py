@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
-from kvtrio.storage import LRU, Entry, ExtentAllocator, L1Cache, Reservation, SharedArena
+from kvtrio.storage import (
+    LRU,
+    Entry,
+    ExtentAllocator,
+    L1Cache,
+    Reservation,
+    SharedArena,
+    reclaim_stale_arenas,
+)
 
 KB = 4096
 
@@ -170,3 +179,20 @@ def test_shared_arena_is_visible_to_an_attached_mapping(tmp_path: object) -> Non
         arena.close()
     with pytest.raises(FileNotFoundError):
         SharedArena.attach(arena.path, 4096)
+
+
+def test_a_dead_owners_arena_is_reclaimed_and_a_live_ones_is_not(short_dir: Path) -> None:
+    live = SharedArena.create(1 << 20, directory=str(short_dir))
+    leftover = short_dir / "kvtrio-0123.l1"
+    leftover.write_bytes(b"\0" * 4096)  # as left by a server killed with SIGKILL
+    unrelated = short_dir / "other.l1"
+    unrelated.write_bytes(b"x")
+    try:
+        assert reclaim_stale_arenas(str(short_dir)) == [str(leftover)]
+        assert Path(live.path).exists()
+        assert unrelated.exists()
+        again = SharedArena.create(1 << 20, directory=str(short_dir))  # reclaims on creation too
+        again.close()
+    finally:
+        live.close()
+    assert not Path(live.path).exists()

@@ -11,7 +11,7 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NewType
+from typing import Any, NewType, TypeVar, cast
 
 import attrs
 import cattrs
@@ -25,8 +25,18 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised by the py310 tox env
     import tomli as tomllib
 
-__all__ = ["ByteSize", "ServerConfig", "field_help", "load_config", "parse_size"]
+__all__ = [
+    "BackendSpec",
+    "ByteSize",
+    "ServerConfig",
+    "field_help",
+    "load_config",
+    "parse_backend_spec",
+    "parse_size",
+    "structure_options",
+]
 
+_T = TypeVar("_T")
 ByteSize = NewType("ByteSize", int)
 """A size in bytes; accepts ``4GiB``, ``512MB``, ``1_000`` or a plain integer."""
 
@@ -84,6 +94,28 @@ def _one_of(*choices: str) -> Any:
 def _endpoint(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if not value.startswith(("tcp://", "ipc://")) or value in ("tcp://", "ipc://"):
         raise ValueError(f"{attribute.name}: must be tcp://HOST:PORT or ipc://PATH, got {value!r}")
+
+
+@frozen
+class BackendSpec:
+    """One L2 backend of the cascade: its registered name and its raw options."""
+
+    name: str
+    options: dict[str, Any] = field(factory=dict)
+
+
+def parse_backend_spec(text: str) -> BackendSpec:
+    """``NAME`` or ``NAME:key=value,key=value`` → :class:`BackendSpec` (values stay strings)."""
+    name, _, rest = text.strip().partition(":")
+    if not name:
+        raise ValueError(f"{text!r} names no backend (expected NAME:key=value,...)")
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{item!r} in {text!r} is not key=value")
+        options[key.strip()] = value.strip()
+    return BackendSpec(name.strip(), options)
 
 
 @frozen
@@ -153,6 +185,13 @@ class ServerConfig:
         default="",
         metadata={"help": "Directory of the shared-memory L1 file (default /dev/shm)."},
     )
+    l2: tuple[BackendSpec, ...] = field(
+        default=(BackendSpec("disk"),),
+        metadata={
+            "help": "L2 backend NAME:key=value,... (repeat for a cascade, in order; 'none' for "
+            "no L2). See `kvtrio backends`."
+        },
+    )
     log_level: str = field(
         default="info",
         validator=_one_of(*LOG_LEVELS),
@@ -197,10 +236,69 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(float, number(float))
     conv.register_structure_hook(str, string)
     conv.register_structure_hook(ByteSize, lambda v, _: ByteSize(parse_size(v)))
+
+    def boolean(value: Any, _: Any) -> bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _BOOLEANS:
+            return _BOOLEANS[value.strip().lower()]
+        raise ValueError(f"expected true or false, got {value!r}")
+
+    def backends(value: Any, _: Any) -> tuple[BackendSpec, ...]:
+        items = value.split(";") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise TypeError(f"expected a list of backends, got {value!r}")
+        specs: list[BackendSpec] = []
+        for item in items:
+            if isinstance(item, BackendSpec):
+                specs.append(item)
+            elif isinstance(item, str):
+                if item.strip().lower() in ("", "none"):
+                    continue
+                specs.append(parse_backend_spec(item))
+            elif isinstance(item, dict) and isinstance(item.get("name"), str):
+                specs.append(
+                    BackendSpec(item["name"], {k: v for k, v in item.items() if k != "name"})
+                )
+            else:
+                raise TypeError(f"expected NAME:key=value,... or a table with a name, got {item!r}")
+        return tuple(specs)
+
+    conv.register_structure_hook(bool, boolean)
+    conv.register_structure_hook_func(lambda t: t == tuple[BackendSpec, ...], backends)
     return conv
 
 
+_BOOLEANS = {
+    "true": True,
+    "yes": True,
+    "on": True,
+    "1": True,
+    "false": False,
+    "no": False,
+    "off": False,
+    "0": False,
+}
+
 _converter = _make_converter()
+
+
+def structure_options(cls: type[_T], raw: dict[str, Any], what: str) -> _T:
+    """Structure backend options (strings from flags, or TOML values) into the attrs class
+    ``cls``; :class:`ConfigError` in one line naming ``what`` and the bad option."""
+    known = [a.name for a in attrs.fields(cast(Any, cls))]
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"{what}: unknown option {unknown[0]!r} (options: {', '.join(known) or 'none'})"
+        )
+    try:
+        return _converter.structure(raw, cls)
+    except Exception as exc:
+        merged = {name: (value, what) for name, value in raw.items()}
+        raise ConfigError(_describe(exc, merged).replace("invalid setting", what, 1)) from None
+
+
 _FIELDS = {a.name: a for a in attrs.fields(ServerConfig)}
 
 

@@ -1,0 +1,22 @@
+"""The L2 tier: backends behind L1 (local disk, Redis, S3, plugins), found by entry points."""
+
+from ._framing import FORMAT_VERSION, HEADER_SIZE, Corrupt, check, header
+from ._interface import Backend, BackendError, BackendUnavailable, Buffers
+from ._registry import GROUP, BackendInfo, create_backend, describe_backends, load_backend_class
+
+__all__ = [
+    "FORMAT_VERSION",
+    "GROUP",
+    "HEADER_SIZE",
+    "Backend",
+    "BackendError",
+    "BackendInfo",
+    "BackendUnavailable",
+    "Buffers",
+    "Corrupt",
+    "check",
+    "create_backend",
+    "describe_backends",
+    "header",
+    "load_backend_class",
+]

@@ -1,0 +1,129 @@
+"""``memory``: objects in this process's memory. For tests, and as the inner backend of
+``fault``; it is not shared between processes and does not survive a restart."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+
+import attrs
+import trio
+
+from ..config import ByteSize
+from ._interface import Buffers
+
+__all__ = ["MemoryBackend"]
+
+
+@attrs.frozen
+class MemoryOptions:
+    capacity: ByteSize = attrs.field(
+        default=ByteSize(1 << 30),
+        metadata={"help": "Bytes kept before LRU eviction (unlocked only)."},
+    )
+
+
+class MemoryBackend:
+    """An LRU dict of objects with per-key lock counts."""
+
+    name = "memory"
+    Options = MemoryOptions
+
+    def __init__(self, options: MemoryOptions | None = None) -> None:
+        self.options = options or MemoryOptions()
+        self._objects: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self._locks: collections.Counter[bytes] = collections.Counter()
+        self._doomed: set[bytes] = set()  # deleted while locked
+        self._bytes = 0
+        self.counters = collections.Counter[str]()
+
+    async def lookup_and_lock(self, keys: Sequence[bytes]) -> int:
+        await trio.lowlevel.checkpoint()
+        found = 0
+        for key in keys:
+            if key not in self._objects or key in self._doomed:
+                break
+            found += 1
+        for key in keys[:found]:
+            self._locks[key] += 1
+        return found
+
+    async def unlock(self, keys: Sequence[bytes]) -> None:
+        await trio.lowlevel.checkpoint()
+        for key in keys:
+            if self._locks[key] > 0:
+                self._locks[key] -= 1
+            if not self._locks[key]:
+                del self._locks[key]
+                if key in self._doomed:
+                    self._doomed.discard(key)
+                    self._drop(key)
+
+    async def load(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
+        await trio.lowlevel.checkpoint()
+        results = []
+        for key, parts in zip(keys, buffers, strict=True):
+            data = self._objects.get(key)  # a deleted but locked object still loads
+            if data is None or len(data) != sum(len(p) for p in parts):
+                results.append(False)
+                continue
+            self._objects.move_to_end(key)
+            offset = 0
+            for part in parts:
+                part[:] = data[offset : offset + len(part)]
+                offset += len(part)
+            results.append(True)
+        self.counters["loads"] += len(keys)
+        return results
+
+    async def store(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
+        await trio.lowlevel.checkpoint()
+        results = []
+        for key, parts in zip(keys, buffers, strict=True):
+            data = b"".join(bytes(p) for p in parts)
+            if key in self._objects:
+                self._drop(key)
+            self._doomed.discard(key)
+            if not self._make_room(len(data)):
+                results.append(False)
+                continue
+            self._objects[key] = data
+            self._bytes += len(data)
+            results.append(True)
+        self.counters["stores"] += len(keys)
+        return results
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        await trio.lowlevel.checkpoint()
+        for key in keys:
+            if key not in self._objects:
+                continue
+            if self._locks[key]:
+                self._doomed.add(key)
+            else:
+                self._drop(key)
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def statistics(self) -> Mapping[str, float]:
+        return {
+            "objects": len(self._objects),
+            "bytes": self._bytes,
+            "locks": sum(self._locks.values()),
+            **self.counters,
+        }
+
+    def _drop(self, key: bytes) -> None:
+        self._bytes -= len(self._objects.pop(key))
+
+    def _make_room(self, size: int) -> bool:
+        if size > self.options.capacity:
+            return False
+        for key in list(self._objects):
+            if self._bytes + size <= self.options.capacity:
+                break
+            if not self._locks[key]:
+                self._drop(key)
+                self.counters["evictions"] += 1
+        return self._bytes + size <= self.options.capacity

@@ -181,6 +181,21 @@ class ServerConfig:
         validator=_positive,
         metadata={"help": "Seconds an idle request's prompt hashes are remembered."},
     )
+    retrieve_timeout: float = field(
+        default=5.0,
+        validator=_positive,
+        metadata={"help": "Seconds a retrieve waits for its chunks' L2 loads before failing them."},
+    )
+    write_behind_queue: int = field(
+        default=256,
+        validator=_positive,
+        metadata={"help": "Chunks waiting to be written to L2; beyond it stores are skipped."},
+    )
+    l2_loaders: int = field(
+        default=4,
+        validator=_positive,
+        metadata={"help": "Concurrent L2→L1 loads per backend."},
+    )
     shm_dir: str = field(
         default="",
         metadata={"help": "Directory of the shared-memory L1 file (default /dev/shm)."},

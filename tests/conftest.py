@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,21 @@ async def await_condition(
     pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
+async def await_async(
+    condition: Callable[[], Awaitable[Any]], timeout: float = 10.0, what: str = "condition"
+) -> Any:
+    """:func:`await_condition` for a condition that must itself await (e.g. a request)."""
+    delay = 0.002
+    with trio.move_on_after(timeout):
+        while True:
+            value = await condition()
+            if value:
+                return value
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
     """A short temporary directory (ipc:// paths must stay under ~100 bytes)."""
@@ -71,7 +86,7 @@ def server_config(request: pytest.FixtureRequest, endpoint: str) -> ServerConfig
     """Test server settings; parametrize indirectly with a dict to override fields."""
     overrides = getattr(request, "param", {})
     return ServerConfig(
-        **{"endpoint": endpoint, "drain_timeout": 2.0, "l1_size": 64 << 20, **overrides}
+        **{"endpoint": endpoint, "drain_timeout": 2.0, "l1_size": 64 << 20, "l2": (), **overrides}
     )
 
 
@@ -152,6 +167,7 @@ def server_process(short_dir: Path, endpoint: str) -> Iterator[Callable[..., Ser
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "KVTRIO_L1_SIZE": "64MiB",
+            "KVTRIO_L2": "none",
             "KVTRIO_DRAIN_TIMEOUT": "1",
             **(env or {}),
         }

@@ -79,6 +79,8 @@ class _Mapped:
     registered: Registered
     arena: SharedArena
     generation: int
+    instance_id: str | None
+    """The server instance the registration was made with."""
 
 
 class WorkerAdapter:
@@ -182,10 +184,12 @@ class WorkerAdapter:
             return
         reply = future.result()
         assert isinstance(reply, Registered)
+        info = self.client.server_info
+        instance = info.instance_id if info is not None else None
         with contextlib.suppress(RuntimeError):  # the adapter shut down meanwhile
-            self._transfers.submit(self._attach, reply, generation)
+            self._transfers.submit(self._attach, reply, generation, instance)
 
-    def _attach(self, reply: Registered, generation: int) -> None:
+    def _attach(self, reply: Registered, generation: int, instance: str | None) -> None:
         with self._lock:
             if generation != self._generation:
                 return
@@ -204,7 +208,7 @@ class WorkerAdapter:
                 return  # a newer registration is under way
             if old is not None and old.arena is not arena:
                 old.arena.close()
-            self._mapped = _Mapped(reply, arena, generation)
+            self._mapped = _Mapped(reply, arena, generation, instance)
         log.info("kvtrio: rank %d registered at %s", self.kv_rank, self.client.endpoint)
 
     def _on_server_change(self, info: HelloReply) -> None:
@@ -223,7 +227,15 @@ class WorkerAdapter:
 
     @property
     def registered(self) -> bool:
-        return self._current() is not None
+        """Registered with the server this adapter is connected to right now."""
+        mapped = self._current()
+        info = self.client.server_info
+        return (
+            mapped is not None
+            and self.client.connected
+            and info is not None
+            and info.instance_id == mapped.instance_id
+        )
 
     @property
     def chunk_size(self) -> int:

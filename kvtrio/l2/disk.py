@@ -160,6 +160,7 @@ class DiskBackend:
             if ok is None:  # the file vanished (removed behind our back)
                 self._forget(key)
                 ok = False
+
             elif ok and key in self._index:
                 self._index.move_to_end(key)
             self.counters["loads"] += 1

@@ -27,6 +27,7 @@ __all__ = [
     "Header",
     "Hello",
     "HelloReply",
+    "L2Stats",
     "Ping",
     "Pong",
     "Probe",
@@ -200,7 +201,27 @@ class CacheStats:
     """Requests whose prompt the server remembers."""
     lookups: int
     lookup_hit_chunks: int
+    """Chunks found, in L1 or L2."""
     lookup_miss_chunks: int
+    lookup_l2_chunks: int = 0
+    """Of the hit chunks, those found in L2 (then loaded into L1)."""
+    lookup_timeouts: int = 0
+    loads_pending: int = 0
+    loads_failed: int = 0
+    write_behind_queued: int = 0
+    write_behind_skipped: int = 0
+    """Chunks not written to L2 because the write-behind queue was full."""
+    l2_corrupt: int = 0
+
+
+@frozen
+class L2Stats:
+    """One L2 backend: whether it is in use right now, and its counters."""
+
+    name: str
+    healthy: bool
+    """False while it is skipped after failures (it is tried again after a backoff)."""
+    counters: dict[str, float]
 
 
 @frozen
@@ -211,6 +232,7 @@ class StatsReply(Reply):
     counters: ServerCounters
     sessions: tuple[SessionStats, ...] = field(factory=tuple)
     cache: CacheStats | None = None
+    l2: tuple[L2Stats, ...] = ()
 
 
 @frozen

@@ -9,7 +9,8 @@ end, by its session's end, or by the reaper when it expires.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import trio
 
@@ -44,6 +45,7 @@ from ..storage import (
     Reservation,
     SharedArena,
 )
+from ._l2 import L2Tier, Load
 from ._registry import Registration, Registry, request_key
 from ._session import Session
 from ._state import ServerState
@@ -59,11 +61,17 @@ _REAPER_PERIOD = 1.0
 class CacheService:
     """The L1 cache behind the protocol's cache operations. One per server."""
 
-    def __init__(self, state: ServerState, arena: SharedArena, l1: L1Cache) -> None:
+    def __init__(self, state: ServerState, arena: SharedArena, l1: L1Cache, l2: L2Tier) -> None:
         self.state = state
         self.config: ServerConfig = state.config
         self.arena = arena
         self.l1 = l1
+        self.l2 = l2
+        self._loads: dict[tuple[str, bytes], Load] = {}  # (request, object key) → its L2 load
+        self._owner_loads: dict[str, set[tuple[str, bytes]]] = {}
+        self.lookup_l2_chunks = 0
+        self.lookup_timeouts = 0
+        self.loads_failed = 0
         self.leases = LeaseTable()
         self.registry = Registry(state.config.chunk_size)
         self._watched: set[str] = set()  # sessions whose end releases their leases
@@ -84,6 +92,7 @@ class CacheService:
         state.register(FreeLookupLocks, self.free_lookup_locks)
         state.register(EndSession, self.end_session)
         state.cache_stats = self.stats
+        state.l2_stats = self.l2.stats
 
     # ----------------------------------------------------------------- registration
 
@@ -115,6 +124,10 @@ class CacheService:
         return Released(self._drop_registration(session.id, quarantine=False))
 
     def _drop_registration(self, session_id: str, *, quarantine: bool) -> int:
+        for load_key in self._owner_loads.pop(session_id, ()):
+            load = self._loads.get(load_key)
+            if load is not None:
+                load.scope.cancel()
         registration = self.registry.unregister(session_id)
         released = self._undo(self.leases.pop_owner(session_id), quarantine=quarantine)
         if registration is not None:
@@ -165,26 +178,120 @@ class CacheService:
         key = request_key(request.model, request.tenant, request.request)
         chain = self.registry.chain(key, now)
         self._extend(chain, model.profile.block_size, request.tokens, request.block_hashes)
-        hit = len(chain.hashes)
+        hashes = list(chain.hashes)
+        # A new lookup of the request replaces the previous one: its pins and its loads.
+        self._end_lookup(key)
+        hit = len(hashes)
         for space in model.spaces:
-            hit = self.l1.prefix([space + h for h in chain.hashes[:hit]])
-        # (L2 joins here: the remaining chunks go to the backends within the lookup timeout.)
-        self._undo(self.leases.pop_request(key, [LeaseKind.LOOKUP]), quarantine=False)
+            hit = self.l1.prefix([space + h for h in hashes[:hit]])
         readers = request.num_readers or (
             model.world_size if model.profile.shared_across_ranks else 1
         )
         expires = now + self.config.pin_ttl
-        for chunk_hash in chain.hashes[:hit]:
+        for chunk_hash in hashes[:hit]:  # pinned before awaiting anything: they stay
             for space in model.spaces:
-                object_key = space + chunk_hash
-                self.l1.pin(object_key, readers)
-                self.leases.add(LeaseKind.LOOKUP, key, session.id, object_key, readers, expires)
-        if hit:
-            self._watch(session)
+                self._pin_for_lookup(key, session.id, space + chunk_hash, readers, expires)
+        self._watch(session)
+        loaded = 0
+        if self.l2.enabled and hit < len(hashes):
+            sources: list[list[Any]] = []
+            with trio.move_on_after(self.config.lookup_timeout) as scope:
+                sources = await self.l2.lookup(model.spaces, hashes[hit:])
+            if scope.cancelled_caught:
+                self.lookup_timeouts += 1  # (l2.lookup unlocked what it had locked)
+            loaded = await self._start_loads(
+                session,
+                key,
+                model.spaces,
+                hashes[hit : hit + len(sources)],
+                sources,
+                readers,
+                model.profile.digest(),
+            )
         self.lookups += 1
-        self.lookup_hit_chunks += hit
-        self.lookup_miss_chunks += len(chain.hashes) - hit
-        return LookupReply(hit_tokens=hit * self.config.chunk_size, hit_chunks=hit)
+        self.lookup_hit_chunks += hit + loaded
+        self.lookup_l2_chunks += loaded
+        self.lookup_miss_chunks += len(hashes) - hit - loaded
+        total = hit + loaded
+        return LookupReply(hit_tokens=total * self.config.chunk_size, hit_chunks=total)
+
+    def _pin_for_lookup(
+        self, key: str, owner: str, object_key: bytes, readers: int, expires: float
+    ) -> None:
+        self.l1.pin(object_key, readers)
+        self.leases.add(LeaseKind.LOOKUP, key, owner, object_key, readers, expires)
+
+    async def _start_loads(
+        self,
+        session: Session,
+        key: str,
+        spaces: Sequence[bytes],
+        hashes: Sequence[bytes],
+        sources: Sequence[Sequence[Any]],
+        readers: int,
+        fingerprint: bytes,
+    ) -> int:
+        """Reserve L1 slots for the chunks found in L2 and start their loads; return how many
+        leading chunks will be (or already are) in L1. From the first chunk that cannot be
+        placed on, chunks are unlocked in L2 and not counted."""
+        chunk_bytes = self._chunk_bytes(spaces)
+        placed = 0
+        for index, (chunk_hash, chunk_sources) in enumerate(zip(hashes, sources, strict=True)):
+            keys = [space + chunk_hash for space in spaces]
+            outcomes = [self.l1.reserve(k, chunk_bytes) for k in keys]
+            if any(o in (Reservation.NO_SPACE, Reservation.IN_PROGRESS) for o in outcomes):
+                for object_key, outcome in zip(keys, outcomes, strict=True):
+                    if isinstance(outcome, Entry):
+                        self.l1.abort(object_key)
+                rest = [[space + h for space in spaces] for h in hashes[index:]]
+                await self.l2.release(sources[index:], rest)
+                break
+            expires = trio.current_time() + self.config.pin_ttl
+            for object_key, outcome, source in zip(keys, outcomes, chunk_sources, strict=True):
+                if outcome is Reservation.PRESENT:  # it reached L1 meanwhile
+                    self._pin_for_lookup(key, session.id, object_key, readers, expires)
+                    await self.l2.release([[source]], [[object_key]])
+                elif isinstance(outcome, Entry):
+                    done = self._load_done(key, session.id, readers)
+                    load = self.l2.start_load(object_key, outcome, source, fingerprint, done)
+                    self._loads[(key, object_key)] = load
+                    self._owner_loads.setdefault(session.id, set()).add((key, object_key))
+            placed += 1
+        return placed
+
+    def _chunk_bytes(self, spaces: Sequence[bytes]) -> int:
+        for registration in self.registry.by_session.values():
+            if registration.space in spaces:
+                return registration.chunk_bytes
+        raise RequestError(ErrorCode.INCOMPATIBLE, "no worker of this model is registered")
+
+    def _load_done(self, key: str, owner: str, readers: int) -> Callable[[Load], None]:
+        def done(load: Load) -> None:
+            self._loads.pop((key, load.key), None)
+            owned = self._owner_loads.get(owner)
+            if owned is not None:
+                owned.discard((key, load.key))
+            if load.ok and not load.scope.cancel_called:
+                self.l1.commit(load.key)
+                expires = trio.current_time() + self.config.pin_ttl
+                self._pin_for_lookup(key, owner, load.key, readers, expires)
+            elif load.scope.cancel_called:
+                # Our copy thread has finished, but a plugin backend might abandon its thread:
+                # keep the slot out of use for a while, as for any writer that may be late.
+                until = trio.current_time() + self.config.reservation_ttl
+                self.l1.abort_quarantined(load.key, until)
+            else:
+                self.loads_failed += 1
+                self.l1.abort(load.key)
+
+        return done
+
+    def _end_lookup(self, key: str) -> int:
+        """Release a request's lookup pins and cancel its pending loads."""
+        for (request, _), load in list(self._loads.items()):
+            if request == key:
+                load.scope.cancel()
+        return self._undo(self.leases.pop_request(key, [LeaseKind.LOOKUP]), quarantine=False)
 
     # ----------------------------------------------------------------- store
 
@@ -227,6 +334,7 @@ class CacheService:
             self.leases.remove(lease)
             if ok:
                 self.l1.commit(lease.key)
+                self.l2.write_behind(lease.key, registration.profile.digest())
                 committed += 1
             else:
                 self.l1.abort(lease.key)
@@ -237,6 +345,16 @@ class CacheService:
     async def retrieve(self, session: Session, request: Retrieve) -> RetrieveReply:
         registration = self._registration(session)
         key, chain, chunks = self._chunks(registration, request)
+        pending = [
+            load
+            for index in chunks
+            if (load := self._loads.get((key, registration.space + chain.hashes[index])))
+            is not None
+        ]
+        if pending:  # L2 → L1 loads started by the lookup: wait for them, within the deadline
+            with trio.move_on_after(self.config.retrieve_timeout):
+                for load in pending:
+                    await load.done.wait()
         expires = trio.current_time() + self.config.pin_ttl
         slots = []
         for index in chunks:
@@ -272,13 +390,11 @@ class CacheService:
 
     async def free_lookup_locks(self, session: Session, request: FreeLookupLocks) -> Released:
         key = request_key(request.model, request.tenant, request.request)
-        return Released(
-            self._undo(self.leases.pop_request(key, [LeaseKind.LOOKUP]), quarantine=False)
-        )
+        return Released(self._end_lookup(key))
 
     async def end_session(self, session: Session, request: EndSession) -> Released:
         key = request_key(request.model, request.tenant, request.request)
-        released = self._undo(self.leases.pop_request(key, [LeaseKind.LOOKUP]), quarantine=False)
+        released = self._end_lookup(key)
         if not self.leases.holds(key):
             self.registry.forget_request(key)
         # else: a worker's store or retrieve is still under way (engines save asynchronously)
@@ -399,4 +515,11 @@ class CacheService:
             lookups=self.lookups,
             lookup_hit_chunks=self.lookup_hit_chunks,
             lookup_miss_chunks=self.lookup_miss_chunks,
+            lookup_l2_chunks=self.lookup_l2_chunks,
+            lookup_timeouts=self.lookup_timeouts,
+            loads_pending=len(self._loads),
+            loads_failed=self.loads_failed,
+            write_behind_queued=self.l2.queued,
+            write_behind_skipped=self.l2.skipped_stores,
+            l2_corrupt=self.l2.corrupt,
         )

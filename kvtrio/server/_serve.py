@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import trio
@@ -12,9 +12,11 @@ import zmq
 
 from ..config import ServerConfig
 from ..errors import ConfigError
+from ..l2 import Backend, create_backend
 from ..storage import L1Cache, SharedArena, default_shm_dir
 from ..transport import ensure_endpoint_free, open_socket
 from ._cache import CacheService
+from ._l2 import L2Tier
 from ._operations import register_core_operations
 from ._router import Router
 from ._state import ServerState
@@ -82,14 +84,21 @@ def _router_options(config: ServerConfig) -> dict[int, int]:
 
 
 @asynccontextmanager
-async def open_server(config: ServerConfig) -> AsyncIterator[ServerHandle]:
+async def open_server(
+    config: ServerConfig, *, backends: Sequence[tuple[str, Backend]] | None = None
+) -> AsyncIterator[ServerHandle]:
     """Run a server for the duration of the block.
 
     The server is bound and serving when the block starts. Leaving the block, or
     :meth:`ServerHandle.shutdown` / :meth:`ServerHandle.stop` (which also cancel the block's body),
     stops it: sessions are cancelled and clean up, then the socket is closed.
+
+    ``backends`` replaces the L2 cascade of ``config`` with ready-made backend instances (tests
+    use it to hold on to a backend); they are closed when the server stops.
     """
     ensure_endpoint_free(config.endpoint)
+    if backends is None:
+        backends = [(spec.name, create_backend(spec.name, spec.options)) for spec in config.l2]
     arena = create_arena(config)
     try:
         with trio.CancelScope() as stop_scope:
@@ -98,10 +107,20 @@ async def open_server(config: ServerConfig) -> AsyncIterator[ServerHandle]:
             ) as socket:
                 state = ServerState(config, socket.bind(config.endpoint))
                 register_core_operations(state)
-                cache = CacheService(state, arena, L1Cache(arena.size))
+                l1 = L1Cache(arena.size)
+                l2 = L2Tier(
+                    backends,
+                    l1,
+                    arena,
+                    queue_size=config.write_behind_queue,
+                    flushers=2,
+                    loaders=config.l2_loaders,
+                )
+                cache = CacheService(state, arena, l1, l2)
                 cache.install()
                 async with trio.open_nursery() as root, trio.open_nursery() as sessions:
                     root.start_soon(_preallocate, arena)
+                    await root.start(l2.serve)
                     await root.start(cache.serve_reaper)
                     router = Router(state, socket, sessions)
                     await root.start(router.run)
@@ -159,13 +178,16 @@ def create_arena(config: ServerConfig) -> SharedArena:
 
 
 async def serve(
-    config: ServerConfig, *, task_status: trio.TaskStatus[ServerHandle] = trio.TASK_STATUS_IGNORED
+    config: ServerConfig,
+    *,
+    backends: Sequence[tuple[str, Backend]] | None = None,
+    task_status: trio.TaskStatus[ServerHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until :meth:`ServerHandle.shutdown` or cancellation.
 
     Start it with ``handle = await nursery.start(serve, config)``; the handle is passed to
     ``task_status.started`` once the socket is bound.
     """
-    async with open_server(config) as handle:
+    async with open_server(config, backends=backends) as handle:
         task_status.started(handle)
         await trio.sleep_forever()

@@ -13,7 +13,7 @@ import trio
 from .._version import __version__
 from ..config import ServerConfig
 from ..errors import ErrorCode
-from ..protocol import CacheStats, Reply, Request, ServerCounters, StatsReply
+from ..protocol import CacheStats, L2Stats, Reply, Request, ServerCounters, StatsReply
 
 if TYPE_CHECKING:
     from ._session import Session
@@ -66,6 +66,7 @@ class ServerState:
         self.operations: dict[type[Request], Operation] = {}
         self.cache_stats: Callable[[], CacheStats] | None = None
         """Set by the cache service: its part of the ``stats`` reply."""
+        self.l2_stats: Callable[[], tuple[L2Stats, ...]] | None = None
         self.draining = False
         self.pending = 0
         """Requests accepted by the router that have not been answered (or dropped) yet."""
@@ -118,4 +119,5 @@ class ServerState:
             ),
             sessions=tuple(session.stats(now) for session in self.sessions.values()),
             cache=self.cache_stats() if self.cache_stats is not None else None,
+            l2=self.l2_stats() if self.l2_stats is not None else (),
         )

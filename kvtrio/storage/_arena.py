@@ -142,6 +142,14 @@ class SharedArena:
             )
         return self.buffer[offset : offset + nbytes]
 
+    def memory(self, offset: int, nbytes: int) -> memoryview:
+        """The bytes ``[offset, offset + nbytes)`` as a writable memoryview (no copy), for I/O."""
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(
+                f"slot [{offset}, {offset + nbytes}) is outside the arena of {self.size}"
+            )
+        return memoryview(self._mmap)[offset : offset + nbytes]
+
     def close(self) -> None:
         """Unmap; the creator also removes the file. Views still alive keep the memory valid
         until they are dropped (numpy holds the mapping)."""

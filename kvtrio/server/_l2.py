@@ -1,0 +1,338 @@
+"""The L2 tier in the server: write-behind, lookups across the backend cascade, L2→L1 loads.
+
+- **Write-behind**: a committed chunk is queued (bounded channel) to flusher tasks that frame it
+  and store it in every backend; while queued or being written it is pinned in L1. A full queue
+  skips the chunk and counts it: never an unbounded queue.
+- **Lookup**: the chunks after the L1 prefix go to every backend's ``lookup_and_lock`` at once;
+  the caller runs this inside the lookup's cancel scope, and a cancelled lookup unlocks (shielded)
+  whatever it had locked.
+- **Loads**: L2 hits get an L1 slot reserved right away and a loader task (in the server's
+  loaders nursery, bounded per backend) that reads the object into the slot, verifies its frame
+  in a worker thread, and commits it. A retrieve waits for its chunks' loads; a request's end
+  cancels them.
+- **Health**: a backend that fails is skipped for a growing backoff (0.5 s … 30 s), counted, and
+  tried again afterwards; no backend error reaches a client.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+
+import attrs
+import trio
+
+from ..l2 import HEADER_SIZE, Backend, BackendError, Corrupt, check, header
+from ..protocol import L2Stats
+from ..storage import Entry, L1Cache, SharedArena
+
+__all__ = ["L2Tier", "Load"]
+
+log = logging.getLogger("kvtrio.l2")
+
+_BACKOFF_MIN, _BACKOFF_MAX = 0.5, 30.0
+_CPU = trio.CapacityLimiter(2)
+"""Checksums of chunks (xxh3, ~7 GB/s) run in worker threads, two at a time."""
+
+
+@attrs.define(eq=False)
+class _Health:
+    backend: Backend
+    name: str
+    down_until: float = -math.inf
+    backoff: float = 0.0
+    counters: dict[str, int] = attrs.field(factory=dict)
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.counters[what] = self.counters.get(what, 0) + n
+
+    def usable(self, now: float) -> bool:
+        return now >= self.down_until
+
+    def failed(self, exc: BaseException, now: float) -> None:
+        self.count("errors")
+        self.backoff = min(max(self.backoff * 2, _BACKOFF_MIN), _BACKOFF_MAX)
+        if self.down_until < now:
+            log.warning(
+                "L2 backend %s failed (%s); skipping it for %.1fs", self.name, exc, self.backoff
+            )
+        self.down_until = now + self.backoff
+
+    def succeeded(self) -> None:
+        if self.backoff:
+            log.info("L2 backend %s is back", self.name)
+        self.backoff = 0.0
+
+
+@attrs.define(eq=False)
+class Load:
+    """An L2→L1 load of one object for a request."""
+
+    key: bytes
+    entry: Entry
+    source: _Health
+    done: trio.Event = attrs.field(factory=trio.Event)
+    ok: bool = False
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+
+
+class L2Tier:
+    """The backends of one server, in cascade order."""
+
+    def __init__(
+        self,
+        backends: Sequence[tuple[str, Backend]],
+        l1: L1Cache,
+        arena: SharedArena,
+        *,
+        queue_size: int,
+        flushers: int,
+        loaders: int,
+    ) -> None:
+        self.backends = [_Health(backend, name) for name, backend in backends]
+        self.l1 = l1
+        self.arena = arena
+        self._flushers = flushers
+        self._send, self._receive = trio.open_memory_channel[tuple[bytes, bytes]](queue_size)
+        self._queued = 0
+        self._limiters = {id(h): trio.CapacityLimiter(loaders) for h in self.backends}
+        self._loaders: trio.Nursery | None = None
+        self.skipped_stores = 0
+        self.corrupt = 0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.backends)
+
+    # ----------------------------------------------------------------- tasks
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the flushers and host the loaders until cancelled; close the backends after.
+
+        Cancellation: running stores and loads are cancelled; closing is shielded and bounded.
+        """
+        try:
+            async with trio.open_nursery() as nursery:
+                self._loaders = nursery
+                for _ in range(self._flushers if self.backends else 0):
+                    nursery.start_soon(self._flush, self._receive.clone())
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._loaders = None
+            with trio.move_on_after(5) as scope:
+                scope.shield = True
+                for health in self.backends:
+                    try:
+                        await health.backend.aclose()
+                    except Exception:
+                        log.exception("closing L2 backend %s failed", health.name)
+
+    # ----------------------------------------------------------------- write-behind
+
+    def write_behind(self, key: bytes, fingerprint: bytes) -> None:
+        """Queue a committed L1 chunk for the backends (pinned until written); never waits."""
+        if not self.backends:
+            return
+        self.l1.pin(key)
+        try:
+            self._send.send_nowait((key, fingerprint))
+        except trio.WouldBlock:
+            self.l1.unpin(key)
+            self.skipped_stores += 1
+            return
+        self._queued += 1
+
+    async def _flush(self, receive: trio.MemoryReceiveChannel[tuple[bytes, bytes]]) -> None:
+        async for key, fingerprint in receive:
+            self._queued -= 1
+            try:
+                entry = self.l1.get(key)
+                if entry is None:  # cannot happen while pinned; be safe
+                    continue
+                payload = self.arena.memory(entry.offset, entry.nbytes)
+                head = await trio.to_thread.run_sync(
+                    header, key, fingerprint, payload, limiter=_CPU
+                )
+                for health in self.backends:
+                    now = trio.current_time()
+                    if not health.usable(now):
+                        health.count("stores_skipped")
+                        continue
+                    try:
+                        (ok,) = await health.backend.store([key], [[memoryview(head), payload]])
+                    except BackendError as exc:
+                        health.failed(exc, trio.current_time())
+                        continue
+                    health.succeeded()
+                    health.count("stores" if ok else "stores_refused")
+                    health.count("store_bytes", entry.nbytes if ok else 0)
+            finally:
+                self.l1.unpin(key)
+
+    # ----------------------------------------------------------------- lookup
+
+    async def lookup(self, spaces: Sequence[bytes], hashes: Sequence[bytes]) -> list[list[_Health]]:
+        """Which backend serves each leading chunk of ``hashes``, for every namespace.
+
+        Returns, per chunk of the found prefix, the backend to load it from (one per space,
+        index-aligned with ``spaces``). Objects of the returned chunks are locked in their
+        backend; everything else this call locked is unlocked before it returns. If cancelled,
+        it unlocks everything it locked (shielded) and raises Cancelled.
+        """
+        now = trio.current_time()
+        usable = [h for h in self.backends if h.usable(now)]
+        if not usable or not hashes:
+            return []
+        keys = [[space + h for h in hashes] for space in spaces]
+        locked: dict[tuple[int, int], int] = {}  # (backend index, space index) → locked prefix
+
+        async def probe(b: int, s: int) -> None:
+            health = usable[b]
+            try:
+                count = await health.backend.lookup_and_lock(keys[s])
+            except BackendError as exc:
+                health.failed(exc, trio.current_time())
+                return
+            locked[(b, s)] = count  # recorded at once: a cancellation must unlock it
+            health.succeeded()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for b in range(len(usable)):
+                    for s in range(len(spaces)):
+                        nursery.start_soon(probe, b, s)
+            chosen: list[list[_Health]] = []
+            for chunk in range(len(hashes)):
+                sources = [
+                    next(
+                        (usable[b] for b in range(len(usable)) if locked.get((b, s), 0) > chunk),
+                        None,
+                    )
+                    for s in range(len(spaces))
+                ]
+                if None in sources:
+                    break
+                chosen.append([h for h in sources if h is not None])
+        except BaseException:
+            chosen = []
+            raise
+        finally:
+            # Unlock every key locked in a backend it will not be loaded from (all of them when
+            # cancelled), shielded so that a cancelled lookup leaves nothing locked.
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                for (b, s), count in locked.items():
+                    release = [
+                        keys[s][i]
+                        for i in range(count)
+                        if i >= len(chosen) or chosen[i][s] is not usable[b]
+                    ]
+                    await self._unlock(usable[b], release)
+        return chosen
+
+    async def release(
+        self, sources: Sequence[Sequence[_Health]], keys: Sequence[Sequence[bytes]]
+    ) -> None:
+        """Unlock chunks :meth:`lookup` returned that will not be loaded after all
+        (``keys[i][s]`` is locked in ``sources[i][s]``). Shielded and bounded."""
+        with trio.CancelScope(shield=True), trio.move_on_after(5):
+            for chunk_sources, chunk_keys in zip(sources, keys, strict=True):
+                for health, key in zip(chunk_sources, chunk_keys, strict=True):
+                    await self._unlock(health, [key])
+
+    async def _unlock(self, health: _Health, keys: list[bytes]) -> None:
+        if not keys:
+            return
+        try:
+            await health.backend.unlock(keys)
+        except BackendError as exc:
+            health.failed(exc, trio.current_time())
+
+    # ----------------------------------------------------------------- loads
+
+    def start_load(
+        self,
+        key: bytes,
+        entry: Entry,
+        source: _Health,
+        fingerprint: bytes,
+        on_done: Callable[[Load], None],
+    ) -> Load:
+        """Load ``key`` from ``source`` into the reserved L1 ``entry`` in a loader task.
+
+        ``on_done(load)`` runs when it ended (ok or not), before ``load.done`` is set. The object
+        stays locked in the backend until then.
+        """
+        load = Load(key, entry, source)
+        assert self._loaders is not None, "the L2 tier is not running"
+        self._loaders.start_soon(self._load, load, fingerprint, on_done)
+        return load
+
+    async def _load(self, load: Load, fingerprint: bytes, on_done: Callable[[Load], None]) -> None:
+        source = load.source
+        try:
+            with load.scope:
+                async with self._limiters[id(source)]:
+                    head = bytearray(HEADER_SIZE)
+                    payload = self.arena.memory(load.entry.offset, load.entry.nbytes)
+                    try:
+                        (ok,) = await source.backend.load([load.key], [[memoryview(head), payload]])
+                    except BackendError as exc:
+                        source.failed(exc, trio.current_time())
+                        ok = False
+                    if ok:
+                        try:
+                            await trio.to_thread.run_sync(
+                                check, bytes(head), load.key, fingerprint, payload, limiter=_CPU
+                            )
+                        except Corrupt as exc:
+                            ok = False
+                            self.corrupt += 1
+                            source.count("corrupt")
+                            log.warning(
+                                "L2 backend %s: corrupt object deleted (%s)", source.name, exc
+                            )
+                            await self._delete(source, load.key)
+                    elif not load.scope.cancel_called:
+                        # It was there (locked) yet cannot be read at its size: truncated, or
+                        # evicted behind the lock's back. Either way it is of no use any more.
+                        source.count("unreadable")
+                        await self._delete(source, load.key)
+                    source.count("loads" if ok else "load_misses")
+                    source.count("load_bytes", load.entry.nbytes if ok else 0)
+                    load.ok = ok
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                await self._unlock(source, [load.key])
+            on_done(load)
+            load.done.set()
+
+    async def _delete(self, health: _Health, key: bytes) -> None:
+        try:
+            await health.backend.delete([key])
+        except BackendError as exc:
+            health.failed(exc, trio.current_time())
+
+    # ----------------------------------------------------------------- stats
+
+    def stats(self) -> tuple[L2Stats, ...]:
+        now = trio.current_time()
+        result = []
+        for health in self.backends:
+            try:
+                own = dict(health.backend.statistics())
+            except Exception:  # a plugin's statistics must not break stats
+                own = {}
+            result.append(
+                L2Stats(
+                    name=health.name,
+                    healthy=health.usable(now),
+                    counters={k: float(v) for k, v in {**own, **health.counters}.items()},
+                )
+            )
+        return tuple(result)
+
+    @property
+    def queued(self) -> int:
+        return self._queued

@@ -1,0 +1,246 @@
+"""The L2 tier inside a server: write-behind, lookups across L2 (with timeouts), loads, faults.
+
+The server runs in the test's trio loop with backend instances the test holds on to, so it can
+slow them down, break them, and "restart" the server over the same L2. Clients speak the
+protocol directly (slot contents do not matter here; byte equality is the e2e tests' job).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from kvtrio.client import AsyncClient, open_client
+from kvtrio.config import ServerConfig
+from kvtrio.l2 import Backend
+from kvtrio.l2.disk import DiskBackend, DiskOptions
+from kvtrio.l2.fault import FaultBackend
+from kvtrio.l2.memory import MemoryBackend
+from kvtrio.protocol import (
+    Commit,
+    EndSession,
+    GetStats,
+    LayoutSpec,
+    Lookup,
+    LookupReply,
+    Register,
+    Release,
+    Retrieve,
+    RetrieveReply,
+    StatsReply,
+    Store,
+    StoreReply,
+)
+from kvtrio.server import ServerHandle, open_server
+
+from ..conftest import await_async, await_condition
+
+CHUNK = 256
+PROMPT = tuple(range(7000, 7000 + 10 * CHUNK))
+LAYOUT = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")  # 256 KiB chunks
+
+
+@asynccontextmanager
+async def running(
+    config: ServerConfig, backend: Backend
+) -> AsyncIterator[tuple[ServerHandle, AsyncClient, AsyncClient]]:
+    """A server over ``backend``, a registered worker client and a scheduler client."""
+    async with (
+        open_server(config, backends=[("l2", backend)]) as server,
+        open_client(server.endpoint) as worker,
+        open_client(server.endpoint) as scheduler,
+    ):
+        await worker.request(Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
+        yield server, worker, scheduler
+        server.stop()
+
+
+async def stats(client: AsyncClient) -> StatsReply:
+    return await client.call(GetStats(), StatsReply)
+
+
+async def cache(client: AsyncClient) -> Any:
+    reply = await stats(client)
+    assert reply.cache is not None
+    return reply.cache
+
+
+async def store(worker: AsyncClient, request: str, chunks: int) -> None:
+    reply = await worker.call(
+        Store(request, 0, chunks * CHUNK, tokens=PROMPT[: chunks * CHUNK]), StoreReply
+    )
+    written = tuple(slot.chunk for slot in reply.slots if slot.status == "write")
+    await worker.request(Commit(request, written=written))
+
+
+async def written_to_l2(client: AsyncClient, count: int) -> None:
+    async def done() -> bool:
+        return (await stats(client)).l2[0].counters.get("stores", 0) >= count
+
+    await await_async(done, what=f"{count} chunks written to L2")
+
+
+async def lookup(scheduler: AsyncClient, request: str, chunks: int = 10) -> LookupReply:
+    return await scheduler.call(
+        Lookup(request, "m", 1, tokens=PROMPT[: chunks * CHUNK]), LookupReply
+    )
+
+
+async def retrieve(worker: AsyncClient, request: str, chunks: int = 10) -> dict[str, list[int]]:
+    reply = await worker.call(Retrieve(request, 0, chunks * CHUNK), RetrieveReply)
+    by_status: dict[str, list[int]] = {}
+    for slot in reply.slots:
+        by_status.setdefault(slot.status, []).append(slot.chunk)
+    if "read" in by_status:
+        await worker.request(Release(request, tuple(by_status["read"])))
+    return by_status
+
+
+@pytest.fixture
+def config(server_config: ServerConfig) -> ServerConfig:
+    return attrs.evolve(server_config, lookup_timeout=0.3, retrieve_timeout=2.0)
+
+
+@pytest.fixture
+def fault() -> FaultBackend:
+    return FaultBackend(inner=MemoryBackend())
+
+
+async def test_a_restarted_server_finds_chunks_in_l2_and_retrieve_waits_for_the_loads(
+    config: ServerConfig, fault: FaultBackend
+) -> None:
+    async with running(config, fault) as (_, worker, scheduler):
+        await store(worker, "first", 10)
+        await written_to_l2(worker, 10)
+    async with running(config, fault) as (_, worker, scheduler):  # L1 is empty now
+        fault.configure(latency=0.05)  # loads take a while: the retrieve must wait for them
+        assert await lookup(scheduler, "second") == LookupReply(10 * CHUNK, 10)
+        assert await retrieve(worker, "second") == {"read": list(range(10))}
+        state = await cache(worker)
+        assert (state.lookup_l2_chunks, state.loads_pending, state.loads_failed) == (10, 0, 0)
+        await scheduler.request(EndSession("second", "m"))
+        await await_condition(lambda: fault.statistics()["locks"] == 0, what="L2 unlocked")
+        assert (await cache(worker)).l1_pins == 0
+
+
+async def test_a_slow_backend_makes_the_lookup_answer_with_l1_hits_in_time(
+    config: ServerConfig, fault: FaultBackend
+) -> None:
+    async with running(config, fault) as (_, worker, scheduler):
+        await store(worker, "first", 10)
+        await written_to_l2(worker, 10)
+    async with running(config, fault) as (_, worker, scheduler):
+        await store(worker, "again", 3)  # L1 has the first 3 chunks, L2 all 10
+        fault.configure(latency=2.0)
+        started = trio.current_time()
+        assert await lookup(scheduler, "slow") == LookupReply(3 * CHUNK, 3)
+        assert trio.current_time() - started < config.lookup_timeout + 0.5
+        assert fault.statistics()["locks"] == 0  # the cancelled L2 lookup left nothing locked
+        assert (await cache(worker)).lookup_timeouts == 1
+        fault.configure(latency=0.0)
+        assert await lookup(scheduler, "fast") == LookupReply(10 * CHUNK, 10)
+
+
+async def test_a_retrieve_reports_exactly_the_chunks_whose_loads_failed(
+    config: ServerConfig, fault: FaultBackend
+) -> None:
+    async with running(config, fault) as (_, worker, scheduler):
+        await store(worker, "first", 10)
+        await written_to_l2(worker, 10)
+    async with running(config, fault) as (_, worker, scheduler):
+        await store(worker, "again", 5)  # chunks 0-4 in L1, 5-9 only in L2
+        fault.configure(drop_rate=1.0)  # every load from L2 fails
+        assert await lookup(scheduler, "r") == LookupReply(10 * CHUNK, 10)
+        assert await retrieve(worker, "r") == {"read": [0, 1, 2, 3, 4], "failed": [5, 6, 7, 8, 9]}
+        assert (await cache(worker)).loads_failed == 5
+        await scheduler.request(EndSession("r", "m"))
+        state = await cache(worker)
+        assert (state.l1_pins, state.l1_writing) == (0, 0)
+
+
+async def test_a_failing_backend_never_takes_the_server_down_and_is_used_again(
+    config: ServerConfig, fault: FaultBackend
+) -> None:
+    async with running(config, fault) as (_, worker, scheduler):
+        fault.configure(error_rate=1.0)  # the service "went down"
+        await store(worker, "a", 4)  # stores still work (L1), write-behind fails, counted
+        await await_condition(lambda: fault.injected["errors"] >= 1, what="a failed write")
+        assert await lookup(scheduler, "b", 4) == LookupReply(4 * CHUNK, 4)
+        backend_stats = (await stats(worker)).l2[0]
+        assert not backend_stats.healthy
+        assert backend_stats.counters["errors"] >= 1
+        fault.configure(error_rate=0.0)  # back
+
+        async def healthy() -> bool:
+            return (await stats(worker)).l2[0].healthy
+
+        await await_async(healthy, what="the backend to be tried again")
+        await store(worker, "c", 6)
+        await written_to_l2(worker, 2)  # chunks 4 and 5 reached L2 (0-3 were skipped)
+
+
+async def test_a_full_write_behind_queue_skips_and_counts(
+    config: ServerConfig, fault: FaultBackend
+) -> None:
+    config = attrs.evolve(config, write_behind_queue=1)
+    async with running(config, fault) as (_, worker, _scheduler):
+        fault.configure(latency=0.5)
+        await store(worker, "a", 10)
+        state = await cache(worker)
+        assert state.write_behind_skipped >= 5
+        fault.configure(latency=0.0)
+
+        async def unpinned() -> bool:  # queued chunks are unpinned once written
+            return (await cache(worker)).l1_pins == 0
+
+        await await_async(unpinned, what="the write-behind to drain")
+
+
+async def test_end_session_cancels_pending_loads(config: ServerConfig, fault: FaultBackend) -> None:
+    async with running(config, fault) as (_, worker, scheduler):
+        await store(worker, "first", 10)
+        await written_to_l2(worker, 10)
+    config = attrs.evolve(config, lookup_timeout=5.0)
+    async with running(config, fault) as (_, worker, scheduler):
+        fault.configure(latency=1.0)
+        assert (await lookup(scheduler, "r")).hit_chunks == 10
+        assert (await cache(worker)).loads_pending == 10
+        await scheduler.request(EndSession("r", "m"))
+        state = await cache(worker)
+        assert (state.loads_pending, state.l1_writing, state.l1_pins) == (0, 0, 0)
+        await await_condition(lambda: fault.statistics()["locks"] == 0, what="L2 unlocked")
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+async def test_a_damaged_object_on_disk_is_a_miss_deleted_and_counted(
+    config: ServerConfig, tmp_path: Path, damage: str
+) -> None:
+    disk = DiskBackend(DiskOptions(path=str(tmp_path)))
+    async with running(config, disk) as (_, worker, scheduler):
+        await store(worker, "first", 1)
+        await written_to_l2(worker, 1)
+    (path,) = (tmp_path / "objects").glob("*/*")
+    damaged = bytearray(path.read_bytes())
+    if damage == "flip":
+        damaged[len(damaged) // 2] ^= 0x01
+    else:
+        del damaged[-1000:]
+    path.write_bytes(damaged)
+    disk = DiskBackend(DiskOptions(path=str(tmp_path)))  # a new server process would scan anew
+    async with running(config, disk) as (_, worker, scheduler):
+        assert (await lookup(scheduler, "r", 1)).hit_chunks == 1  # found in L2, not yet read
+        assert await retrieve(worker, "r", 1) == {"failed": [0]}
+        await scheduler.request(EndSession("r", "m"))
+        counters = (await stats(worker)).l2[0].counters
+        if damage == "flip":
+            assert (await cache(worker)).l2_corrupt == 1  # the frame's checksum caught it
+        else:
+            assert counters["unreadable"] == 1  # the size caught it
+        assert not path.exists()
+        assert (await lookup(scheduler, "r2", 1)).hit_chunks == 0

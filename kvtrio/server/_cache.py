@@ -9,7 +9,7 @@ end, by its session's end, or by the reaper when it expires.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import trio
@@ -45,7 +45,8 @@ from ..storage import (
     Reservation,
     SharedArena,
 )
-from ._l2 import L2Tier, Load
+from ._l2 import L2Tier
+from ._prefetch import Prefetcher
 from ._registry import Registration, Registry, request_key
 from ._session import Session
 from ._state import ServerState
@@ -67,14 +68,12 @@ class CacheService:
         self.arena = arena
         self.l1 = l1
         self.l2 = l2
-        self._loads: dict[tuple[str, bytes], Load] = {}  # (request, object key) → its L2 load
-        self._owner_loads: dict[str, set[tuple[str, bytes]]] = {}
         self.lookup_l2_chunks = 0
         self.lookup_timeouts = 0
-        self.loads_failed = 0
         self.leases = LeaseTable()
         self.registry = Registry(state.config.chunk_size)
         self._watched: set[str] = set()  # sessions whose end releases their leases
+        self.prefetch = Prefetcher(l1, l2, state.config, self._pin_for_lookup)
         self.lookups = 0
         self.lookup_hit_chunks = 0
         self.lookup_miss_chunks = 0
@@ -124,10 +123,7 @@ class CacheService:
         return Released(self._drop_registration(session.id, quarantine=False))
 
     def _drop_registration(self, session_id: str, *, quarantine: bool) -> int:
-        for load_key in self._owner_loads.pop(session_id, ()):
-            load = self._loads.get(load_key)
-            if load is not None:
-                load.scope.cancel()
+        self.prefetch.cancel_owner(session_id)
         registration = self.registry.unregister(session_id)
         released = self._undo(self.leases.pop_owner(session_id), quarantine=quarantine)
         if registration is not None:
@@ -199,14 +195,15 @@ class CacheService:
                 sources = await self.l2.lookup(model.spaces, hashes[hit:])
             if scope.cancelled_caught:
                 self.lookup_timeouts += 1  # (l2.lookup unlocked what it had locked)
-            loaded = await self._start_loads(
-                session,
+            loaded = await self.prefetch.start(
+                session.id,
                 key,
                 model.spaces,
                 hashes[hit : hit + len(sources)],
                 sources,
                 readers,
                 model.profile.digest(),
+                self._chunk_bytes(model.spaces),
             )
         self.lookups += 1
         self.lookup_hit_chunks += hit + loaded
@@ -221,77 +218,16 @@ class CacheService:
         self.l1.pin(object_key, readers)
         self.leases.add(LeaseKind.LOOKUP, key, owner, object_key, readers, expires)
 
-    async def _start_loads(
-        self,
-        session: Session,
-        key: str,
-        spaces: Sequence[bytes],
-        hashes: Sequence[bytes],
-        sources: Sequence[Sequence[Any]],
-        readers: int,
-        fingerprint: bytes,
-    ) -> int:
-        """Reserve L1 slots for the chunks found in L2 and start their loads; return how many
-        leading chunks will be (or already are) in L1. From the first chunk that cannot be
-        placed on, chunks are unlocked in L2 and not counted."""
-        chunk_bytes = self._chunk_bytes(spaces)
-        placed = 0
-        for index, (chunk_hash, chunk_sources) in enumerate(zip(hashes, sources, strict=True)):
-            keys = [space + chunk_hash for space in spaces]
-            outcomes = [self.l1.reserve(k, chunk_bytes) for k in keys]
-            if any(o in (Reservation.NO_SPACE, Reservation.IN_PROGRESS) for o in outcomes):
-                for object_key, outcome in zip(keys, outcomes, strict=True):
-                    if isinstance(outcome, Entry):
-                        self.l1.abort(object_key)
-                rest = [[space + h for space in spaces] for h in hashes[index:]]
-                await self.l2.release(sources[index:], rest)
-                break
-            expires = trio.current_time() + self.config.pin_ttl
-            for object_key, outcome, source in zip(keys, outcomes, chunk_sources, strict=True):
-                if outcome is Reservation.PRESENT:  # it reached L1 meanwhile
-                    self._pin_for_lookup(key, session.id, object_key, readers, expires)
-                    await self.l2.release([[source]], [[object_key]])
-                elif isinstance(outcome, Entry):
-                    done = self._load_done(key, session.id, readers)
-                    load = self.l2.start_load(object_key, outcome, source, fingerprint, done)
-                    self._loads[(key, object_key)] = load
-                    self._owner_loads.setdefault(session.id, set()).add((key, object_key))
-            placed += 1
-        return placed
+    def _end_lookup(self, key: str) -> int:
+        """Release a request's lookup pins and cancel its pending loads."""
+        self.prefetch.cancel_request(key)
+        return self._undo(self.leases.pop_request(key, [LeaseKind.LOOKUP]), quarantine=False)
 
     def _chunk_bytes(self, spaces: Sequence[bytes]) -> int:
         for registration in self.registry.by_session.values():
             if registration.space in spaces:
                 return registration.chunk_bytes
         raise RequestError(ErrorCode.INCOMPATIBLE, "no worker of this model is registered")
-
-    def _load_done(self, key: str, owner: str, readers: int) -> Callable[[Load], None]:
-        def done(load: Load) -> None:
-            self._loads.pop((key, load.key), None)
-            owned = self._owner_loads.get(owner)
-            if owned is not None:
-                owned.discard((key, load.key))
-            if load.ok and not load.scope.cancel_called:
-                self.l1.commit(load.key)
-                expires = trio.current_time() + self.config.pin_ttl
-                self._pin_for_lookup(key, owner, load.key, readers, expires)
-            elif load.scope.cancel_called:
-                # Our copy thread has finished, but a plugin backend might abandon its thread:
-                # keep the slot out of use for a while, as for any writer that may be late.
-                until = trio.current_time() + self.config.reservation_ttl
-                self.l1.abort_quarantined(load.key, until)
-            else:
-                self.loads_failed += 1
-                self.l1.abort(load.key)
-
-        return done
-
-    def _end_lookup(self, key: str) -> int:
-        """Release a request's lookup pins and cancel its pending loads."""
-        for (request, _), load in list(self._loads.items()):
-            if request == key:
-                load.scope.cancel()
-        return self._undo(self.leases.pop_request(key, [LeaseKind.LOOKUP]), quarantine=False)
 
     # ----------------------------------------------------------------- store
 
@@ -345,12 +281,7 @@ class CacheService:
     async def retrieve(self, session: Session, request: Retrieve) -> RetrieveReply:
         registration = self._registration(session)
         key, chain, chunks = self._chunks(registration, request)
-        pending = [
-            load
-            for index in chunks
-            if (load := self._loads.get((key, registration.space + chain.hashes[index])))
-            is not None
-        ]
+        pending = self.prefetch.pending(key, [registration.space + chain.hashes[i] for i in chunks])
         if pending:  # L2 → L1 loads started by the lookup: wait for them, within the deadline
             with trio.move_on_after(self.config.retrieve_timeout):
                 for load in pending:
@@ -517,8 +448,8 @@ class CacheService:
             lookup_miss_chunks=self.lookup_miss_chunks,
             lookup_l2_chunks=self.lookup_l2_chunks,
             lookup_timeouts=self.lookup_timeouts,
-            loads_pending=len(self._loads),
-            loads_failed=self.loads_failed,
+            loads_pending=self.prefetch.pending_count,
+            loads_failed=self.prefetch.failed,
             write_behind_queued=self.l2.queued,
             write_behind_skipped=self.l2.skipped_stores,
             l2_corrupt=self.l2.corrupt,

@@ -1,0 +1,112 @@
+"""Prefetch: L2 hits of a lookup are loaded into L1 right away, before the retrieve asks.
+
+Each load gets a reserved L1 slot and a loader task (in the L2 tier's loaders nursery). When it
+ends, the chunk is committed and pinned for the request like an L1 hit, or its slot is dropped.
+A retrieve waits for the loads of its chunks; a request's end, or the end of the session that
+looked it up, cancels them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from ..config import ServerConfig
+from ..storage import Entry, L1Cache, Reservation
+from ._l2 import L2Tier, Load
+
+__all__ = ["Prefetcher"]
+
+PinForLookup = Callable[[str, str, bytes, int, float], None]
+"""``(request, owner session, object key, readers, expires_at)``: pin and record a lease."""
+
+
+class Prefetcher:
+    def __init__(self, l1: L1Cache, l2: L2Tier, config: ServerConfig, pin: PinForLookup) -> None:
+        self.l1 = l1
+        self.l2 = l2
+        self.config = config
+        self._pin = pin
+        self._loads: dict[tuple[str, bytes], Load] = {}  # (request, object key) → its load
+        self._by_owner: dict[str, set[tuple[str, bytes]]] = {}
+        self.failed = 0
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._loads)
+
+    def pending(self, key: str, object_keys: Sequence[bytes]) -> list[Load]:
+        """The unfinished loads of these objects for request ``key``."""
+        return [load for k in object_keys if (load := self._loads.get((key, k))) is not None]
+
+    def cancel_request(self, key: str) -> None:
+        for (request, _), load in list(self._loads.items()):
+            if request == key:
+                load.scope.cancel()
+
+    def cancel_owner(self, owner: str) -> None:
+        for load_key in self._by_owner.pop(owner, ()):
+            load = self._loads.get(load_key)
+            if load is not None:
+                load.scope.cancel()
+
+    async def start(
+        self,
+        owner: str,
+        key: str,
+        spaces: Sequence[bytes],
+        hashes: Sequence[bytes],
+        sources: Sequence[Sequence[Any]],
+        readers: int,
+        fingerprint: bytes,
+        chunk_bytes: int,
+    ) -> int:
+        """Reserve L1 slots for the chunks found in L2 and start their loads; return how many
+        leading chunks will be (or already are) in L1. From the first chunk that cannot be
+        placed on, chunks are unlocked in L2 and not counted."""
+        placed = 0
+        for index, (chunk_hash, chunk_sources) in enumerate(zip(hashes, sources, strict=True)):
+            keys = [space + chunk_hash for space in spaces]
+            outcomes = [self.l1.reserve(k, chunk_bytes) for k in keys]
+            if any(o in (Reservation.NO_SPACE, Reservation.IN_PROGRESS) for o in outcomes):
+                for object_key, outcome in zip(keys, outcomes, strict=True):
+                    if isinstance(outcome, Entry):
+                        self.l1.abort(object_key)
+                rest = [[space + h for space in spaces] for h in hashes[index:]]
+                await self.l2.release(sources[index:], rest)
+                break
+            expires = trio.current_time() + self.config.pin_ttl
+            for object_key, outcome, source in zip(keys, outcomes, chunk_sources, strict=True):
+                if outcome is Reservation.PRESENT:  # it reached L1 meanwhile
+                    self._pin(key, owner, object_key, readers, expires)
+                    await self.l2.release([[source]], [[object_key]])
+                elif isinstance(outcome, Entry):
+                    done = self._done(key, owner, readers)
+                    load = self.l2.start_load(object_key, outcome, source, fingerprint, done)
+                    self._loads[(key, object_key)] = load
+                    self._by_owner.setdefault(owner, set()).add((key, object_key))
+            placed += 1
+        return placed
+
+    def _done(self, key: str, owner: str, readers: int) -> Callable[[Load], None]:
+        def done(load: Load) -> None:
+            self._loads.pop((key, load.key), None)
+            owned = self._by_owner.get(owner)
+            if owned is not None:
+                owned.discard((key, load.key))
+            if load.ok and not load.scope.cancel_called:
+                self.l1.commit(load.key)
+                expires = trio.current_time() + self.config.pin_ttl
+                self._pin(key, owner, load.key, readers, expires)
+            elif load.scope.cancel_called:
+                # Our copy thread has finished, but a plugin backend might abandon its thread:
+                # keep the slot out of use for a while, as for any writer that may be late.
+                until = trio.current_time() + self.config.reservation_ttl
+                self.l1.abort_quarantined(load.key, until)
+            else:
+                self.failed += 1
+                self.l1.abort(load.key)
+
+        return done

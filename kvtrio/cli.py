@@ -48,6 +48,16 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, metavar="FILE", help="TOML file of settings")
     for name, text in field_help().items():
         default = attrs.fields_dict(ServerConfig)[name].default
+        if name == "l2":
+            serve.add_argument(
+                "--l2",
+                dest="l2",
+                action="append",
+                default=argparse.SUPPRESS,
+                metavar="NAME:KEY=VALUE,...",
+                help=f"{text} [default: disk]",
+            )
+            continue
         serve.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
@@ -55,6 +65,12 @@ def _build_parser() -> argparse.ArgumentParser:
             metavar=name.split("_")[-1].upper(),
             help=f"{text} [default: {default}]",
         )
+
+    commands.add_parser(
+        "backends",
+        help="list the installed L2 backends and their options",
+        description="List the L2 backends found through the kvtrio.backends entry points.",
+    )
 
     ping = commands.add_parser("ping", help="check that a server answers")
     ping.add_argument("endpoint", nargs="?", default=DEFAULT_ENDPOINT, help="server endpoint")
@@ -70,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             _serve(args)
         elif args.command == "ping":
             _ping(args)
+        elif args.command == "backends":
+            _backends()
     except BaseException as exc:
         error = _sole_error(exc)  # trio wraps errors raised in nurseries in exception groups
         if isinstance(error, KeyboardInterrupt):  # a signal after the server had stopped
@@ -152,6 +170,22 @@ async def _drain_then_stop(handle: object, scope: trio.CancelScope) -> None:
         await handle.shutdown()
     finally:
         scope.cancel()
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def _backends() -> None:
+    from .l2 import describe_backends
+
+    for info in describe_backends():
+        print(f"{info.name}  ({info.target})")
+        if info.error is not None:
+            print(f"    unavailable: {info.error}")
+        for option, default, text in info.options:
+            shown = f" [default: {default}]" if default else ""
+            print(f"    {option:<14} {text}{shown}")
+        print()
 
 
 # --------------------------------------------------------------------------- ping

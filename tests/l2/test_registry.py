@@ -1,0 +1,93 @@
+"""The entry-point registry: lazy loading, readable errors, option parsing."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtrio.config import BackendSpec, load_config, parse_backend_spec
+from kvtrio.errors import ConfigError
+from kvtrio.l2 import GROUP, create_backend, describe_backends
+from kvtrio.l2.disk import DiskBackend
+
+
+@pytest.fixture
+def broken_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.metadata.entry_points
+
+    def entry_points(**kwargs: str) -> object:
+        found = list(real(**kwargs))
+        if kwargs.get("group") == GROUP:
+            found.append(
+                importlib.metadata.EntryPoint("broken", "kvtrio_no_such_module:Backend", GROUP)
+            )
+        return found
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+
+
+def test_our_backends_are_registered_like_plugins() -> None:
+    names = {info.name for info in describe_backends()}
+    assert {"disk", "memory", "fault"} <= names
+    disk = next(info for info in describe_backends() if info.name == "disk")
+    assert disk.error is None
+    assert [option for option, _, _ in disk.options] == ["path", "capacity", "fsync", "threads"]
+    assert all(text for _, _, text in disk.options)
+
+
+def test_a_backend_that_fails_to_import_is_reported_not_raised(broken_plugin: None) -> None:
+    broken = next(info for info in describe_backends() if info.name == "broken")
+    assert broken.error is not None
+    assert "cannot be imported" in broken.error
+    assert "ModuleNotFoundError" in broken.error
+    with pytest.raises(ConfigError, match=r"broken.*cannot be imported"):
+        create_backend("broken", {})
+
+
+def test_unknown_backend_and_install_hints() -> None:
+    with pytest.raises(ConfigError, match="no L2 backend named 'nope'"):
+        create_backend("nope", {})
+
+
+def test_options_are_typed_and_validated(tmp_path: Path) -> None:
+    backend = create_backend("disk", {"path": str(tmp_path), "capacity": "1GiB", "fsync": "yes"})
+    assert isinstance(backend, DiskBackend)
+    assert (backend.options.capacity, backend.options.fsync) == (1 << 30, True)
+    with pytest.raises(ConfigError, match="unknown option 'pth'"):
+        create_backend("disk", {"pth": "x"})
+    with pytest.raises(ConfigError, match="is not a size"):
+        create_backend("disk", {"capacity": "lots"})
+    with pytest.raises(ConfigError, match="expected true or false"):
+        create_backend("disk", {"fsync": "maybe"})
+
+
+def test_specs_from_flags_files_and_environment(tmp_path: Path) -> None:
+    assert parse_backend_spec("redis:url=redis://h:1/0,ttl=30") == BackendSpec(
+        "redis", {"url": "redis://h:1/0", "ttl": "30"}
+    )
+    with pytest.raises(ValueError, match="not key=value"):
+        parse_backend_spec("disk:path")
+    file = tmp_path / "kvtrio.toml"
+    file.write_text('[[l2]]\nname = "disk"\npath = "/x"\n[[l2]]\nname = "memory"\n')
+    assert load_config(config_file=file).l2 == (
+        BackendSpec("disk", {"path": "/x"}),
+        BackendSpec("memory"),
+    )
+    assert load_config({"l2": ["none"]}, config_file=file).l2 == ()
+    assert load_config(environ={"KVTRIO_L2": "memory;disk"}).l2 == (
+        BackendSpec("memory"),
+        BackendSpec("disk"),
+    )
+    assert load_config().l2 == (BackendSpec("disk"),)
+
+
+def test_kvtrio_backends_lists_options() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtrio", "backends"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "disk  (kvtrio.l2.disk:DiskBackend)" in out
+    assert "capacity" in out

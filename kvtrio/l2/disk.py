@@ -271,13 +271,16 @@ def _read_object(path: Path, parts: Buffers) -> bool | None:
     try:
         if os.fstat(fd).st_size != sum(len(p) for p in parts):
             return False
-        for part in parts:
-            view = memoryview(part).cast("B")
-            while view:
-                count = os.readv(fd, [view])
-                if count == 0:
-                    return False
-                view = view[count:]
+        pending = [memoryview(p).cast("B") for p in parts if len(p)]
+        while pending:  # one readv for all parts; loop only on a short read
+            count = os.readv(fd, pending)
+            if count == 0:
+                return False
+            while pending and count >= len(pending[0]):
+                count -= len(pending[0])
+                pending.pop(0)
+            if pending and count:
+                pending[0] = pending[0][count:]
         return True
     finally:
         os.close(fd)

@@ -22,8 +22,8 @@ __all__ = ["GROUP", "BackendInfo", "create_backend", "describe_backends", "load_
 GROUP = "kvtrio.backends"
 
 _INSTALL_HINTS = {
-    "redis": "pip install 'kvtrio[redis]'",
-    "s3": "pip install 'kvtrio[s3]'",
+    "redis": "pip install 'kvtrio[redis]' (in a checkout: pip install ./backends/redis)",
+    "s3": "pip install 'kvtrio[s3]' (in a checkout: pip install ./backends/s3)",
 }
 
 

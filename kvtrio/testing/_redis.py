@@ -1,0 +1,360 @@
+"""Real Redis servers for tests and benchmarks: standalone or a small cluster, on loopback.
+
+    from kvtrio.testing._redis import redis_cluster, redis_server
+
+    with redis_server() as server:          # redis-server on a free 127.0.0.1 port
+        use(server.url)
+        server.stop()                       # kill it mid-test …
+        server.start()                      # … and bring it back on the same port
+
+    with redis_cluster(masters=3) as cluster:
+        use(cluster.url)                    # any node; cluster.urls lists them all
+
+Servers run in temporary directories without persistence, are polled until they answer
+(never a fixed sleep) and are stopped by PID when the context exits, whatever happens. Nothing
+here needs redis-py: the few commands the helpers send go over a plain socket.
+:func:`ensure_redis_installed` installs the Debian package when ``redis-server`` is missing and
+the process may (root with apt-get, as in CI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LocalRedis",
+    "LocalRedisCluster",
+    "RedisUnavailable",
+    "ensure_redis_installed",
+    "redis_cluster",
+    "redis_server",
+]
+
+HOST = "127.0.0.1"
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis cannot be installed or started here."""
+
+
+# --------------------------------------------------------------------------- installation
+
+
+def ensure_redis_installed() -> str:
+    """Path of ``redis-server``; install the Debian package first if it is not on PATH.
+
+    Installing needs root and apt-get (CI containers); otherwise raise :class:`RedisUnavailable`
+    saying what to do. Prints a line to stderr when it installs something.
+    """
+    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if server and cli:
+        return server
+    apt = shutil.which("apt-get")
+    if apt is None or os.geteuid() != 0:
+        raise RedisUnavailable(
+            "redis-server is not installed and cannot be installed from here "
+            "(needs root and apt-get); install Redis and put redis-server and redis-cli "
+            "on PATH"
+        )
+    print("kvtrio.testing: redis-server not found; installing it with apt-get", file=sys.stderr)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = [apt, "install", "-y", "--no-install-recommends", "redis-server"]
+    result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:  # stale or missing package lists: update, then try again
+        subprocess.run([apt, "update"], env=env, capture_output=True, text=True, check=False)
+        result = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
+    server = shutil.which("redis-server")
+    if result.returncode != 0 or server is None or shutil.which("redis-cli") is None:
+        tail = (result.stderr or result.stdout).strip().splitlines()[-3:]
+        raise RedisUnavailable(f"apt-get install redis-server failed: {' / '.join(tail)}")
+    return server
+
+
+# --------------------------------------------------------------------------- a minimal client
+
+
+def command(port: int, *args: str | bytes, timeout: float = 2.0) -> Any:
+    """Send one command to the Redis on ``HOST:port`` and return its decoded reply.
+
+    Replies: simple strings as ``str``, integers as ``int``, bulk strings as ``bytes`` (None for
+    nil), arrays as lists; an error reply raises :class:`RedisUnavailable`. ``OSError`` if the
+    server cannot be reached.
+    """
+    parts = [arg.encode() if isinstance(arg, str) else arg for arg in args]
+    request = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+    with socket.create_connection((HOST, port), timeout=timeout) as sock:
+        sock.sendall(request)
+        return _Reply(sock).read()
+
+
+class _Reply:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._data = b""
+
+    def _fill(self) -> None:
+        more = self._sock.recv(65536)
+        if not more:
+            raise ConnectionError("the server closed the connection")
+        self._data += more
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self._data:
+            self._fill()
+        line, self._data = self._data.split(b"\r\n", 1)
+        return line
+
+    def read(self) -> Any:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest.decode()
+        if kind == b"-":
+            raise RedisUnavailable(f"redis error: {rest.decode(errors='replace')}")
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            length = int(rest)
+            if length < 0:
+                return None
+            while len(self._data) < length + 2:
+                self._fill()
+            value, self._data = self._data[:length], self._data[length + 2 :]
+            return value
+        if kind == b"*":
+            count = int(rest)
+            return None if count < 0 else [self.read() for _ in range(count)]
+        raise ConnectionError(f"unexpected reply {line[:40]!r}")
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``condition`` with a growing delay until it is true; RedisUnavailable at timeout."""
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while not condition():
+        if time.monotonic() > deadline:
+            raise RedisUnavailable(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def _free_port(*, with_bus: bool = False) -> int:
+    """A loopback port nobody listens on (and, for cluster nodes, its bus port + 10000)."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind((HOST, 0))
+            port: int = probe.getsockname()[1]
+        if not with_bus:
+            return port
+        if port + 10000 < 65536:
+            with socket.socket() as bus:
+                try:
+                    bus.bind((HOST, port + 10000))
+                except OSError:
+                    continue
+            return port
+    raise RedisUnavailable("no free loopback port pair for a cluster node")
+
+
+class LocalRedis:
+    """One ``redis-server`` process on ``127.0.0.1:port``; restartable on the same port."""
+
+    def __init__(
+        self,
+        directory: Path,
+        port: int | None = None,
+        args: Sequence[str] = (),
+        *,
+        bus: bool = False,
+    ) -> None:
+        self.directory = directory
+        self.port = port if port is not None else _free_port(with_bus=bus)
+        self.args = list(args)
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log = directory / f"redis-{self.port}.log"
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the running server, None while stopped."""
+        return self.process.pid if self.running else None  # type: ignore[union-attr]
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, timeout: float = 15.0) -> None:
+        """Start the server (again, on the same port) and return once it answers PING."""
+        if self.running:
+            return
+        server = ensure_redis_installed()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        argv = [
+            server,
+            "--port",
+            str(self.port),
+            "--bind",
+            HOST,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            "--dir",
+            str(self.directory),
+            *self.args,
+        ]
+        with self._log.open("ab") as log:
+            self.process = subprocess.Popen(
+                argv, cwd=self.directory, stdout=log, stderr=subprocess.STDOUT
+            )
+        try:
+            _wait_until(self._answers, timeout, f"redis-server on port {self.port} to answer PING")
+        except BaseException:
+            self.stop(kill=True)
+            raise
+
+    def _answers(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise RedisUnavailable(
+                f"redis-server on port {self.port} exited with {self.process.returncode}: "
+                f"{self.log()[-600:]}"
+            )
+        try:
+            return bool(command(self.port, "PING", timeout=1.0) == "PONG")
+        except (OSError, RedisUnavailable):
+            return False
+
+    def stop(self, *, kill: bool = False, timeout: float = 10.0) -> None:
+        """Stop the server by PID: SIGTERM (SIGKILL with ``kill``, or if it does not exit)."""
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def command(self, *args: str | bytes) -> Any:
+        """Run one command on this server (see :func:`command`)."""
+        return command(self.port, *args)
+
+    def log(self) -> str:
+        return self._log.read_text(errors="replace") if self._log.exists() else ""
+
+
+class LocalRedisCluster:
+    """A Redis Cluster of local masters (no replicas); ``url`` names the first node."""
+
+    def __init__(self, nodes: list[LocalRedis]) -> None:
+        self.nodes = nodes
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def flushall(self) -> None:
+        """Empty every master (FLUSHALL only acts on the node it is sent to)."""
+        for node in self.nodes:
+            node.command("FLUSHALL")
+
+    def state_ok(self) -> bool:
+        """Whether every node reports ``cluster_state:ok``."""
+        for node in self.nodes:
+            try:
+                info = node.command("CLUSTER", "INFO")
+            except (OSError, RedisUnavailable):
+                return False
+            if b"cluster_state:ok" not in info:
+                return False
+        return True
+
+
+@contextlib.contextmanager
+def redis_server(args: Sequence[str] = (), timeout: float = 15.0) -> Iterator[LocalRedis]:
+    """A standalone ``redis-server`` on a free loopback port, stopped at exit.
+
+    ``args`` are extra server arguments (``["--maxmemory", "64mb"]``). A port that another
+    process grabs before the server binds it is replaced by a new one (up to 3 attempts).
+    """
+    ensure_redis_installed()
+    with tempfile.TemporaryDirectory(prefix="kvtrio-redis-") as directory:
+        server = _start_on_free_port(lambda: LocalRedis(Path(directory), args=args), timeout)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@contextlib.contextmanager
+def redis_cluster(
+    masters: int = 3, args: Sequence[str] = (), timeout: float = 30.0
+) -> Iterator[LocalRedisCluster]:
+    """A Redis Cluster of ``masters`` local nodes (slots spread evenly, no replicas).
+
+    Created with ``redis-cli --cluster create``; yields once every node reports
+    ``cluster_state:ok``. All nodes are stopped at exit.
+    """
+    ensure_redis_installed()
+    node_args = ["--cluster-enabled", "yes", "--cluster-node-timeout", "5000", *args]
+    with tempfile.TemporaryDirectory(prefix="kvtrio-redis-cluster-") as directory:
+        nodes: list[LocalRedis] = []
+        try:
+            for index in range(masters):
+                path = Path(directory) / f"node{index}"
+                make = functools.partial(LocalRedis, path, args=node_args, bus=True)
+                nodes.append(_start_on_free_port(make, timeout))
+            addresses = [f"{HOST}:{node.port}" for node in nodes]
+            cli = shutil.which("redis-cli") or "redis-cli"
+            create = [cli, "--cluster", "create", *addresses]
+            create += ["--cluster-replicas", "0", "--cluster-yes"]
+            result = subprocess.run(
+                create, capture_output=True, text=True, timeout=timeout, check=False
+            )
+            if result.returncode != 0:
+                raise RedisUnavailable(f"redis-cli --cluster create failed: {result.stdout[-600:]}")
+            cluster = LocalRedisCluster(nodes)
+            _wait_until(cluster.state_ok, timeout, "cluster_state:ok on every node")
+            yield cluster
+        finally:
+            for node in nodes:
+                node.stop()
+
+
+def _start_on_free_port(make: Callable[[], LocalRedis], timeout: float) -> LocalRedis:
+    for attempt in range(3):
+        server = make()
+        try:
+            server.start(timeout)
+        except RedisUnavailable:
+            if attempt == 2 or "Address already in use" not in server.log():
+                raise
+            continue
+        return server
+    raise AssertionError("unreachable")

@@ -7,12 +7,26 @@
 """
 
 from ._conformance import BackendConformance
+from ._redis import (
+    LocalRedis,
+    LocalRedisCluster,
+    RedisUnavailable,
+    ensure_redis_installed,
+    redis_cluster,
+    redis_server,
+)
 from ._seaweedfs import SeaweedFS, WeedNotFound, find_weed, seaweedfs
 
 __all__ = [
     "BackendConformance",
+    "LocalRedis",
+    "LocalRedisCluster",
+    "RedisUnavailable",
     "SeaweedFS",
     "WeedNotFound",
+    "ensure_redis_installed",
     "find_weed",
+    "redis_cluster",
+    "redis_server",
     "seaweedfs",
 ]

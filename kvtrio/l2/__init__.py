@@ -2,6 +2,7 @@
 
 from ._framing import FORMAT_VERSION, HEADER_SIZE, Corrupt, check, header
 from ._interface import Backend, BackendError, BackendUnavailable, Buffers
+from ._locks import LocalLocks
 from ._registry import GROUP, BackendInfo, create_backend, describe_backends, load_backend_class
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "BackendUnavailable",
     "Buffers",
     "Corrupt",
+    "LocalLocks",
     "check",
     "create_backend",
     "describe_backends",

@@ -25,6 +25,7 @@ import trio
 
 from ..config import ByteSize
 from ._interface import BackendError, Buffers
+from ._locks import LocalLocks
 
 __all__ = ["DiskBackend"]
 
@@ -57,8 +58,7 @@ class DiskBackend:
         self._tmp_dir = self.root / "tmp"
         self._io = trio.CapacityLimiter(self.options.threads)  # the "disk I/O" limiter
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()
-        self._locks: collections.Counter[bytes] = collections.Counter()
-        self._doomed: set[bytes] = set()
+        self._locks = LocalLocks()
         self._bytes = 0
         self._indexed = False
         self._indexing: trio.Event | None = None
@@ -112,7 +112,7 @@ class DiskBackend:
         return self._indexed
 
     def _visible(self, key: bytes) -> bool:
-        return key in self._index and key not in self._doomed
+        return key in self._index and not self._locks.is_doomed(key)
 
     # ----------------------------------------------------------------- the interface
 
@@ -124,22 +124,14 @@ class DiskBackend:
             if not self._visible(key):
                 break
             found += 1
-        for key in keys[:found]:
-            self._locks[key] += 1
+        self._locks.lock(keys[:found])
         return found
 
     async def unlock(self, keys: Sequence[bytes]) -> None:
         await trio.lowlevel.checkpoint()
-        gone = []
-        for key in keys:
-            if self._locks[key] > 0:
-                self._locks[key] -= 1
-            if not self._locks[key]:
-                del self._locks[key]
-                if key in self._doomed:
-                    self._doomed.discard(key)
-                    gone.append(key)
-                    self._forget(key)
+        gone = self._locks.unlock(keys)
+        for key in gone:
+            self._forget(key)
         if gone:
             await self._unlink(gone)
 
@@ -196,7 +188,7 @@ class DiskBackend:
                 raise
             if key in self._index:
                 self._bytes -= self._index.pop(key)
-            self._doomed.discard(key)
+            self._locks.replaced(key)
             self._index[key] = size
             self.counters["stores"] += 1
             self.counters["store_bytes"] += size
@@ -209,9 +201,7 @@ class DiskBackend:
         for key in keys:
             if key not in self._index:
                 continue
-            if self._locks[key]:
-                self._doomed.add(key)
-            else:
+            if not self._locks.defer_delete(key):
                 self._forget(key)
                 gone.append(key)
         if gone:
@@ -227,7 +217,7 @@ class DiskBackend:
             "objects": len(self._index),
             "bytes": self._bytes,
             "capacity_bytes": self.options.capacity,
-            "locks": sum(self._locks.values()),
+            "locks": self._locks.total,
             **self.counters,
         }
 
@@ -246,7 +236,7 @@ class DiskBackend:
         for key in list(self._index):
             if self._bytes + size <= capacity:
                 break
-            if not self._locks[key]:
+            if not self._locks.is_locked(key):
                 victims.append(key)
                 self._forget(key)
         if victims:

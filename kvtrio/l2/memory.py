@@ -11,6 +11,7 @@ import trio
 
 from ..config import ByteSize
 from ._interface import Buffers
+from ._locks import LocalLocks
 
 __all__ = ["MemoryBackend"]
 
@@ -32,8 +33,7 @@ class MemoryBackend:
     def __init__(self, options: MemoryOptions | None = None) -> None:
         self.options = options or MemoryOptions()
         self._objects: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
-        self._locks: collections.Counter[bytes] = collections.Counter()
-        self._doomed: set[bytes] = set()  # deleted while locked
+        self._locks = LocalLocks()
         self._bytes = 0
         self.counters = collections.Counter[str]()
 
@@ -41,23 +41,16 @@ class MemoryBackend:
         await trio.lowlevel.checkpoint()
         found = 0
         for key in keys:
-            if key not in self._objects or key in self._doomed:
+            if key not in self._objects or self._locks.is_doomed(key):
                 break
             found += 1
-        for key in keys[:found]:
-            self._locks[key] += 1
+        self._locks.lock(keys[:found])
         return found
 
     async def unlock(self, keys: Sequence[bytes]) -> None:
         await trio.lowlevel.checkpoint()
-        for key in keys:
-            if self._locks[key] > 0:
-                self._locks[key] -= 1
-            if not self._locks[key]:
-                del self._locks[key]
-                if key in self._doomed:
-                    self._doomed.discard(key)
-                    self._drop(key)
+        for key in self._locks.unlock(keys):
+            self._drop(key)
 
     async def load(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
         await trio.lowlevel.checkpoint()
@@ -83,7 +76,7 @@ class MemoryBackend:
             data = b"".join(bytes(p) for p in parts)
             if key in self._objects:
                 self._drop(key)
-            self._doomed.discard(key)
+            self._locks.replaced(key)
             if not self._make_room(len(data)):
                 results.append(False)
                 continue
@@ -98,9 +91,7 @@ class MemoryBackend:
         for key in keys:
             if key not in self._objects:
                 continue
-            if self._locks[key]:
-                self._doomed.add(key)
-            else:
+            if not self._locks.defer_delete(key):
                 self._drop(key)
 
     async def aclose(self) -> None:
@@ -110,7 +101,7 @@ class MemoryBackend:
         return {
             "objects": len(self._objects),
             "bytes": self._bytes,
-            "locks": sum(self._locks.values()),
+            "locks": self._locks.total,
             **self.counters,
         }
 
@@ -123,7 +114,7 @@ class MemoryBackend:
         for key in list(self._objects):
             if self._bytes + size <= self.options.capacity:
                 break
-            if not self._locks[key]:
+            if not self._locks.is_locked(key):
                 self._drop(key)
                 self.counters["evictions"] += 1
         return self._bytes + size <= self.options.capacity

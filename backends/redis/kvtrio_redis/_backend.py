@@ -32,7 +32,7 @@ import attrs
 import trio
 from redis import exceptions
 
-from kvtrio.l2 import BackendError, BackendUnavailable, Buffers
+from kvtrio.l2 import BackendError, BackendUnavailable, Buffers, LocalLocks
 
 from ._client import ClusterClient, StandaloneClient
 from ._wire import byte_views
@@ -115,8 +115,7 @@ class RedisBackend:
         self._prefix = self.options.prefix.encode()
         self._ttl_ms = max(1, round(self.options.ttl * 1000)) if self.options.ttl else 0
         self._threads = trio.CapacityLimiter(self.options.connections)
-        self._locks: collections.Counter[bytes] = collections.Counter()
-        self._doomed: set[bytes] = set()  # deleted while locked: DEL at the last unlock
+        self._locks = LocalLocks()  # deleted while locked: DEL at the last unlock
         self._closed = False
         self._running = 0  # operations inside a worker thread (or waiting for one)
         self._idle = trio.Event()
@@ -135,11 +134,10 @@ class RedisBackend:
         present = await self._run("lookup", self._client.exists, self._names(keys))
         found = 0
         for key, exists in zip(keys, present, strict=True):
-            if not exists or key in self._doomed:
+            if not exists or self._locks.is_doomed(key):
                 break
             found += 1
-        for key in keys[:found]:
-            self._locks[key] += 1
+        self._locks.lock(keys[:found])
         self.counters["lookups"] += 1
         return found
 
@@ -148,16 +146,7 @@ class RedisBackend:
 
         A key deleted while locked is deleted from Redis now, shielded from cancellation (bounded
         by ``timeout``); if that fails it is counted and the object stays until evicted."""
-        gone = []
-        for key in keys:
-            count = self._locks.get(key, 0)
-            if count > 1:
-                self._locks[key] = count - 1
-            elif count == 1:
-                del self._locks[key]
-                if key in self._doomed:
-                    self._doomed.discard(key)
-                    gone.append(key)
+        gone = self._locks.unlock(keys)
         if not gone or self._closed:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
@@ -201,7 +190,7 @@ class RedisBackend:
         )
         for key, parts, ok in zip(keys, views, results, strict=True):
             if ok:
-                self._doomed.discard(key)
+                self._locks.replaced(key)
                 self.counters["stores"] += 1
                 self.counters["store_bytes"] += sum(len(v) for v in parts)
             else:
@@ -213,9 +202,7 @@ class RedisBackend:
         Cancelled before the worker thread starts: nothing is deleted."""
         gone = []
         for key in keys:
-            if self._locks.get(key):
-                self._doomed.add(key)
-            else:
+            if not self._locks.defer_delete(key):
                 gone.append(key)
         if not gone:
             await trio.lowlevel.checkpoint()
@@ -242,9 +229,9 @@ class RedisBackend:
 
     def statistics(self) -> Mapping[str, float]:
         return {
-            "locks": sum(self._locks.values()),
-            "locked_keys": len(self._locks),
-            "doomed": len(self._doomed),
+            "locks": self._locks.total,
+            "locked_keys": self._locks.locked_keys,
+            "doomed": self._locks.deferred_deletes,
             "threads_busy": self._threads.borrowed_tokens,
             "cluster_redirects": self._client.redirects,
             **self.counters,

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from kvtrio.l2 import BackendError, BackendUnavailable, Buffers
+from kvtrio.l2 import BackendError, BackendUnavailable, Buffers, LocalLocks
 
 from ._client import MAX_OBJECT_SIZE, S3Client
 
@@ -193,8 +193,7 @@ class S3Backend:
         self.options = options
         self._client = S3Client(options)  # no I/O: obstore connects at the first request
         self._limiter = trio.CapacityLimiter(options.connections)
-        self._locks: collections.Counter[bytes] = collections.Counter()
-        self._doomed: set[bytes] = set()  # deleted while locked: deleted at the last unlock
+        self._locks = LocalLocks()  # deleted while locked: deleted at the last unlock
         self._ready = False  # the bucket was found (or created)
         self._probe: _Probe | None = None
         self._closed = False
@@ -210,7 +209,7 @@ class S3Backend:
         locks are taken after the last checkpoint.
         """
         self._check_open()
-        limit = next((i for i, key in enumerate(keys) if key in self._doomed), len(keys))
+        limit = next((i for i, key in enumerate(keys) if self._locks.is_doomed(key)), len(keys))
         if limit == 0:
             await trio.lowlevel.checkpoint()
             return 0
@@ -218,9 +217,8 @@ class S3Backend:
         self.counters["lookups"] += 1
         found = await self._count_existing(keys[:limit])
         # No checkpoint from here on.
-        found = next((i for i, key in enumerate(keys[:found]) if key in self._doomed), found)
-        for key in keys[:found]:
-            self._locks[key] += 1
+        found = next((i for i, key in enumerate(keys[:found]) if self._locks.is_doomed(key)), found)
+        self._locks.lock(keys[:found])
         self.counters["lookup_hits"] += found
         return found
 
@@ -231,16 +229,7 @@ class S3Backend:
         from cancellation (bounded by ``timeout``), and if it fails, BackendError is raised
         with the counts already updated (the object stays in the bucket).
         """
-        gone = []
-        for key in keys:
-            count = self._locks.get(key, 0)
-            if count > 1:
-                self._locks[key] = count - 1
-            elif count == 1:
-                del self._locks[key]
-                if key in self._doomed:
-                    self._doomed.discard(key)
-                    gone.append(key)
+        gone = self._locks.unlock(keys)
         if not gone or self._closed:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
@@ -316,7 +305,7 @@ class S3Backend:
                 errors.append(exc)
                 return
             written.append(key)
-            self._doomed.discard(key)  # a new object: a pending delete was for the old one
+            self._locks.replaced(key)  # a new object: a pending delete was for the old one
             results[index] = True
             self.counters["stores"] += 1
             self.counters["store_bytes"] += size
@@ -352,9 +341,9 @@ class S3Backend:
 
     def statistics(self) -> Mapping[str, float]:
         return {
-            "locks": sum(self._locks.values()),
-            "locked_keys": len(self._locks),
-            "pending_deletes": len(self._doomed),
+            "locks": self._locks.total,
+            "locked_keys": self._locks.locked_keys,
+            "pending_deletes": self._locks.deferred_deletes,
             "connections": self.options.connections,
             "connections_busy": self._limiter.borrowed_tokens,
             "ready": float(self._ready),
@@ -406,9 +395,7 @@ class S3Backend:
         """Delete now, or at the last unlock for locked keys."""
         now = []
         for key in keys:
-            if self._locks.get(key):
-                self._doomed.add(key)
-            else:
+            if not self._locks.defer_delete(key):
                 now.append(key)
         if now:
             await self._delete_now(now)

@@ -29,6 +29,10 @@ def infer_layout_kind(shape: tuple[int, ...], block_size: int, device: str) -> s
     """The layout kind of a per-layer KV tensor of ``shape``; ``ValueError`` if ambiguous."""
     if len(shape) == 3 and shape[1] == block_size:
         return "mla"
+    if len(shape) == 4 and shape[2] == block_size and shape[3] % 2 == 0:
+        return "vllm_cpu"  # vLLM ≥ 0.32: [blocks, heads, block_size, 2 * head_dim] views
+    if len(shape) == 5 and shape[2] == 2 and shape[3] == block_size and 2 not in shape[:2]:
+        return "vllm_cpu"
     if len(shape) == 5:
         if shape[1] == 2 and shape[2] == block_size and shape[0] != 2:
             return "flash_infer"
@@ -43,7 +47,7 @@ def infer_layout_kind(shape: tuple[int, ...], block_size: int, device: str) -> s
                 return "cpu" if device == "cpu" else "flash_attn"
     raise ValueError(
         f"cannot tell the KV layout of a tensor of shape {shape} with block size {block_size}; "
-        "pass layout= explicitly (flash_attn, flash_infer, mla or cpu)"
+        "pass layout= explicitly (flash_attn, flash_infer, mla, cpu or vllm_cpu)"
     )
 
 
@@ -68,6 +72,11 @@ def describe_kv_caches(
             raise ValueError(f"{name}: the KV tensor must be contiguous")
     shape = tuple(first.shape)
     kind = layout or infer_layout_kind(shape, block_size, device)
+    if kind == "vllm_cpu" and len(shape) == 4 and shape[3] % 2 == 0:
+        # vLLM hands over [blocks, heads, block_size, 2 * head_dim] views, but its CPU backend
+        # keeps the block_size K rows first, then the V rows: the same bytes as this shape.
+        shape = (shape[0], shape[1], 2, shape[2], shape[3] // 2)
+        arrays = [array.reshape(shape) for array in arrays]
     if kind == "mla" and len(shape) == 3:
         num_blocks, heads, head_dim = shape[0], 1, shape[2]
     elif kind == "flash_attn" and len(shape) == 5:
@@ -76,6 +85,8 @@ def describe_kv_caches(
         num_blocks, heads, head_dim = shape[0], shape[3], shape[4]
     elif kind == "cpu" and len(shape) == 5:
         num_blocks, heads, head_dim = shape[1], shape[2], shape[4]
+    elif kind == "vllm_cpu" and len(shape) == 5:
+        num_blocks, heads, head_dim = shape[0], shape[1], shape[4]
     else:
         raise ValueError(f"a tensor of shape {shape} cannot have layout {kind!r}")
     kv_layout = KVLayout(

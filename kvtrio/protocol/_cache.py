@@ -48,7 +48,8 @@ class LayoutSpec:
     """The shape of a worker's paged KV cache (see ``kvtrio.transfer.KVLayout``)."""
 
     kind: str
-    """``flash_attn``, ``flash_infer``, ``mla`` or ``cpu`` (vLLM's CPU backend)."""
+    """``flash_attn``, ``flash_infer``, ``mla``, ``cpu`` or ``vllm_cpu`` (vLLM's CPU backend up
+    to 0.31, and from 0.32)."""
     num_layers: int
     num_blocks: int
     block_size: int

@@ -10,14 +10,14 @@ chunk, and the chunk's bytes for that layer are the same rows in a different ord
 
 * ``flash_attn``, ``flash_infer``, ``mla``: a row is one block of K (or V), ``block_size *
   num_heads * head_dim`` elements, since within a block both formats are token-major;
-* ``cpu``: a block is head-major (``[head, token, dim]``) while the chunk is token-major, so a
-  row is one head of one token, ``head_dim`` elements.
+* ``cpu``, ``vllm_cpu``: a block is head-major (``[head, token, dim]``) while the chunk is
+  token-major, so a row is one head of one token, ``head_dim`` elements.
 
 A gather is then one ``np.take`` of rows per layer (a ``memmove`` per row, straight into the
 output buffer) and a scatter one indexed assignment per layer. The *blockwise* path views a layer
 of any strides as ``(kv, blocks, tokens, heads, dim)`` and copies block by block (gather) or with
-one indexed assignment (scatter): it serves layers that are not C-contiguous, and ``cpu`` gathers
-with big blocks, where it beats many short rows. Everything is copied as raw bytes (bfloat16 and
+one indexed assignment (scatter): it serves layers that are not C-contiguous, and head-major
+gathers with big blocks, where it beats many short rows. Everything is copied as raw bytes (bfloat16 and
 fp8 arrive as same-size integers; values are never converted).
 """
 
@@ -43,9 +43,9 @@ _UINT_OF_SIZE: dict[int, type[np.unsignedinteger[Any]]] = {
 }
 
 _BLOCKWISE_GATHER_BYTES = 128 << 10
-"""``cpu`` blocks (K and V) at least this big are gathered block by block, not row by row.
+"""Head-major blocks (K and V) at least this big are gathered block by block, not row by row.
 
-Rows of the ``cpu`` layout are only ``head_dim`` elements long and ``np.take``'s per-row cost
+Rows of the head-major layouts are only ``head_dim`` elements long and ``np.take``'s per-row cost
 shows with big blocks: with 8 heads × 128, fp16, one strided ``np.copyto`` per block is ~4%
 faster at 32 tokens per block (128 KiB) and ~8% at 128 tokens, but ~3% slower at 16 tokens
 (64 KiB), where the per-call cost catches up.
@@ -72,7 +72,7 @@ def gather(
     ids = _check_block_ids(layout, block_ids, unique=False)
     _check_layers(layout, layers, writeable=False)
     chunk = _chunk_rows(layout, out, len(ids), name="out", writeable=True)
-    by_rows = layout.kind != "cpu" or _block_nbytes(layout) < _BLOCKWISE_GATHER_BYTES
+    by_rows = not layout.head_major or _block_nbytes(layout) < _BLOCKWISE_GATHER_BYTES
     rows: IndexArray | None = None
     for layer, dst in zip(layers, chunk, strict=True):
         if by_rows and layer.flags.c_contiguous:
@@ -116,7 +116,7 @@ def scatter(
 
 def _row_bytes(layout: KVLayout) -> int:
     """Bytes of a row: the unit that is contiguous in both the layer and the chunk."""
-    if layout.kind == "cpu":
+    if layout.head_major:
         return layout.head_dim * layout.element_size
     return layout.block_size * layout.row_elements * layout.element_size
 
@@ -141,11 +141,14 @@ def _row_index(layout: KVLayout, ids: IndexArray) -> IndexArray:
         return (k * blocks + ids).ravel()
     if layout.kind == "flash_infer":  # layer rows: (block, k); chunk rows: (k, i)
         return (ids * 2 + k).ravel()
-    # cpu: layer rows (k, block, head, t); chunk rows (k, i, t, head).
     heads, size = layout.num_heads, layout.block_size
-    first = (k * blocks + ids)[:, :, None, None] * heads
     head = np.arange(heads, dtype=np.intp)
     token = np.arange(size, dtype=np.intp)[:, None]
+    if layout.kind == "vllm_cpu":  # layer rows (block, head, k, t); chunk rows (k, i, t, head)
+        block_head = ids[None, :, None, None] * heads + head
+        return ((block_head * 2 + k[:, :, None, None]) * size + token).ravel()
+    # cpu: layer rows (k, block, head, t); chunk rows (k, i, t, head).
+    first = (k * blocks + ids)[:, :, None, None] * heads
     return ((first + head) * size + token).ravel()
 
 
@@ -159,8 +162,8 @@ def _engine_view(layout: KVLayout, layer: Array) -> Array:
         return raw
     if layout.kind == "mla":
         return raw[None, :, :, None, :]
-    axes = (1, 0, 2, 3, 4) if layout.kind == "flash_infer" else (0, 1, 3, 2, 4)
-    return np.transpose(raw, axes)
+    axes = {"flash_infer": (1, 0, 2, 3, 4), "cpu": (0, 1, 3, 2, 4), "vllm_cpu": (2, 0, 3, 1, 4)}
+    return np.transpose(raw, axes[layout.kind])
 
 
 def _chunk_view(layout: KVLayout, data: Array, blocks: int) -> Array:

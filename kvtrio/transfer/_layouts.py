@@ -7,7 +7,11 @@ the axes depends on the attention backend (the *kind*):
 ``flash_attn``  ``(2, num_blocks, block_size, num_heads, head_dim)``
 ``flash_infer`` ``(num_blocks, 2, block_size, num_heads, head_dim)``
 ``mla``         ``(num_blocks, block_size, head_dim)`` (one latent "head", no separate V)
-``cpu``         ``(2, num_blocks, num_heads, block_size, head_dim)`` (vLLM's CPU backend)
+``cpu``         ``(2, num_blocks, num_heads, block_size, head_dim)`` (vLLM's CPU backend
+                up to 0.31)
+``vllm_cpu``    ``(num_blocks, num_heads, 2, block_size, head_dim)`` (vLLM's CPU backend
+                from 0.32: its connectors see ``[num_blocks, heads, block_size, 2 * head_dim]``
+                views, but per block and head the backend keeps all K rows, then all V rows)
 ==============  ===================================================
 
 L1 stores every chunk in one **canonical format**, whatever the kind: a C-contiguous array of
@@ -40,7 +44,7 @@ DTYPE_SIZES: MappingProxyType[str, int] = MappingProxyType(
 )
 """Bytes per element of every KV dtype kvtrio knows (names as torch spells them)."""
 
-LAYOUT_KINDS: tuple[str, ...] = ("flash_attn", "flash_infer", "mla", "cpu")
+LAYOUT_KINDS: tuple[str, ...] = ("flash_attn", "flash_infer", "mla", "cpu", "vllm_cpu")
 """The per-layer KV tensor layouts kvtrio can copy from and to."""
 
 
@@ -84,7 +88,7 @@ class KVLayout:
     """
 
     kind: str = attrs.field(validator=_check_kind)
-    """``flash_attn``, ``flash_infer``, ``mla`` or ``cpu``."""
+    """One of :data:`LAYOUT_KINDS`."""
     num_layers: int = attrs.field(validator=_check_positive)
     num_blocks: int = attrs.field(validator=_check_positive)
     block_size: int = attrs.field(validator=_check_positive)
@@ -128,7 +132,15 @@ class KVLayout:
             return (blocks, 2, size, heads, dim)
         if self.kind == "mla":
             return (blocks, size, dim)
+        if self.kind == "vllm_cpu":
+            return (blocks, heads, 2, size, dim)
         return (2, blocks, heads, size, dim)
+
+    @property
+    def head_major(self) -> bool:
+        """Whether a block keeps each head's tokens together (``[head, token, dim]``), unlike
+        the token-major canonical chunk: then only ``head_dim`` elements are contiguous in both."""
+        return self.kind in ("cpu", "vllm_cpu")
 
     @property
     def layer_nbytes(self) -> int:

@@ -16,6 +16,8 @@ from kvtrio.client._tensors import describe_kv_caches, infer_layout_kind
         ((2, 100, 8, 16, 128), "cpu"),
         ((100, 16, 576), "mla"),
         ((2, 100, 16, 16, 64), "cpu"),  # heads == block size: a CPU engine's own layout
+        ((100, 8, 2, 16, 128), "vllm_cpu"),
+        ((100, 8, 16, 256), "vllm_cpu"),  # vLLM ≥ 0.32 hands connectors these views
     ],
 )
 def test_layout_inference(shape: tuple[int, ...], kind: str) -> None:
@@ -64,6 +66,24 @@ def test_torch_tensors_are_viewed_without_copying() -> None:
     assert (layout.kind, layout.dtype, layout.element_size) == ("cpu", "bfloat16", 2)
     array[0, 3] = 0x3F80  # 1.0 in bfloat16
     assert float(tensor[0, 3, 0, 0, 0]) == 1.0
+
+
+def test_vllm_cpu_views_are_read_as_k_rows_then_v_rows() -> None:
+    """vLLM's [blocks, heads, block_size, 2 * head_dim] view: per block and head, the CPU
+    backend writes all K rows first (the first half of the bytes), then all V rows."""
+    torch = pytest.importorskip("torch")
+    view = torch.zeros((10, 2, 16, 64), dtype=torch.float16)
+    layout, (array,) = describe_kv_caches({"l0": view}, 16, None)
+    assert (layout.kind, layout.num_blocks, layout.num_heads, layout.head_dim) == (
+        "vllm_cpu",
+        10,
+        2,
+        32,
+    )
+    assert array.shape == (10, 2, 2, 16, 32)
+    array[3, 1, 1, 0] = 0x3C00  # V of token 0 of block 3, head 1: 1.0 in float16
+    as_rows = view.view(10, 2, 32, 32)  # how the backend reads it: 2 * block_size rows
+    assert float(as_rows[3, 1, 16, 0]) == 1.0
 
 
 def test_tensors_off_the_cpu_are_refused_with_a_clear_message() -> None:

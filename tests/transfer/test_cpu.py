@@ -83,6 +83,8 @@ def head_vector(
         assert k == 0
         assert head == 0
         return layer[block, offset, :]
+    if layout.kind == "vllm_cpu":  # (blocks, heads, 2, block_size, dim)
+        return layer[block, head, k, offset, :]
     return layer[k, block, head, offset, :]  # cpu: (2, blocks, heads, block_size, dim)
 
 
@@ -248,7 +250,7 @@ def test_chunks_are_shared_across_layout_kinds() -> None:
     heads, dim, size = 3, 4, 16
     shapes = {
         kind: KVLayout(kind, 2, NUM_BLOCKS, size, heads, dim, "float16")
-        for kind in ("flash_attn", "flash_infer", "cpu")
+        for kind in ("flash_attn", "flash_infer", "cpu", "vllm_cpu")
     }
     assert len({layout.canonical() for layout in shapes.values()}) == 1
     fa = random_layers(shapes["flash_attn"], seed=5, dtype=np.uint16)
@@ -258,8 +260,10 @@ def test_chunks_are_shared_across_layout_kinds() -> None:
 
     fi = [np.zeros(shapes["flash_infer"].layer_shape, np.float16) for _ in range(2)]
     cpu = [np.zeros(shapes["cpu"].layer_shape, np.int16) for _ in range(2)]
+    vcpu = [np.zeros(shapes["vllm_cpu"].layer_shape, np.int16) for _ in range(2)]
     scatter(shapes["flash_infer"], fi, target, chunk)
     scatter(shapes["cpu"], cpu, target, chunk)
+    scatter(shapes["vllm_cpu"], vcpu, target, chunk)
     for layer in range(2):
         for k in range(2):
             for src_block, dst_block in zip(source, target, strict=True):
@@ -268,7 +272,8 @@ def test_chunks_are_shared_across_layout_kinds() -> None:
                         expected = fa[layer][k, src_block, offset, head].tobytes()
                         assert fi[layer][dst_block, k, offset, head].tobytes() == expected
                         assert cpu[layer][k, dst_block, head, offset].tobytes() == expected
-    for kind, layers in (("flash_infer", fi), ("cpu", cpu)):
+                        assert vcpu[layer][dst_block, head, k, offset].tobytes() == expected
+    for kind, layers in (("flash_infer", fi), ("cpu", cpu), ("vllm_cpu", vcpu)):
         back = empty_chunk(shapes[kind], 3)
         gather(shapes[kind], layers, target, back)
         assert back.tobytes() == chunk.tobytes()
@@ -288,6 +293,7 @@ def test_layout_properties() -> None:
     assert fa.layer_nbytes == 64 << 20
     assert KVLayout("flash_infer", 1, 5, 16, 8, 128, "int8").layer_shape == (5, 2, 16, 8, 128)
     assert KVLayout("cpu", 1, 5, 16, 8, 128, "float32").layer_shape == (2, 5, 8, 16, 128)
+    assert KVLayout("vllm_cpu", 1, 5, 16, 8, 128, "float32").layer_shape == (5, 8, 2, 16, 128)
     mla = KVLayout("mla", 61, 100, 64, 1, 576, "bfloat16")
     assert mla.layer_shape == (100, 64, 576)
     assert mla.kv == 1
@@ -416,10 +422,12 @@ def test_nothing_is_written_when_an_argument_is_wrong() -> None:
     assert as_bytes(layers) == before
 
 
+@pytest.mark.parametrize("kind", ["cpu", "vllm_cpu"])
 @pytest.mark.parametrize("block_size", [2, 16])
-def test_cpu_gather_of_big_blocks(block_size: int) -> None:
-    """cpu blocks of ≥ 128 KiB are gathered block by block, small ones row by row: same bytes."""
-    layout = KVLayout("cpu", 2, 5, block_size, 8, 128, "float32")  # 128 KiB blocks at 16 tokens
+def test_head_major_gather_of_big_blocks(kind: str, block_size: int) -> None:
+    """Head-major blocks of ≥ 128 KiB are gathered block by block, small ones row by row: same
+    bytes."""
+    layout = KVLayout(kind, 2, 5, block_size, 8, 128, "float32")  # 128 KiB blocks at 16 tokens
     layers = random_layers(layout)
     ids = [3, 0, 4]
     out = empty_chunk(layout, len(ids))

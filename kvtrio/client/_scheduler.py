@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Sequence
@@ -92,10 +93,13 @@ class SchedulerAdapter:
                 lookup, timeout=self.timeout, fail_fast=True
             )
 
-    def check_lookup_result(self, request_id: str) -> int | None:
-        """Matched tokens of the lookup, or None while it is pending (0 if it failed)."""
+    def check_lookup_result(self, request_id: str, *, wait: float = 0.0) -> int | None:
+        """Matched tokens of the lookup, or None while it is pending (0 if it failed); waits
+        up to ``wait`` seconds for a pending one."""
         with self._lock:
             future = self._lookups.get(request_id)
+        if future is not None and wait > 0:
+            concurrent.futures.wait([future], timeout=wait)
         if future is None or not future.done():
             return None
         try:

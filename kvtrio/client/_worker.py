@@ -64,7 +64,9 @@ class LoadStoreOp:
 
     ``block_ids`` are the request's engine blocks from its first token on; ``[start, end)`` is
     the token range to move (only its full chunks are moved). Give ``token_ids`` or
-    ``block_hashes`` (hash mode) at least on the first operation of a request.
+    ``block_hashes`` (hash mode) at least on the first operation of a request. A retrieve leaves
+    the first ``skip_first_n_tokens`` tokens of the range alone (a whole number of blocks): the
+    engine has them already, in blocks other requests may be reading.
     """
 
     block_ids: tuple[int, ...] = attrs.field(converter=_ints)
@@ -72,6 +74,7 @@ class LoadStoreOp:
     block_hashes: Sequence[bytes | int] | None = None
     start: int = 0
     end: int = 0
+    skip_first_n_tokens: int = 0
 
 
 @attrs.define
@@ -81,6 +84,13 @@ class _Mapped:
     generation: int
     instance_id: str | None
     """The server instance the registration was made with."""
+
+
+def _tail_blocks(layout: KVLayout, chunk: np.ndarray[Any, Any], skip: int) -> np.ndarray[Any, Any]:
+    """A contiguous copy of a canonical chunk without its first ``skip`` blocks."""
+    row_bytes = layout.row_elements * layout.element_size
+    rows = chunk.reshape(layout.num_layers, layout.kv, -1, row_bytes)
+    return np.ascontiguousarray(rows[:, :, skip * layout.block_size :]).reshape(-1)
 
 
 class WorkerAdapter:
@@ -244,21 +254,27 @@ class WorkerAdapter:
 
     # ----------------------------------------------------------------- submitting
 
-    def submit_store_request(self, request_id: str, op: LoadStoreOp, event: object = None) -> None:
-        """Queue a store; the request counts as stored in :meth:`get_finished` once done."""
+    def submit_store_request(
+        self, request_id: str, op: LoadStoreOp, event: object = None
+    ) -> Future[None]:
+        """Queue a store; the request counts as stored in :meth:`get_finished` once done.
+
+        The future is done when the store is (it never raises: failures are logged)."""
         with self._lock:
             self._pending_stores[request_id] += 1
             self._stored.add(request_id)
-        self._transfers.submit(self._run_store, request_id, op)
+        return self._transfers.submit(self._run_store, request_id, op)
 
     def submit_retrieve_request(
         self, request_id: str, op: LoadStoreOp, event: object = None
-    ) -> None:
+    ) -> Future[None]:
         """Queue a retrieve; :meth:`get_finished` reports it, :meth:`get_block_ids_with_load_errors`
-        names the blocks that could not be loaded."""
+        names the blocks that could not be loaded.
+
+        The future is done when the blocks are in place or reported failed (it never raises)."""
         with self._lock:
             self._pending_retrieves[request_id] += 1
-        self._transfers.submit(self._run_retrieve, request_id, op)
+        return self._transfers.submit(self._run_retrieve, request_id, op)
 
     def batched_submit_store_requests(
         self, request_ids: Sequence[str], ops: Sequence[LoadStoreOp], event: object = None
@@ -383,8 +399,13 @@ class WorkerAdapter:
         except Exception:
             log.exception("retrieve of %s failed", request_id)
         finally:
+            kept = set(op.block_ids[: (op.start + op.skip_first_n_tokens) // self.block_size])
             failed = {
-                b for c in range(first, last) if c not in loaded for b in self._blocks_of(op, c)
+                b
+                for c in range(first, last)
+                if c not in loaded
+                for b in self._blocks_of(op, c)
+                if b not in kept
             }
             with self._lock:
                 self._failed_blocks.update(failed)
@@ -398,17 +419,20 @@ class WorkerAdapter:
         if mapped is None or layout is None:
             return set()
         reply = self._call_with_prompt(Retrieve, RetrieveReply, request_id, op)
+        keep_before = op.start + op.skip_first_n_tokens  # tokens the engine has already
         loaded: set[int] = set()
         try:
             for slot in reply.slots:
-                if slot.status == "read":
-                    scatter(
-                        layout,
-                        self._arrays,
-                        self._blocks_of(op, slot.chunk),
-                        mapped.arena.view(slot.offset, slot.nbytes),
-                    )
-                    loaded.add(slot.chunk)
+                if slot.status != "read":
+                    continue
+                blocks = self._blocks_of(op, slot.chunk)
+                data = mapped.arena.view(slot.offset, slot.nbytes)
+                skip = max(0, keep_before - slot.chunk * self.chunk_size) // self.block_size
+                if skip:
+                    blocks, data = blocks[skip:], _tail_blocks(layout, data, skip)
+                if blocks:
+                    scatter(layout, self._arrays, blocks, data)
+                loaded.add(slot.chunk)
         finally:
             read = tuple(s.chunk for s in reply.slots if s.status == "read")
             if read:

@@ -8,7 +8,8 @@ answering one JSON line each on stdout:
     {"cmd": "digest", "blocks": [...]}                per-layer SHA-256 of those blocks' bytes
     {"cmd": "canonical", "blocks": [...]}             SHA-256 of them in the canonical format
     {"cmd": "store", "request": "r", "tokens": [...], "blocks": [...], "end": N}
-    {"cmd": "retrieve", "request": "r", "tokens": [...], "blocks": [...], "end": N}
+    {"cmd": "retrieve", "request": "r", "tokens": [...], "blocks": [...], "end": N,
+     "start": S, "skip": K}                          (start and skip optional)
     {"cmd": "wait", "request": "r", "timeout": 10}    until store/retrieve of r is done
     {"cmd": "finished", "requests": [...]}             get_finished(requests)
     {"cmd": "errors"}                                  get_block_ids_with_load_errors()
@@ -37,9 +38,10 @@ SHAPES = {  # small model: 4 layers, 256 blocks of 16 tokens, 2 heads × 32 dims
     "flash_attn": lambda nb: (2, nb, 16, 2, 32),
     "flash_infer": lambda nb: (nb, 2, 16, 2, 32),
     "cpu": lambda nb: (2, nb, 2, 16, 32),
+    "vllm_cpu": lambda nb: (nb, 2, 2, 16, 32),
     "mla": lambda nb: (nb, 16, 48),
 }
-BLOCK_AXIS = {"flash_attn": 1, "flash_infer": 0, "cpu": 1, "mla": 0}
+BLOCK_AXIS = {"flash_attn": 1, "flash_infer": 0, "cpu": 1, "vllm_cpu": 0, "mla": 0}
 LAYERS, BLOCKS, BLOCK_SIZE = 4, 256, 16
 
 
@@ -90,7 +92,13 @@ def main() -> None:
     def op(command: dict[str, Any]) -> LoadStoreOp:
         tokens = command["tokens"]
         prompt = {"block_hashes": block_hashes(tokens)} if args.hash_mode else {"token_ids": tokens}
-        return LoadStoreOp(block_ids=command["blocks"], start=0, end=command["end"], **prompt)
+        return LoadStoreOp(
+            block_ids=command["blocks"],
+            start=command.get("start", 0),
+            end=command["end"],
+            skip_first_n_tokens=command.get("skip", 0),
+            **prompt,
+        )
 
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

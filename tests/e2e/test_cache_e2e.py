@@ -74,9 +74,12 @@ class Worker:
         self("store", request=request, tokens=tokens, blocks=blocks, end=len(tokens))
         assert self("wait", request=request)["done"]
 
-    def retrieve(self, request: str, tokens: list[int], blocks: list[int], end: int) -> list[int]:
-        """Retrieve tokens ``[0, end)`` into ``blocks``; return the blocks that failed."""
-        self("retrieve", request=request, tokens=tokens, blocks=blocks, end=end)
+    def retrieve(
+        self, request: str, tokens: list[int], blocks: list[int], end: int, **more: int
+    ) -> list[int]:
+        """Retrieve tokens ``[0, end)`` (or ``[start, end)``, skipping ``skip`` tokens) into
+        ``blocks``; return the blocks that failed."""
+        self("retrieve", request=request, tokens=tokens, blocks=blocks, end=end, **more)
         assert self("wait", request=request)["done"]
         return list(self("errors")["blocks"])
 
@@ -172,7 +175,7 @@ def assert_same_bytes(
 # --------------------------------------------------------------------------- the happy path
 
 
-@pytest.mark.parametrize("layout", ["flash_attn", "flash_infer", "cpu"])
+@pytest.mark.parametrize("layout", ["flash_attn", "flash_infer", "cpu", "vllm_cpu"])
 def test_store_lookup_retrieve_into_other_blocks_bytes_equal(
     workers: Callable[..., Worker],
     scheduler: Callable[..., SchedulerAdapter],
@@ -190,6 +193,30 @@ def test_store_lookup_retrieve_into_other_blocks_bytes_equal(
     sched.end_session("second")
     wait_for(lambda: cache(server).l1_pins == 0, what="every pin to be released")
     assert cache(server).leases == 0
+
+
+def test_a_retrieve_leaves_the_blocks_the_engine_has_alone(
+    workers: Callable[..., Worker], scheduler: Callable[..., SchedulerAdapter]
+) -> None:
+    """The engine's own prefix cache had 1.5 chunks: the retrieve starts at chunk 1 and writes
+    neither the blocks of chunk 0 nor the first half of chunk 1."""
+    worker = workers("m", 1, 0, "vllm_cpu")
+    sched = scheduler()
+    worker("fill", seed=3)
+    before = [worker.digests(chunk_blocks(SOURCE, c)) for c in range(4)]
+    worker.store("first", PROMPT[: 4 * CHUNK], SOURCE)
+    assert lookup(sched, "second", PROMPT[: 4 * CHUNK]) == 4 * CHUNK
+    skip = PER_CHUNK // 2
+    mine = [worker.digests([b]) for b in TARGET[PER_CHUNK : PER_CHUNK + skip]]
+    failed = worker.retrieve(
+        "second", PROMPT[: 4 * CHUNK], TARGET, end=4 * CHUNK, start=CHUNK, skip=skip * BLOCK
+    )
+    assert failed == []
+    assert [worker.digests([b]) for b in TARGET[PER_CHUNK : PER_CHUNK + skip]] == mine
+    assert worker.digests(TARGET[PER_CHUNK + skip : 2 * PER_CHUNK]) == worker.digests(
+        SOURCE[PER_CHUNK + skip : 2 * PER_CHUNK]
+    )
+    assert_same_bytes(worker, before[2:], TARGET[2 * PER_CHUNK :], 2)
 
 
 def test_engines_with_different_layouts_of_one_model_share_chunks(

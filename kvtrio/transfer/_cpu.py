@@ -17,8 +17,8 @@ A gather is then one ``np.take`` of rows per layer (a ``memmove`` per row, strai
 output buffer) and a scatter one indexed assignment per layer. The *blockwise* path views a layer
 of any strides as ``(kv, blocks, tokens, heads, dim)`` and copies block by block (gather) or with
 one indexed assignment (scatter): it serves layers that are not C-contiguous, and head-major
-gathers with big blocks, where it beats many short rows. Everything is copied as raw bytes (bfloat16 and
-fp8 arrive as same-size integers; values are never converted).
+gathers with big blocks, where it beats many short rows. Everything is copied as raw bytes
+(bfloat16 and fp8 arrive as same-size integers; values are never converted).
 """
 
 from __future__ import annotations

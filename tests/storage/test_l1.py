@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,28 @@ def test_a_dead_owners_arena_is_reclaimed_and_a_live_ones_is_not(short_dir: Path
     finally:
         live.close()
     assert not Path(live.path).exists()
+
+
+def test_an_arena_being_created_is_never_reclaimed(short_dir: Path) -> None:
+    """Another server starting at the same moment reclaims leftovers: it must never take a
+    file that its creator has not locked yet."""
+    stop = threading.Event()
+    reclaimed: list[str] = []
+
+    def reclaim_continuously() -> None:
+        while not stop.is_set():
+            reclaimed.extend(reclaim_stale_arenas(str(short_dir)))
+
+    thread = threading.Thread(target=reclaim_continuously)
+    thread.start()
+    try:
+        for _ in range(300):
+            arena = SharedArena.create(4096, directory=str(short_dir))
+            try:
+                assert Path(arena.path).exists()
+            finally:
+                arena.close()
+    finally:
+        stop.set()
+        thread.join()
+    assert reclaimed == []

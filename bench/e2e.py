@@ -117,7 +117,8 @@ def run(
         scheduler.maybe_submit_lookup_request(f"r{seq}", token_ids=tokens)
         poll(lambda seq=seq: scheduler.check_lookup_result(f"r{seq}") is not None)
         t1 = time.perf_counter()
-        assert scheduler.check_lookup_result(f"r{seq}") == TOKENS, "the lookup missed"
+        got = scheduler.check_lookup_result(f"r{seq}")
+        assert got == TOKENS, f"the lookup of sequence {seq} found {got} tokens, not {TOKENS}"
         worker.submit_retrieve_request(
             f"r{seq}", LoadStoreOp(target.tolist(), token_ids=tokens, end=TOKENS)
         )

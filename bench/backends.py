@@ -125,6 +125,19 @@ def measure_disk(repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+def by_size(backend: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of ``backends_redis`` / ``backends_s3`` (one per size and op) as rows of this
+    script's table (one per size)."""
+    table: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        line = table.setdefault(
+            row["size"], {"backend": backend, "size": f"{row['size'] >> 20} MiB"}
+        )
+        line[row["op"]] = row["backend_gbps"]
+        line["raw_" + row["op"]] = row["raw_gbps"]
+    return list(table.values())
+
+
 def print_rows(rows: list[dict[str, Any]]) -> None:
     print(
         f"{'backend':8}{'object':>8}{'store GB/s':>12}{'raw':>8}{'ratio':>7}"
@@ -150,11 +163,11 @@ def main() -> None:
     if "redis" in wanted:
         import backends_redis
 
-        rows += backends_redis.measure(args.repeats)
+        rows += by_size("redis", backends_redis.measure(args.repeats))
     if "s3" in wanted:
         import backends_s3
 
-        rows += backends_s3.measure(args.repeats)
+        rows += by_size("s3", backends_s3.measure(args.repeats))
     print(f"\nL2 backends vs raw I/O: medians of {args.repeats} rounds, {THREADS} at a time\n")
     print_rows(rows)
 

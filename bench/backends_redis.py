@@ -130,9 +130,9 @@ def measure(repeats: int, connections: int = 4) -> list[dict[str, Any]]:
                 raw_gbps = objects.total / statistics.median(times["raw", operation]) / 1e9
                 rows.append(
                     {
-                        "size_mib": size >> 20,
+                        "size": size,
                         "objects": len(objects.keys),
-                        "operation": operation,
+                        "op": operation,
                         "backend_gbps": backend_gbps,
                         "raw_gbps": raw_gbps,
                         "ratio": backend_gbps / raw_gbps,
@@ -153,7 +153,7 @@ def main() -> None:
     print(f"{'object':>8} {'count':>5} {'op':>6} {'backend GB/s':>13} {'raw GB/s':>9} {'ratio':>6}")
     for row in rows:
         print(
-            f"{row['size_mib']:>5}MiB {row['objects']:>5} {row['operation']:>6} "
+            f"{row['size'] >> 20:>5}MiB {row['objects']:>5} {row['op']:>6} "
             f"{row['backend_gbps']:>13.2f} {row['raw_gbps']:>9.2f} {row['ratio']:>6.2f}"
         )
 

@@ -94,13 +94,18 @@ class SharedArena:
         directory = directory or default_shm_dir()
         reclaim_stale_arenas(directory, prefix)
         path = os.path.join(directory, f"{prefix}-{uuid.uuid4().hex}{_SUFFIX}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Created under a name reclaim_stale_arenas() ignores, and renamed once locked: another
+        # server starting at the same moment must never see the file unlocked and remove it.
+        fresh = path + ".new"
+        fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, size)
+            os.rename(fresh, path)
         except BaseException:
             os.close(fd)
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(fresh)
             raise
         return cls(path, size, fd, owner=True)
 

@@ -24,6 +24,7 @@ messages are atomic).
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -34,6 +35,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import PeerUnreachable, TransportError
+from ._endpoints import ipc_path, is_listening
 
 __all__ = ["Monitor", "Socket", "open_monitor", "open_socket"]
 
@@ -57,6 +59,8 @@ class Socket:
         self._readers = trio.lowlevel.ParkingLot()
         self._writers = trio.lowlevel.ParkingLot()
         self._closed = False
+        self._ipc_paths: list[str] = []
+        """Paths of the ``ipc://`` endpoints bound, waited for by :func:`open_socket`."""
 
     # ----------------------------------------------------------------- configuration
 
@@ -67,7 +71,11 @@ class Socket:
         except zmq.ZMQError as exc:
             raise TransportError(f"cannot bind {endpoint}: {exc.strerror}") from None
         last = self._zsock.get(zmq.LAST_ENDPOINT)
-        return last.decode() if isinstance(last, bytes) else str(last)
+        bound = last.decode() if isinstance(last, bytes) else str(last)
+        path = ipc_path(bound)
+        if path is not None:
+            self._ipc_paths.append(path)
+        return bound
 
     def connect(self, endpoint: str) -> None:
         """Connect to ``endpoint`` (ZeroMQ connects in the background and reconnects by itself)."""
@@ -258,6 +266,31 @@ async def open_socket(
                 sock.close()
     finally:
         sock.close()
+        await _released(sock._ipc_paths)
+
+
+_RELEASE_TIMEOUT = 2.0
+"""Seconds :func:`open_socket` waits at most for libzmq to stop listening on ipc paths."""
+
+
+async def _released(paths: Sequence[str]) -> None:
+    """Wait until nothing listens on ``paths`` any more (shielded, bounded).
+
+    libzmq closes a socket's listeners asynchronously, in its I/O thread: without this wait, a
+    server restarted in the same process could find its own predecessor's listener still there
+    and refuse the endpoint as taken.
+    """
+    if not paths:
+        return
+    with (
+        trio.CancelScope(shield=True),
+        trio.move_on_after(_RELEASE_TIMEOUT),
+        contextlib.suppress(TransportError),  # a path we may not probe: nothing to wait for
+    ):
+        delay = 0.0005
+        while any(is_listening(path) for path in paths):
+            await trio.sleep(delay)
+            delay = min(2 * delay, 0.05)
 
 
 class Monitor:

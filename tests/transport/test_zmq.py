@@ -14,7 +14,8 @@ import trio
 import trio.testing
 import zmq
 
-from kvtrio.transport import Socket, open_socket
+from kvtrio.transport import Socket, ensure_endpoint_free, open_socket
+from kvtrio.transport._endpoints import is_listening
 from kvtrio.transport._zmq import Socket as AdapterSocket
 
 
@@ -191,3 +192,24 @@ def test_bind_reports_the_real_port() -> None:
     bound = trio.run(main)
     assert bound.startswith("tcp://127.0.0.1:")
     assert not bound.endswith(":0")
+
+
+async def test_leaving_open_socket_releases_its_ipc_endpoint(endpoint: str) -> None:
+    """libzmq closes listeners in its I/O thread: when the block is left, nothing listens on
+    the path any more, so a server restarted in the same process may bind it again."""
+    assert endpoint.startswith("ipc://")
+    path = endpoint[len("ipc://") :]
+    for _ in range(20):
+        async with (
+            open_socket(zmq.ROUTER, linger=1000) as router,
+            open_socket(zmq.DEALER) as dealer,
+        ):
+            router.bind(endpoint)
+            assert is_listening(path)
+            dealer.connect(endpoint)
+            await dealer.send_multipart([b"hello"])
+            identity, _ = await router.recv_multipart()
+            await router.send_multipart([identity, b"bye"])
+            await dealer.recv_multipart()
+        assert not is_listening(path)
+        ensure_endpoint_free(endpoint)

@@ -301,6 +301,12 @@ class FakeCuda:
     def current_stream(self, ordinal: int) -> FakeStream:
         return self.device(ordinal).default_stream
 
+    def new_event(self, ordinal: int) -> FakeEvent:
+        return self.device(ordinal).new_event()
+
+    def open_event(self, ordinal: int, handle: bytes) -> FakeEvent:
+        return self.device(ordinal).open_event(handle)
+
     def pin(self, memory: Array) -> Any:
         if self.fail_pin is not None:
             raise OSError(self.fail_pin)

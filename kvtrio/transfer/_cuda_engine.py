@@ -133,6 +133,12 @@ class CudaRuntime(Protocol):
     def current_stream(self, ordinal: int) -> Stream:
         """The calling thread's current stream on that device (the engine's)."""
 
+    def new_event(self, ordinal: int) -> Event:
+        """A new interprocess event on that device (no kernels needed: for workers)."""
+
+    def open_event(self, ordinal: int, handle: bytes) -> Event:
+        """Another process's event, from its IPC handle."""
+
     def pin(self, memory: Array) -> Any:
         """Page-lock host memory for asynchronous copies (blocking); returns a token."""
 

@@ -233,6 +233,13 @@ class TorchRuntime:
     def current_stream(self, ordinal: int) -> Any:
         return self.torch.cuda.current_stream(ordinal)
 
+    def new_event(self, ordinal: int) -> Any:
+        with self.torch.cuda.device(ordinal):
+            return self.torch.cuda.Event(interprocess=True)
+
+    def open_event(self, ordinal: int, handle: bytes) -> Any:
+        return self.torch.cuda.Event.from_ipc_handle(self.torch.device("cuda", ordinal), handle)
+
     def pin(self, memory: Any) -> Any:
         cudart = self.torch.cuda.cudart()
         address = memory.__array_interface__["data"][0]

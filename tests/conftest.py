@@ -179,3 +179,25 @@ def server_process(short_dir: Path, endpoint: str) -> Iterator[Callable[..., Ser
     for process in started:
         if process.proc is not None and process.proc.poll() is None:
             process.stop(signal.SIGTERM)  # gracefully: the server removes its L1 arena
+
+
+# --------------------------------------------------------------------------- CUDA sources
+
+
+@pytest.fixture(scope="session")
+def host_library(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The host build of the CUDA kernels' index arithmetic (``kvtrio_host.cpp``), via ctypes.
+
+    Skipped without a C++ compiler, except where ``KVTRIO_REQUIRE_CUDA_BUILD=1`` (the ``cuda``
+    tox env) makes that a failure.
+    """
+    from kvtrio.transfer._cuda_build import build_host_library
+    from kvtrio.transfer._hostlib import HostLibrary
+
+    try:
+        path = build_host_library(tmp_path_factory.mktemp("hostlib"))
+    except RuntimeError as exc:
+        if os.environ.get("KVTRIO_REQUIRE_CUDA_BUILD", "") not in ("", "0"):
+            raise
+        pytest.skip(f"cannot build the host library: {exc}")
+    return HostLibrary(path)

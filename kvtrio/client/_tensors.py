@@ -9,7 +9,7 @@ import numpy as np
 
 from ..transfer import KVLayout
 
-__all__ = ["describe_kv_caches", "infer_layout_kind"]
+__all__ = ["describe_cuda_caches", "describe_kv_caches", "infer_layout_kind"]
 
 _TORCH_DTYPES = {
     "torch.float16": "float16",
@@ -121,8 +121,8 @@ def _as_arrays(kv_caches: Mapping[str, Any]) -> tuple[list[np.ndarray[Any, Any]]
             raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
         if tensor.device.type != "cpu":
             raise ValueError(
-                f"{name} lives on {tensor.device}: GPU KV caches need kvtrio's CUDA IPC transfer "
-                "path, which is not available yet; only CPU engines are supported"
+                f"{name} lives on {tensor.device}: kvtrio serves CPU tensors (copied through the "
+                "L1 arena) and CUDA tensors (copied by the server through CUDA IPC), not this"
             )
         if not tensor.is_contiguous():
             raise ValueError(f"{name}: the KV tensor must be contiguous")
@@ -134,3 +134,43 @@ def _as_arrays(kv_caches: Mapping[str, Any]) -> tuple[list[np.ndarray[Any, Any]]
     if dtype is None:
         raise ValueError(f"unsupported KV dtype {values[0].dtype}")
     return arrays, dtype, "cpu"
+
+
+def describe_cuda_caches(
+    kv_caches: Mapping[str, Any], block_size: int, layout: str | None
+) -> tuple[KVLayout, list[Any]]:
+    """Validate CUDA KV tensors (one per layer); return their layout and the tensors.
+
+    Any strides are accepted (the kernels follow them) as long as all layers share them.
+    Raises ``ValueError`` with what is wrong.
+    """
+    if not kv_caches:
+        raise ValueError("no KV cache tensors given")
+    tensors = list(kv_caches.values())
+    first = tensors[0]
+    shape = tuple(first.shape)
+    for name, tensor in kv_caches.items():
+        if tuple(tensor.shape) != shape or str(tensor.dtype) != str(first.dtype):
+            raise ValueError(f"{name}: all layers must have the same shape and dtype")
+    dtype = _TORCH_DTYPES.get(str(first.dtype), str(first.dtype))
+    if dtype not in _TORCH_DTYPES.values():
+        raise ValueError(f"unsupported KV dtype {first.dtype}")
+    kind = layout or infer_layout_kind(shape, block_size, "cuda")
+    axes = {"flash_attn": (1, 3, 4), "flash_infer": (0, 3, 4), "mla": (0, None, 2)}
+    if kind not in axes or len(shape) != (3 if kind == "mla" else 5):
+        raise ValueError(f"a CUDA tensor of shape {shape} cannot have layout {kind!r}")
+    blocks_axis, heads_axis, dim_axis = axes[kind]
+    kv_layout = KVLayout(
+        kind=kind,
+        num_layers=len(tensors),
+        num_blocks=shape[blocks_axis],
+        block_size=block_size,
+        num_heads=1 if heads_axis is None else shape[heads_axis],
+        head_dim=shape[dim_axis],
+        dtype=dtype,
+    )
+    if tuple(kv_layout.layer_shape) != shape:
+        raise ValueError(
+            f"tensor shape {shape} does not match layout {kind} {kv_layout.layer_shape}"
+        )
+    return kv_layout, tensors

@@ -40,6 +40,8 @@ from ..protocol import (
 )
 from ..storage import HASH_SCHEME_TOKENS, SharedArena
 from ..transfer import KVLayout, gather, scatter
+from ..transfer.cuda import CudaRuntime, torch_runtime
+from ._cuda_worker import CudaWorker, is_cuda_cache
 from ._scheduler import as_block_hashes
 from ._sync import Client
 from ._tensors import describe_kv_caches
@@ -80,7 +82,8 @@ class LoadStoreOp:
 @attrs.define
 class _Mapped:
     registered: Registered
-    arena: SharedArena
+    arena: SharedArena | None
+    """None for CUDA workers (the server copies; the arena is not mapped here)."""
     generation: int
     instance_id: str | None
     """The server instance the registration was made with."""
@@ -108,6 +111,7 @@ class WorkerAdapter:
         hash_scheme: str = HASH_SCHEME_TOKENS,
         instance_id: str | None = None,
         timeout: float = 5.0,
+        cuda_runtime: CudaRuntime | None = None,
     ) -> None:
         self.model_name = model_name
         self.world_size = world_size
@@ -119,6 +123,8 @@ class WorkerAdapter:
         self.timeout = timeout
         self._layout: KVLayout | None = None
         self._arrays: list[np.ndarray[Any, Any]] = []
+        self._cuda_runtime = cuda_runtime
+        self._cuda: CudaWorker | None = None
         self._mapped: _Mapped | None = None
         self._generation = 0
         self._lock = threading.Lock()
@@ -144,11 +150,20 @@ class WorkerAdapter:
     ) -> None:
         """Register the engine's KV tensors (one per layer, in layer order), as allocated.
 
-        CPU tensors only; ``layout`` (``flash_attn``, ``flash_infer``, ``mla``, ``cpu``) is
-        inferred from the shapes when not given. Raises ``ValueError`` for tensors it cannot
-        serve; a server that is away is not an error (registration happens when it appears).
+        ``layout`` (``flash_attn``, ``flash_infer``, ``mla``, ``cpu``, ``vllm_cpu``) is inferred
+        from the shapes when not given. CUDA tensors are exported by CUDA IPC and the server
+        copies them (``docs/gpu.md``); CPU tensors are copied here, through the L1 arena. Raises
+        ``ValueError`` for tensors it cannot serve; a server that is away is not an error
+        (registration happens when it appears).
         """
-        self._layout, self._arrays = describe_kv_caches(kv_caches, self.block_size, layout)
+        if is_cuda_cache(kv_caches):
+            runtime = self._cuda_runtime or torch_runtime()
+            if runtime is None:
+                raise ValueError("CUDA KV tensors, but torch sees no usable CUDA GPU")
+            self._cuda = CudaWorker(runtime, kv_caches, self.block_size, layout)
+            self._layout, self._arrays = self._cuda.layout, []
+        else:
+            self._layout, self._arrays = describe_kv_caches(kv_caches, self.block_size, layout)
         try:
             self._register_wait(self.timeout)
         except KvtrioError as exc:
@@ -176,6 +191,8 @@ class WorkerAdapter:
             ),
             hash_scheme=self.hash_scheme,
             tenant=self.tenant,
+            device="cpu" if self._cuda is None else "cuda",
+            cuda=None if self._cuda is None else self._cuda.cache,
         )
         future = self.client.submit(request, timeout=self.timeout)
         future.add_done_callback(lambda f: self._registered(f, generation))
@@ -204,7 +221,13 @@ class WorkerAdapter:
             if generation != self._generation:
                 return
             old = self._mapped
-        arena = old.arena if old is not None and old.arena.path == reply.arena_path else None
+        if self._cuda is not None:  # the server copies: no arena to map
+            with self._lock:
+                if generation == self._generation:
+                    self._mapped = _Mapped(reply, None, generation, instance)
+            return
+        reuse = old is not None and old.arena is not None and old.arena.path == reply.arena_path
+        arena = old.arena if reuse and old is not None else None
         if arena is None:
             try:
                 arena = SharedArena.attach(reply.arena_path, reply.arena_size)
@@ -216,7 +239,7 @@ class WorkerAdapter:
                 if old is None or arena is not old.arena:
                     arena.close()
                 return  # a newer registration is under way
-            if old is not None and old.arena is not arena:
+            if old is not None and old.arena is not None and old.arena is not arena:
                 old.arena.close()
             self._mapped = _Mapped(reply, arena, generation, instance)
         log.info("kvtrio: rank %d registered at %s", self.kv_rank, self.client.endpoint)
@@ -260,10 +283,11 @@ class WorkerAdapter:
         """Queue a store; the request counts as stored in :meth:`get_finished` once done.
 
         The future is done when the store is (it never raises: failures are logged)."""
+        engine_event = self._cuda.record() if self._cuda is not None else b""
         with self._lock:
             self._pending_stores[request_id] += 1
             self._stored.add(request_id)
-        return self._transfers.submit(self._run_store, request_id, op)
+        return self._transfers.submit(self._run_store, request_id, op, engine_event)
 
     def submit_retrieve_request(
         self, request_id: str, op: LoadStoreOp, event: object = None
@@ -272,9 +296,10 @@ class WorkerAdapter:
         names the blocks that could not be loaded.
 
         The future is done when the blocks are in place or reported failed (it never raises)."""
+        engine_event = self._cuda.record() if self._cuda is not None else b""
         with self._lock:
             self._pending_retrieves[request_id] += 1
-        return self._transfers.submit(self._run_retrieve, request_id, op)
+        return self._transfers.submit(self._run_retrieve, request_id, op, engine_event)
 
     def batched_submit_store_requests(
         self, request_ids: Sequence[str], ops: Sequence[LoadStoreOp], event: object = None
@@ -330,9 +355,12 @@ class WorkerAdapter:
         per_chunk = self.chunk_size // self.block_size
         return op.block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
 
-    def _run_store(self, request_id: str, op: LoadStoreOp) -> None:
+    def _run_store(self, request_id: str, op: LoadStoreOp, engine_event: bytes = b"") -> None:
         try:
-            self._store(request_id, op)
+            if self._cuda is not None:
+                self._cuda_store(self._cuda, request_id, op, engine_event)
+            else:
+                self._store(request_id, op)
         except NotRegistered:
             self._reregister()
         except KvtrioError as exc:
@@ -343,9 +371,21 @@ class WorkerAdapter:
             with self._lock:
                 self._pending_stores[request_id] -= 1
 
+    def _cuda_store(
+        self, cuda: CudaWorker, request_id: str, op: LoadStoreOp, engine_event: bytes
+    ) -> None:
+        """The server copies: send the blocks and the engine's event, wait for its event."""
+        if self._current() is None:
+            return  # not registered (yet): nothing is stored
+        blocks = cuda.block_ids(op.block_ids, op.start, op.end, self.chunk_size, 0)
+        extra = {"block_ids": blocks, "event": engine_event}
+        reply = self._call_with_prompt(Store, StoreReply, request_id, op, extra)
+        if reply.done_event:
+            cuda.wait(reply.done_event)
+
     def _store(self, request_id: str, op: LoadStoreOp) -> None:
         mapped, layout = self._current(), self._layout
-        if mapped is None or layout is None:
+        if mapped is None or layout is None or mapped.arena is None:
             return  # not registered (yet): nothing is stored
         started = time.monotonic()
         reply = self._call_with_prompt(Store, StoreReply, request_id, op)
@@ -376,22 +416,33 @@ class WorkerAdapter:
             )
 
     def _call_with_prompt(
-        self, kind: type[Store | Retrieve], reply_type: type[_R], request_id: str, op: LoadStoreOp
+        self,
+        kind: type[Store | Retrieve],
+        reply_type: type[_R],
+        request_id: str,
+        op: LoadStoreOp,
+        extra: Mapping[str, Any] | None = None,
     ) -> _R:
         """Send a store or retrieve, with the prompt if the server may lack it; if the server
         says it lacks it after all (it forgot the request), send it again with the prompt."""
+        extra = extra or {}
         try:
-            request = kind(request_id, op.start, op.end, **self._prompt(request_id, op))
+            prompt = self._prompt(request_id, op)
+            request = kind(request_id, op.start, op.end, **prompt, **extra)
             return self.client.call(request, reply_type, fail_fast=True)
         except BadRequest:
-            request = kind(request_id, op.start, op.end, **self._prompt(request_id, op, force=True))
+            prompt = self._prompt(request_id, op, force=True)
+            request = kind(request_id, op.start, op.end, **prompt, **extra)
             return self.client.call(request, reply_type, fail_fast=True)
 
-    def _run_retrieve(self, request_id: str, op: LoadStoreOp) -> None:
+    def _run_retrieve(self, request_id: str, op: LoadStoreOp, engine_event: bytes = b"") -> None:
         first, last = op.start // self.chunk_size, op.end // self.chunk_size
         loaded: set[int] = set()
         try:
-            loaded = self._retrieve(request_id, op)
+            if self._cuda is not None:
+                loaded = self._cuda_retrieve(self._cuda, request_id, op, engine_event)
+            else:
+                loaded = self._retrieve(request_id, op)
         except NotRegistered:
             self._reregister()
         except KvtrioError as exc:
@@ -414,9 +465,26 @@ class WorkerAdapter:
                     del self._pending_retrieves[request_id]
                     self._retrieves_done.add(request_id)
 
+    def _cuda_retrieve(
+        self, cuda: CudaWorker, request_id: str, op: LoadStoreOp, engine_event: bytes
+    ) -> set[int]:
+        """The server copies into the engine's blocks (leaving those it has already alone);
+        the chunks count as loaded once the server's event has completed."""
+        if self._current() is None:
+            return set()
+        keep_before = op.start + op.skip_first_n_tokens
+        blocks = cuda.block_ids(op.block_ids, op.start, op.end, self.chunk_size, keep_before)
+        extra = {"block_ids": blocks, "event": engine_event}
+        reply = self._call_with_prompt(Retrieve, RetrieveReply, request_id, op, extra)
+        read = {slot.chunk for slot in reply.slots if slot.status == "read"}
+        if read and reply.done_event:
+            cuda.wait(reply.done_event)
+            return read
+        return set()
+
     def _retrieve(self, request_id: str, op: LoadStoreOp) -> set[int]:
         mapped, layout = self._current(), self._layout
-        if mapped is None or layout is None:
+        if mapped is None or layout is None or mapped.arena is None:
             return set()
         reply = self._call_with_prompt(Retrieve, RetrieveReply, request_id, op)
         keep_before = op.start + op.skip_first_n_tokens  # tokens the engine has already
@@ -455,5 +523,6 @@ class WorkerAdapter:
         self.client.close()
         with self._lock:
             if self._mapped is not None:
-                self._mapped.arena.close()
+                if self._mapped.arena is not None:
+                    self._mapped.arena.close()
                 self._mapped = None

@@ -7,6 +7,8 @@ Nothing in this package imports trio or zmq; it turns attrs messages into frames
 from ._cache import (
     Commit,
     CommitReply,
+    CudaCache,
+    CudaLayer,
     EndSession,
     FreeLookupLocks,
     LayoutSpec,
@@ -68,6 +70,8 @@ __all__ = [
     "ChunkSize",
     "Commit",
     "CommitReply",
+    "CudaCache",
+    "CudaLayer",
     "EndSession",
     "ErrorReply",
     "FreeLookupLocks",

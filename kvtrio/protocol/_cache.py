@@ -8,6 +8,9 @@ Who sends what (vLLM kv_offload style, interfaces split by caller):
 
 CPU workers copy the bytes themselves: ``store`` answers with arena slots to write, ``commit``
 makes them visible; ``retrieve`` answers with pinned slots to read, ``release`` unpins them.
+CUDA workers register their KV tensors by CUDA IPC (:class:`CudaCache`) and the server copies:
+``store`` and ``retrieve`` carry the engine blocks and an interprocess event, the reply carries
+the server's event, which completes when the bytes are in place (no commit or release).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ __all__ = [
     "CACHE_REQUEST_TYPES",
     "Commit",
     "CommitReply",
+    "CudaCache",
+    "CudaLayer",
     "EndSession",
     "FreeLookupLocks",
     "LayoutSpec",
@@ -58,6 +63,43 @@ class LayoutSpec:
     dtype: str
 
 
+@frozen
+class CudaLayer:
+    """One layer's KV tensor, shared by CUDA IPC: torch's export of its storage
+    (``UntypedStorage._share_cuda_()``) and the tensor's view of that storage."""
+
+    handle: bytes
+    """The IPC memory handle of the allocation holding the storage."""
+    storage_size: int
+    """Bytes of the storage."""
+    storage_offset: int
+    """Where the storage starts in the allocation, in bytes."""
+    ref_counter_handle: bytes
+    """torch's shared reference counter (a shared-memory file) that keeps the engine from
+    freeing the storage while the server has it open."""
+    ref_counter_offset: int
+    event_handle: bytes
+    """An IPC event torch recorded when it exported the storage (may be empty)."""
+    event_sync_required: bool
+    shape: IntTuple
+    stride: IntTuple
+    """In elements."""
+    offset: int
+    """The tensor's offset into the storage, in elements."""
+    dtype: str
+
+
+@frozen
+class CudaCache:
+    """A CUDA worker's KV cache: where its layers are, on which GPU."""
+
+    device_uuid: str
+    """The GPU's UUID (as torch prints it); the server finds its own ordinal of that GPU, so the
+    two processes may see different ``CUDA_VISIBLE_DEVICES`` orders."""
+    layers: tuple[CudaLayer, ...]
+    """One per layer, in layer order; their shapes are ``layout``'s layer shape."""
+
+
 # --------------------------------------------------------------------------- register
 
 
@@ -89,7 +131,9 @@ class Register(Request):
     hash_scheme: str
     """``tokens/sha256-128/v1`` (token mode) or ``blocks/<engine hash>/v1`` (hash mode)."""
     device: str = "cpu"
+    """``cpu`` (the worker copies through the L1 arena) or ``cuda`` (give ``cuda``)."""
     tenant: str = ""
+    cuda: CudaCache | None = None
 
 
 @frozen
@@ -159,6 +203,9 @@ class StoreReply(Reply):
     slots: tuple[Slot, ...]
     expires_in: float
     """Seconds left to write the ``write`` slots and commit them."""
+    done_event: bytes = b""
+    """CUDA workers: IPC handle of the server's event; the ``write`` chunks are copied out of
+    the engine when it has completed (the server commits them itself)."""
 
 
 @frozen
@@ -168,7 +215,9 @@ class Store(Request):
     ``start`` is a multiple of the chunk size; ``end`` is rounded down to one. ``tokens`` (or
     ``block_hashes``) must be sent unless the server already knows the request's prompt up to
     ``end`` (from its lookup or an earlier operation); sending them again is harmless.
-    ``block_ids`` are the engine blocks of those tokens (needed by server-driven transfers only).
+    ``block_ids`` are the engine blocks of those tokens, one per block (CUDA workers only).
+    ``event`` (CUDA workers, optional) is the IPC handle of an interprocess event the engine
+    recorded after the forward step that wrote those blocks; the server's copy waits for it.
     """
 
     op: ClassVar[str] = "store"
@@ -180,6 +229,7 @@ class Store(Request):
     tokens: IntTuple = ()
     block_hashes: BytesTuple = ()
     block_ids: IntTuple = ()
+    event: bytes = b""
 
 
 @frozen
@@ -204,13 +254,17 @@ class Commit(Request):
 @frozen
 class RetrieveReply(Reply):
     slots: tuple[Slot, ...]
+    done_event: bytes = b""
+    """CUDA workers: IPC handle of the server's event; the ``read`` chunks are in the engine's
+    blocks when it has completed (the server releases them itself)."""
 
 
 @frozen
 class Retrieve(Request):
     """Pinned slots of the full chunks of tokens ``[start, end)``; same fields as Store.
 
-    Consumes the pins this rank's share of the request's lookup took.
+    Consumes the pins this rank's share of the request's lookup took. CUDA workers may give
+    block id -1 for blocks the engine already has: those are left alone.
     """
 
     op: ClassVar[str] = "retrieve"
@@ -222,6 +276,7 @@ class Retrieve(Request):
     tokens: IntTuple = ()
     block_hashes: BytesTuple = ()
     block_ids: IntTuple = ()
+    event: bytes = b""
 
 
 @frozen

@@ -45,6 +45,7 @@ from ..storage import (
     Reservation,
     SharedArena,
 )
+from ._cuda import CudaTransfers
 from ._l2 import L2Tier
 from ._prefetch import Prefetcher
 from ._registry import Registration, Registry, request_key
@@ -62,8 +63,16 @@ _REAPER_PERIOD = 1.0
 class CacheService:
     """The L1 cache behind the protocol's cache operations. One per server."""
 
-    def __init__(self, state: ServerState, arena: SharedArena, l1: L1Cache, l2: L2Tier) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        arena: SharedArena,
+        l1: L1Cache,
+        l2: L2Tier,
+        cuda: CudaTransfers | None = None,
+    ) -> None:
         self.state = state
+        self.cuda = cuda if cuda is not None else CudaTransfers(arena)
         self.config: ServerConfig = state.config
         self.arena = arena
         self.l1 = l1
@@ -99,6 +108,14 @@ class CacheService:
         released = self._drop_registration(session.id, quarantine=False)
         registration = self.registry.register(session.id, request)
         self._watch(session)
+        if registration.device == "cuda":
+            try:
+                registration.cuda = await self.cuda.open(
+                    request.cuda, registration.layout, registration.chunk_bytes
+                )
+            except BaseException:
+                self.registry.unregister(session.id)
+                raise
         log.info(
             "session %s registered %s rank %d/%d (%s, %s)%s",
             session.id,
@@ -125,7 +142,11 @@ class CacheService:
     def _drop_registration(self, session_id: str, *, quarantine: bool) -> int:
         self.prefetch.cancel_owner(session_id)
         registration = self.registry.unregister(session_id)
-        released = self._undo(self.leases.pop_owner(session_id), quarantine=quarantine)
+        # The server's own GPU copies may still be writing a CUDA worker's reservations.
+        cuda = registration is not None and registration.cuda is not None
+        released = self._undo(self.leases.pop_owner(session_id), quarantine=quarantine or cuda)
+        if registration is not None and registration.cuda is not None:
+            self.cuda.close(registration.cuda)  # once the copies queued so far are done
         if registration is not None:
             log.info(
                 "session %s unregistered %s rank %d",
@@ -234,6 +255,8 @@ class CacheService:
     async def store(self, session: Session, request: Store) -> StoreReply:
         registration = self._registration(session)
         key, chain, chunks = self._chunks(registration, request)
+        if registration.cuda is not None:
+            blocks = self._block_ids(registration, request, chunks, store=True)
         expires = trio.current_time() + self.config.reservation_ttl
         slots = []
         for index in chunks:
@@ -248,6 +271,8 @@ class CacheService:
                 slots.append(Slot(index, "busy"))
             else:
                 slots.append(Slot(index, "failed"))
+        if registration.cuda is not None:
+            return self._cuda_store(session, registration, request, key, chain, blocks, slots)
         return StoreReply(tuple(slots), self.config.reservation_ttl)
 
     async def commit(self, session: Session, request: Commit) -> CommitReply:
@@ -281,6 +306,8 @@ class CacheService:
     async def retrieve(self, session: Session, request: Retrieve) -> RetrieveReply:
         registration = self._registration(session)
         key, chain, chunks = self._chunks(registration, request)
+        if registration.cuda is not None:
+            blocks = self._block_ids(registration, request, chunks, store=False)
         pending = self.prefetch.pending(key, [registration.space + chain.hashes[i] for i in chunks])
         if pending:  # L2 → L1 loads started by the lookup: wait for them, within the deadline
             with trio.move_on_after(self.config.retrieve_timeout):
@@ -300,6 +327,8 @@ class CacheService:
             if consumed:
                 self.l1.unpin(object_key, consumed)
             slots.append(Slot(index, "read", entry.offset, entry.nbytes))
+        if registration.cuda is not None:
+            return self._cuda_retrieve(session, registration, request, key, chain, blocks, slots)
         return RetrieveReply(tuple(slots))
 
     async def release(self, session: Session, request: Release) -> Released:
@@ -331,6 +360,119 @@ class CacheService:
         # else: a worker's store or retrieve is still under way (engines save asynchronously)
         # and its commit/release needs the prompt; the idle-request sweep forgets it later.
         return Released(released)
+
+    # ----------------------------------------------------------------- CUDA workers
+
+    def _block_ids(
+        self, registration: Registration, request: Store | Retrieve, chunks: range, *, store: bool
+    ) -> list[list[int]]:
+        """The engine blocks of each chunk of a CUDA worker's store or retrieve, checked."""
+        per_chunk = self.config.chunk_size // registration.layout.block_size
+        ids = request.block_ids
+        if len(ids) < len(chunks) * per_chunk:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"block_ids: {len(chunks)} chunks of {per_chunk} blocks need "
+                f"{len(chunks) * per_chunk} block ids, got {len(ids)}",
+            )
+        used = list(ids[: len(chunks) * per_chunk])
+        lowest = -1 if not store else 0
+        num_blocks = registration.layout.num_blocks
+        if any(type(b) is not int or not lowest <= b < num_blocks for b in used):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"block_ids must be ints in [{lowest}, {num_blocks})"
+                + ("" if store else " (-1: a block the engine keeps)"),
+            )
+        if not store:
+            named = [b for b in used if b >= 0]
+            if len(set(named)) != len(named):
+                raise RequestError(ErrorCode.BAD_REQUEST, "block_ids of a retrieve must differ")
+        return [used[i * per_chunk : (i + 1) * per_chunk] for i in range(len(chunks))]
+
+    def _cuda_store(
+        self,
+        session: Session,
+        registration: Registration,
+        request: Store,
+        key: str,
+        chain: ChunkChain,
+        blocks: list[list[int]],
+        slots: list[Slot],
+    ) -> StoreReply:
+        """Queue the GPU → L1 copies of the ``write`` slots; commit them once they are done."""
+        first = slots[0].chunk if slots else 0
+        writes = [slot for slot in slots if slot.status == "write"]
+        object_keys = [registration.space + chain.hashes[slot.chunk] for slot in writes]
+        digest = registration.profile.digest()
+
+        def complete(ok: bool) -> None:
+            for object_key in object_keys:
+                lease = self.leases.get(LeaseKind.WRITE, key, session.id, object_key)
+                if lease is None:
+                    continue  # expired or the session ended: quarantined, never committed
+                self.leases.remove(lease)
+                if ok:
+                    self.l1.commit(object_key)
+                    self.l2.write_behind(object_key, digest)
+                else:
+                    self.l1.abort_quarantined(
+                        object_key, trio.current_time() + self.config.reservation_ttl
+                    )
+
+        if not writes:
+            return StoreReply(tuple(slots), self.config.reservation_ttl)
+        chunks = [(blocks[s.chunk - first], s.offset, s.nbytes) for s in writes]
+        try:
+            done = self.cuda.submit(registration.cuda, chunks, request.event, complete, store=True)
+        except RequestError:
+            for object_key in object_keys:  # nothing was queued
+                lease = self.leases.get(LeaseKind.WRITE, key, session.id, object_key)
+                if lease is not None:
+                    self.leases.remove(lease)
+                    self.l1.abort(object_key)
+            raise
+        if not done:  # queueing failed: nothing of it will be committed
+            slots = [Slot(s.chunk, "failed") if s.status == "write" else s for s in slots]
+        return StoreReply(tuple(slots), self.config.reservation_ttl, done_event=done)
+
+    def _cuda_retrieve(
+        self,
+        session: Session,
+        registration: Registration,
+        request: Retrieve,
+        key: str,
+        chain: ChunkChain,
+        blocks: list[list[int]],
+        slots: list[Slot],
+    ) -> RetrieveReply:
+        """Queue the L1 → GPU copies of the ``read`` slots; unpin them once they are done."""
+        first = slots[0].chunk if slots else 0
+        reads = [slot for slot in slots if slot.status == "read"]
+        object_keys = [registration.space + chain.hashes[slot.chunk] for slot in reads]
+
+        def complete(ok: bool) -> None:
+            leases = []
+            for object_key in object_keys:
+                lease = self.leases.get(LeaseKind.READ, key, session.id, object_key)
+                if lease is not None:
+                    self.leases.remove(lease)
+                    leases.append(lease)
+            self._undo(leases, quarantine=False)
+
+        if not reads:
+            return RetrieveReply(tuple(slots))
+        chunks = [(blocks[s.chunk - first], s.offset, s.nbytes) for s in reads]
+        try:
+            done = self.cuda.submit(registration.cuda, chunks, request.event, complete, store=False)
+        except RequestError:
+            complete(True)  # nothing was queued: unpin now
+            raise
+        if not done:  # queueing failed: the engine must recompute these chunks
+            return RetrieveReply(
+                tuple(Slot(s.chunk, "failed") if s.status == "read" else s for s in slots)
+            )
+        return RetrieveReply(tuple(slots), done_event=done)
 
     # ----------------------------------------------------------------- shared pieces
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from ..errors import ErrorCode, RequestError
@@ -32,6 +34,9 @@ class Registration:
     space: bytes
     """Namespace of this rank's objects."""
     chunk_bytes: int
+    device: str = "cpu"
+    cuda: Any = None
+    """The opened CUDA registration (``server._cuda.CudaRegistration``) of a CUDA worker."""
 
 
 @attrs.define(eq=False)
@@ -71,12 +76,14 @@ class Registry:
         says what is wrong.
         """
         layout = _layout(request.layout)
-        if request.device != "cpu":
+        if request.device not in ("cpu", "cuda"):
             raise RequestError(
                 ErrorCode.BAD_REQUEST,
-                f"device {request.device!r}: this server serves CPU KV caches only "
-                "(CUDA caches need the IPC transfer path, which it does not have)",
+                f"device {request.device!r}: expected 'cpu' (the worker copies through the L1 "
+                "arena) or 'cuda' (the server copies through CUDA IPC)",
             )
+        if request.device == "cpu" and request.cuda is not None:
+            raise RequestError(ErrorCode.BAD_REQUEST, "the 'cuda' field needs device 'cuda'")
         if self.chunk_size % layout.block_size:
             raise RequestError(
                 ErrorCode.BAD_REQUEST,
@@ -118,6 +125,7 @@ class Registry:
             profile=profile,
             space=rank_space,
             chunk_bytes=layout.chunk_nbytes(self.chunk_size),
+            device=request.device,
         )
         entry.workers += 1
         self.by_session[session_id] = registration

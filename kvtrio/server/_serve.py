@@ -16,6 +16,7 @@ from ..l2 import Backend, create_backend
 from ..storage import L1Cache, SharedArena, default_shm_dir
 from ..transport import ensure_endpoint_free, open_socket
 from ._cache import CacheService
+from ._cuda import CudaTransfers, RuntimeFactory
 from ._l2 import L2Tier
 from ._operations import register_core_operations
 from ._router import Router
@@ -85,7 +86,10 @@ def _router_options(config: ServerConfig) -> dict[int, int]:
 
 @asynccontextmanager
 async def open_server(
-    config: ServerConfig, *, backends: Sequence[tuple[str, Backend]] | None = None
+    config: ServerConfig,
+    *,
+    backends: Sequence[tuple[str, Backend]] | None = None,
+    cuda_runtime: RuntimeFactory | None = None,
 ) -> AsyncIterator[ServerHandle]:
     """Run a server for the duration of the block.
 
@@ -94,7 +98,8 @@ async def open_server(
     stops it: sessions are cancelled and clean up, then the socket is closed.
 
     ``backends`` replaces the L2 cascade of ``config`` with ready-made backend instances (tests
-    use it to hold on to a backend); they are closed when the server stops.
+    use it to hold on to a backend); they are closed when the server stops. ``cuda_runtime``
+    replaces the CUDA runtime the first CUDA registration creates (tests pass a simulated one).
     """
     ensure_endpoint_free(config.endpoint)
     if backends is None:
@@ -116,12 +121,13 @@ async def open_server(
                     flushers=2,
                     loaders=config.l2_loaders,
                 )
-                cache = CacheService(state, arena, l1, l2)
+                cache = CacheService(state, arena, l1, l2, CudaTransfers(arena, cuda_runtime))
                 cache.install()
                 async with trio.open_nursery() as root, trio.open_nursery() as sessions:
                     root.start_soon(_preallocate, arena)
                     await root.start(l2.serve)
                     await root.start(cache.serve_reaper)
+                    await root.start(cache.cuda.serve)
                     router = Router(state, socket, sessions)
                     await root.start(router.run)
                     try:
@@ -181,6 +187,7 @@ async def serve(
     config: ServerConfig,
     *,
     backends: Sequence[tuple[str, Backend]] | None = None,
+    cuda_runtime: RuntimeFactory | None = None,
     task_status: trio.TaskStatus[ServerHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until :meth:`ServerHandle.shutdown` or cancellation.
@@ -188,6 +195,6 @@ async def serve(
     Start it with ``handle = await nursery.start(serve, config)``; the handle is passed to
     ``task_status.started`` once the socket is bound.
     """
-    async with open_server(config, backends=backends) as handle:
+    async with open_server(config, backends=backends, cuda_runtime=cuda_runtime) as handle:
         task_status.started(handle)
         await trio.sleep_forever()

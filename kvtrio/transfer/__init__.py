@@ -2,10 +2,22 @@
 
 :class:`KVLayout` describes an engine's per-layer KV tensors and the canonical chunk format every
 layout maps to; :func:`gather` and :func:`scatter` copy between the two on the CPU (synchronous,
-for worker threads). Callers pass numpy arrays; nothing here imports torch.
+for worker threads). Callers pass numpy arrays; nothing here imports torch. :class:`Transfer` is
+the interface the CPU path and the CUDA engine (:mod:`kvtrio.transfer.cuda`) share.
 """
 
 from ._cpu import gather, scatter
+from ._engines import CPU_TRANSFER, CpuTransfer, Transfer
 from ._layouts import DTYPE_SIZES, LAYOUT_KINDS, ChunkFormat, KVLayout
 
-__all__ = ["DTYPE_SIZES", "LAYOUT_KINDS", "ChunkFormat", "KVLayout", "gather", "scatter"]
+__all__ = [
+    "CPU_TRANSFER",
+    "DTYPE_SIZES",
+    "LAYOUT_KINDS",
+    "ChunkFormat",
+    "CpuTransfer",
+    "KVLayout",
+    "Transfer",
+    "gather",
+    "scatter",
+]

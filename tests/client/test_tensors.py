@@ -89,5 +89,7 @@ def test_vllm_cpu_views_are_read_as_k_rows_then_v_rows() -> None:
 def test_tensors_off_the_cpu_are_refused_with_a_clear_message() -> None:
     torch = pytest.importorskip("torch")
     tensor = torch.empty((2, 10, 16, 2, 32), dtype=torch.float16, device="meta")
-    with pytest.raises(ValueError, match="GPU KV caches need kvtrio's CUDA IPC transfer path"):
+    with pytest.raises(
+        ValueError, match=r"lives on meta: kvtrio serves CPU tensors .* and CUDA tensors"
+    ):
         describe_kv_caches({"l0": tensor}, 16, None)

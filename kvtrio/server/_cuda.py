@@ -1,0 +1,302 @@
+"""Server-driven transfers for CUDA workers: IPC registrations, queued copies, completions.
+
+A CUDA worker registers its layers by CUDA IPC; :meth:`CudaTransfers.open` maps the GPU's UUID
+to this process's ordinal, checks every layer against the layout, opens the handles (once per
+registration) and prepares the device's :class:`~kvtrio.transfer.cuda.CopyPipeline`. The first
+CUDA registration also creates the runtime (imports torch: a server that never sees one never
+does) and pins the L1 arena.
+
+Stores and retrieves only *queue* work (kernel launches and asynchronous copies: nothing waits
+for the GPU in the event loop) and return the IPC handle of the operation's ``done`` event. The
+watcher task (:meth:`CudaTransfers.serve`) waits for those events in order, in a worker thread,
+and runs each operation's completion: a store's chunks are committed only then, a retrieve's
+pins released only then. Closing a registration is queued behind its work the same way, so an
+IPC mapping is never closed under a copy. The queue is a deque, not a bounded channel: every
+entry holds L1 reservations or pins, so L1's capacity bounds it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import trio
+
+from ..errors import ErrorCode, RequestError
+from ..protocol import CudaCache, CudaLayer
+from ..storage import SharedArena
+from ..transfer import KVLayout
+from ..transfer.cuda import ChunkCopy, CopyPipeline, CudaRuntime, Event, PinnedHost, check_extent
+
+__all__ = ["CudaRegistration", "CudaTransfers", "RuntimeFactory"]
+
+log = logging.getLogger("kvtrio.cuda")
+
+RuntimeFactory = Callable[[], CudaRuntime | None]
+"""Creates the process's CUDA runtime, or None without a usable GPU (blocking)."""
+
+_CUDA_LIMITER = trio.CapacityLimiter(1)
+"""Blocking CUDA calls of the server (opening handles, pinning, building kernels)."""
+_WAIT_LIMITER = trio.CapacityLimiter(1)
+"""The watcher's wait for the next completion (one at a time, in order)."""
+_EVENTS_PER_REGISTRATION = 8
+
+
+def _default_runtime() -> CudaRuntime | None:
+    from ..transfer.cuda import torch_runtime
+
+    return torch_runtime()
+
+
+def bad_request(message: str) -> RequestError:
+    return RequestError(ErrorCode.BAD_REQUEST, message)
+
+
+@attrs.define(eq=False)
+class CudaRegistration:
+    """A CUDA worker's opened layers and what its operations use."""
+
+    ordinal: int
+    layout: KVLayout
+    tensors: list[Any]
+    prepared: Any
+    pipeline: CopyPipeline
+    events: list[Event]
+    """The server's done events, used in turn (an adapter that waits on a reused one only waits
+    longer, never less)."""
+    engine_events: dict[bytes, Event] = attrs.field(factory=dict)
+    next_event: int = 0
+    closed: bool = False
+
+    def done_event(self) -> Event:
+        event = self.events[self.next_event]
+        self.next_event = (self.next_event + 1) % len(self.events)
+        return event
+
+
+@attrs.define(eq=False)
+class _Pending:
+    event: Event | None
+    complete: Callable[[bool], None] | None = None
+    close: Callable[[], None] | None = None
+
+
+class CudaTransfers:
+    """The CUDA side of the cache service (one per server)."""
+
+    def __init__(self, arena: SharedArena, runtime: RuntimeFactory | None = None) -> None:
+        self.arena = arena
+        self._factory = runtime or _default_runtime
+        self.runtime: CudaRuntime | None = None
+        self.pinned: PinnedHost | None = None
+        self._pipelines: dict[tuple[int, int], CopyPipeline] = {}
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._wakeup = trio.lowlevel.ParkingLot()
+        self.registrations = 0
+        self.operations = 0
+        self.failures = 0
+
+    # ----------------------------------------------------------------- registration
+
+    async def open(self, spec: CudaCache | None, layout: KVLayout, chunk_bytes: int) -> Any:
+        """Validate and open a CUDA registration; ``RequestError`` says what is wrong.
+
+        Cancellation: the blocking part finishes; what it opened is closed again.
+        """
+        if spec is None:
+            raise bad_request("device 'cuda' needs the 'cuda' field (the layers' IPC handles)")
+        self._check_layers(spec.layers, layout)
+        runtime = await self._runtime()
+        uuids = runtime.device_uuids()
+        if spec.device_uuid not in uuids:
+            raise bad_request(
+                f"GPU {spec.device_uuid} is not visible to the kvtrio server (it sees "
+                f"{', '.join(uuids) or 'no GPU'}): run the server where it can see the engine's "
+                "GPUs (same host, same CUDA_VISIBLE_DEVICES set or a superset)"
+            )
+        ordinal = uuids.index(spec.device_uuid)
+
+        def open_all() -> CudaRegistration:
+            device = runtime.device(ordinal)
+            tensors: list[Any] = []
+            try:
+                for layer in spec.layers:
+                    tensors.append(runtime.open_layer(ordinal, layer))
+                key = (ordinal, chunk_bytes)
+                if key not in self._pipelines:
+                    self._pipelines[key] = CopyPipeline(device, chunk_bytes)
+                prepared = device.prepare_layers(layout, tensors)
+                events = [device.new_event() for _ in range(_EVENTS_PER_REGISTRATION)]
+            except BaseException:
+                for tensor in tensors:
+                    runtime.close_layer(tensor)
+                raise
+            return CudaRegistration(
+                ordinal, layout, tensors, prepared, self._pipelines[key], events
+            )
+
+        with trio.CancelScope(shield=True):
+            try:
+                registration = await trio.to_thread.run_sync(open_all, limiter=_CUDA_LIMITER)
+            except RequestError:
+                raise
+            except Exception as exc:
+                raise bad_request(f"cannot open the KV cache's CUDA IPC handles: {exc}") from None
+        self.registrations += 1
+        try:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        except BaseException:
+            self.close(registration)
+            raise
+        return registration
+
+    def _check_layers(self, layers: Sequence[CudaLayer], layout: KVLayout) -> None:
+        if len(layers) != layout.num_layers:
+            raise bad_request(f"{len(layers)} CUDA layers for a layout of {layout.num_layers}")
+        strides = {tuple(layer.stride) for layer in layers}
+        if len(strides) != 1:
+            raise bad_request("all layers must have the same strides")
+        for i, layer in enumerate(layers):
+            if layer.dtype != layout.dtype:
+                raise bad_request(f"layer {i}: dtype {layer.dtype}, the layout says {layout.dtype}")
+            if tuple(layer.shape) != layout.layer_shape:
+                raise bad_request(
+                    f"layer {i}: shape {tuple(layer.shape)}, a {layout.kind} layout has "
+                    f"{layout.layer_shape}"
+                )
+            if layer.storage_size < 0 or layer.storage_offset < 0:
+                raise bad_request(f"layer {i}: negative storage size or offset")
+            try:
+                check_extent(layout, layer.stride, layer.offset, layer.storage_size, f"layer {i}")
+            except ValueError as exc:
+                raise bad_request(str(exc)) from None
+
+    async def _runtime(self) -> CudaRuntime:
+        if self.runtime is not None:
+            return self.runtime
+        runtime = await trio.to_thread.run_sync(self._factory, limiter=_CUDA_LIMITER)
+        if runtime is None:
+            raise bad_request(
+                "this kvtrio server has no usable CUDA (it needs torch built with CUDA and a "
+                "visible GPU): start it on the GPU host, in an environment with torch"
+            )
+        if self.runtime is None:
+            try:
+                self.pinned = await trio.to_thread.run_sync(
+                    PinnedHost, runtime, self.arena.buffer, limiter=_CUDA_LIMITER
+                )
+            except Exception as exc:
+                raise bad_request(
+                    f"cannot pin the L1 arena for GPU copies ({exc}): raise the locked-memory "
+                    "limit (ulimit -l unlimited; in a container: --ulimit memlock=-1) or lower "
+                    "--l1-size"
+                ) from None
+            self.runtime = runtime
+            log.info(
+                "CUDA transfers ready: L1 pinned in %d pieces", -(-self.arena.size // (1 << 30))
+            )
+        return self.runtime
+
+    def close(self, registration: CudaRegistration) -> None:
+        """Close a registration's IPC handles once the work queued before now is done."""
+        if registration.closed:
+            return
+        registration.closed = True
+        runtime = self.runtime
+        assert runtime is not None
+
+        def close() -> None:
+            for tensor in registration.tensors:
+                runtime.close_layer(tensor)
+            registration.tensors.clear()
+
+        self._queue(_Pending(None, close=close))
+
+    # ----------------------------------------------------------------- operations
+
+    def _event(self, registration: CudaRegistration, handle: bytes) -> Event | None:
+        if not handle:
+            return None
+        event = registration.engine_events.get(handle)
+        if event is None:
+            try:
+                event = registration.pipeline.device.open_event(handle)
+            except Exception as exc:
+                raise bad_request(f"cannot open the engine's CUDA event: {exc}") from None
+            registration.engine_events[handle] = event
+        return event
+
+    def submit(
+        self,
+        registration: CudaRegistration,
+        chunks: Sequence[tuple[Sequence[int], int, int]],
+        engine_event: bytes,
+        complete: Callable[[bool], None],
+        *,
+        store: bool,
+    ) -> bytes:
+        """Queue a store (engine → L1) or retrieve of ``chunks`` (block ids, slot offset, slot
+        bytes); ``complete(ok)`` runs once the copies are done. Returns the done event's handle.
+
+        ``RequestError`` before anything is queued if an argument is wrong; ``complete(False)``
+        runs (later) if queueing fails halfway.
+        """
+        assert self.pinned is not None
+        assert not registration.closed
+        after = self._event(registration, engine_event)
+        copies = [ChunkCopy(tuple(ids), self.pinned.pieces(offset, nbytes))
+                  for ids, offset, nbytes in chunks]  # fmt: skip
+        done = registration.done_event()
+        pipeline = registration.pipeline
+        self.operations += 1
+        try:
+            if store:
+                pipeline.store(registration.prepared, copies, after, done)
+            else:
+                pipeline.retrieve(registration.prepared, copies, after, done)
+        except Exception:
+            log.exception("queueing CUDA copies failed")
+            self.failures += 1
+            self._queue(_Pending(None, complete=complete))  # after what is already queued
+            return b""
+        self._queue(_Pending(done, complete=complete))
+        return done.ipc_handle()
+
+    def _queue(self, pending: _Pending) -> None:
+        self._pending.append(pending)
+        self._wakeup.unpark_all()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run completions in order as their events complete; never returns.
+
+        Cancellation: a wait in progress is abandoned (the GPU may still be copying; the
+        server is stopping).
+        """
+        task_status.started()
+        while True:
+            while not self._pending:
+                await self._wakeup.park()
+            item = self._pending[0]
+            ok = True
+            if item.event is not None:
+                try:
+                    await trio.to_thread.run_sync(
+                        item.event.synchronize, limiter=_WAIT_LIMITER, abandon_on_cancel=True
+                    )
+                except Exception:
+                    log.exception("a CUDA copy failed")
+                    self.failures += 1
+                    ok = False
+            if item.close is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(item.close, limiter=_CUDA_LIMITER)
+            self._pending.popleft()
+            if item.complete is not None:
+                item.complete(ok and item.event is not None)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)

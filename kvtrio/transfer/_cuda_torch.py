@@ -1,0 +1,263 @@
+"""The driver boundary implemented with torch: devices, kernels, CUDA IPC, pinned memory.
+
+Only imported where a CUDA runtime is wanted (torch is imported lazily by :func:`torch_runtime`).
+This is the code that cannot run without a GPU; it is kept to thin calls into torch so that
+everything above it (:mod:`._cuda_engine`, the server's and the worker's CUDA paths) is tested
+with a simulated device instead.
+
+Kernels: the compiled extension (:mod:`._cuda_build`) when it builds, else :class:`TorchKernels`,
+index operations on the GPU (one ``index_select``/``index_copy_`` per layer: correct, slower).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from ..protocol import CudaLayer
+from ._cuda_build import extension_disabled, load_extension
+from ._geometry import geometry
+from ._layouts import KVLayout
+
+__all__ = ["TorchDevice", "TorchRuntime", "kernel_choice", "torch_runtime"]
+
+log = logging.getLogger("kvtrio.cuda")
+
+_INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def kernel_choice(torch: Any, loader: Any = None) -> tuple[str, Any, str]:
+    """Which kernels to use: ``("extension", module, "")`` or ``("torch", None, why)``.
+
+    Never raises: a failed build is reported in ``why`` (and logged by the caller).
+    """
+    if extension_disabled():
+        return "torch", None, "KVTRIO_NO_EXT is set"
+    if not getattr(torch.version, "cuda", None):
+        return "torch", None, "torch was built without CUDA"
+    try:
+        return "extension", load_extension(torch, loader), ""
+    except Exception as exc:
+        return "torch", None, f"building the CUDA extension failed: {exc}"
+
+
+@attrs.define
+class _Layers:
+    layout: KVLayout
+    tensors: list[Any]
+    views: list[Any]
+    """(kv, block, token, head, dim) views of each layer as same-size integers (fallback)."""
+    geometry: Any = None
+    bases: Any = None
+    pointer_bits: int = 0
+
+
+class TorchDevice:
+    """A GPU through torch; ``extension`` is the compiled module or None (fallback)."""
+
+    def __init__(self, torch: Any, ordinal: int, extension: Any) -> None:
+        self.torch = torch
+        self.ordinal = ordinal
+        self.extension = extension
+        self.kernels = "extension" if extension is not None else "torch"
+        self._device = torch.device("cuda", ordinal)
+
+    def new_stream(self) -> Any:
+        return self.torch.cuda.Stream(device=self._device)
+
+    def new_event(self) -> Any:
+        return self.torch.cuda.Event(interprocess=True)
+
+    def open_event(self, handle: bytes) -> Any:
+        return self.torch.cuda.Event.from_ipc_handle(self._device, handle)
+
+    def new_buffer(self, nbytes: int) -> Any:
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self._device)
+
+    def prepare_layers(self, layout: KVLayout, tensors: Sequence[Any]) -> _Layers:
+        torch = self.torch
+        as_int = getattr(torch, _INT_OF_SIZE[layout.element_size])
+        views = []
+        for tensor in tensors:
+            raw = tensor.view(as_int)
+            axes = {"flash_attn": None, "flash_infer": (1, 0, 2, 3, 4), "cpu": (0, 1, 3, 2, 4),
+                    "vllm_cpu": (2, 0, 3, 1, 4)}.get(layout.kind)  # fmt: skip
+            if layout.kind == "mla":
+                raw = raw[None, :, :, None, :]
+            elif axes is not None:
+                raw = raw.permute(*axes)
+            views.append(raw)
+        prepared = _Layers(layout, list(tensors), views)
+        strides = {tuple(t.stride()) for t in tensors}
+        if self.extension is not None and len(strides) == 1:
+            prepared.geometry = torch.tensor(geometry(layout, strides.pop()), dtype=torch.int64)
+            addresses = [t.data_ptr() for t in tensors]
+            prepared.bases = torch.tensor(addresses, dtype=torch.int64, device=self._device)
+            bits = 0
+            for address in addresses:
+                bits |= address
+            prepared.pointer_bits = bits
+        return prepared
+
+    def upload_ids(self, ids: npt.NDArray[np.int64], stream: Any) -> Any:
+        torch = self.torch
+        with torch.cuda.stream(stream):
+            return torch.from_numpy(ids).pin_memory().to(self._device, non_blocking=True)
+
+    def kernel(
+        self,
+        layers: _Layers,
+        ids: Any,
+        host_ids: npt.NDArray[np.int64],
+        first: int,
+        buffer: Any,
+        nbytes: int,
+        *,
+        gather: bool,
+        stream: Any,
+    ) -> None:
+        torch = self.torch
+        count = len(host_ids)
+        chunk_ids = ids[first : first + count]
+        with torch.cuda.stream(stream):
+            if layers.bases is not None:
+                self.extension.copy(
+                    layers.geometry, layers.pointer_bits, layers.bases, chunk_ids,
+                    buffer[:nbytes], gather,
+                )  # fmt: skip
+                return
+            layout = layers.layout
+            shape = (layout.num_layers, layout.kv, count, layout.block_size, layout.num_heads,
+                     layout.head_dim)  # fmt: skip
+            chunk = buffer[:nbytes].view(layers.views[0].dtype).view(shape)
+            if gather:
+                for layer, view in enumerate(layers.views):
+                    torch.index_select(view, 1, chunk_ids, out=chunk[layer])
+            else:
+                keep = np.flatnonzero(host_ids >= 0)  # -1: a block the engine keeps
+                if len(keep) < count:  # (indices built on the host: no device-to-host sync)
+                    positions = self.upload_ids(keep.astype(np.int64), stream)
+                    chunk_ids = self.upload_ids(host_ids[keep], stream)
+                for layer, view in enumerate(layers.views):
+                    source = chunk[layer] if len(keep) == count else chunk[layer][:, positions]
+                    view.index_copy_(1, chunk_ids, source)
+
+    def to_host(self, host: Any, buffer: Any, offset: int, stream: Any) -> None:
+        torch = self.torch
+        with torch.cuda.stream(stream):
+            target = torch.from_numpy(host)
+            target.copy_(buffer[offset : offset + host.nbytes], non_blocking=True)
+
+    def to_device(self, buffer: Any, offset: int, host: Any, stream: Any) -> None:
+        torch = self.torch
+        with torch.cuda.stream(stream):
+            source = torch.from_numpy(host)
+            buffer[offset : offset + host.nbytes].copy_(source, non_blocking=True)
+
+
+class TorchRuntime:
+    """CUDA through torch. Devices are created on first use, with the kernels chosen once."""
+
+    def __init__(self, torch: Any, loader: Any = None) -> None:
+        self.torch = torch
+        self._loader = loader
+        self._devices: dict[int, TorchDevice] = {}
+        self._kernels: tuple[str, Any, str] | None = None
+        self._lock = threading.Lock()
+
+    def device_uuids(self) -> list[str]:
+        cuda = self.torch.cuda
+        return [str(cuda.get_device_properties(i).uuid) for i in range(cuda.device_count())]
+
+    def device(self, ordinal: int) -> TorchDevice:
+        with self._lock:
+            if self._kernels is None:
+                self._kernels = kernel_choice(self.torch, self._loader)
+                if self._kernels[0] != "extension":
+                    log.warning("kvtrio CUDA copies use the pure-torch fallback: %s",
+                                self._kernels[2])  # fmt: skip
+            if ordinal not in self._devices:
+                self._devices[ordinal] = TorchDevice(self.torch, ordinal, self._kernels[1])
+            return self._devices[ordinal]
+
+    def tensor_ordinal(self, tensor: Any) -> int | None:
+        device = tensor.device
+        if device.type != "cuda":
+            return None
+        return int(device.index if device.index is not None else self.torch.cuda.current_device())
+
+    def export_layer(self, tensor: Any) -> CudaLayer:
+        (_device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
+            tensor.untyped_storage()._share_cuda_()
+        )
+        return CudaLayer(
+            handle=bytes(handle),
+            storage_size=int(size),
+            storage_offset=int(offset),
+            ref_counter_handle=bytes(ref_handle),
+            ref_counter_offset=int(ref_offset),
+            event_handle=bytes(event_handle or b""),
+            event_sync_required=bool(event_sync),
+            shape=tuple(int(n) for n in tensor.shape),
+            stride=tuple(int(s) for s in tensor.stride()),
+            offset=int(tensor.storage_offset()),
+            dtype=str(tensor.dtype).removeprefix("torch."),
+        )
+
+    def open_layer(self, ordinal: int, layer: CudaLayer) -> Any:
+        torch = self.torch
+        storage = torch.UntypedStorage._new_shared_cuda(
+            ordinal,
+            layer.handle,
+            layer.storage_size,
+            layer.storage_offset,
+            layer.ref_counter_handle,
+            layer.ref_counter_offset,
+            layer.event_handle or None,
+            layer.event_sync_required,
+        )
+        dtype = getattr(torch, layer.dtype)
+        tensor = torch.empty((0,), dtype=dtype, device=torch.device("cuda", ordinal))
+        return tensor.set_(storage, layer.offset, layer.shape, layer.stride)
+
+    def close_layer(self, tensor: Any) -> None:
+        # torch closes the IPC mapping when the last reference to the storage goes.
+        del tensor
+
+    def current_stream(self, ordinal: int) -> Any:
+        return self.torch.cuda.current_stream(ordinal)
+
+    def new_event(self, ordinal: int) -> Any:
+        with self.torch.cuda.device(ordinal):
+            return self.torch.cuda.Event(interprocess=True)
+
+    def open_event(self, ordinal: int, handle: bytes) -> Any:
+        return self.torch.cuda.Event.from_ipc_handle(self.torch.device("cuda", ordinal), handle)
+
+    def pin(self, memory: Any) -> Any:
+        cudart = self.torch.cuda.cudart()
+        address = memory.__array_interface__["data"][0]
+        error = cudart.cudaHostRegister(address, memory.nbytes, 0)
+        if int(error) != 0:
+            raise OSError(f"cudaHostRegister of {memory.nbytes} bytes failed: {error}")
+        return address
+
+    def unpin(self, token: Any) -> None:
+        self.torch.cuda.cudart().cudaHostUnregister(token)
+
+
+def torch_runtime() -> TorchRuntime | None:
+    """A runtime if torch has CUDA and sees a GPU, else None (imports torch; blocking)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not getattr(torch.version, "cuda", None) or not torch.cuda.is_available():
+        return None
+    return TorchRuntime(torch)

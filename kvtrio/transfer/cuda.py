@@ -1,0 +1,60 @@
+"""The CUDA transfer path: IPC-registered GPU KV caches ⇄ pinned L1, server-driven.
+
+A CUDA worker exports each layer's storage by CUDA IPC (:meth:`CudaRuntime.export_layer`, with
+the GPU's UUID); the server opens them once per registration (:meth:`CudaRuntime.open_layer`, on
+its own ordinal of that UUID) and moves chunks with a :class:`CopyPipeline` per GPU: the gather
+and scatter kernels of ``cuda_ext/`` (or the pure-torch fallback) into staging buffers, and
+copies between those and the pinned L1 arena (:class:`PinnedHost`) on a second stream. Events
+order it with the engine (see ``docs/gpu.md``).
+
+Importing this module does not import torch: :func:`torch_runtime` does, and returns None where
+there is no usable GPU. Everything but :mod:`._cuda_torch` is written against the
+:class:`Device` / :class:`CudaRuntime` protocols and tested with a simulated device.
+"""
+
+from ._cuda_build import (
+    build_host_library,
+    cache_root,
+    extension_build_dir,
+    extension_disabled,
+    load_extension,
+    source_digest,
+)
+from ._cuda_engine import (
+    ChunkCopy,
+    CopyPipeline,
+    CudaRuntime,
+    CudaTransfer,
+    Device,
+    Event,
+    PinnedHost,
+    Stream,
+)
+from ._cuda_torch import TorchDevice, TorchRuntime, kernel_choice, torch_runtime
+from ._geometry import check_extent, geometry
+from ._hostlib import HostLibrary, Plan
+
+__all__ = [
+    "ChunkCopy",
+    "CopyPipeline",
+    "CudaRuntime",
+    "CudaTransfer",
+    "Device",
+    "Event",
+    "HostLibrary",
+    "PinnedHost",
+    "Plan",
+    "Stream",
+    "TorchDevice",
+    "TorchRuntime",
+    "build_host_library",
+    "cache_root",
+    "check_extent",
+    "extension_build_dir",
+    "extension_disabled",
+    "geometry",
+    "kernel_choice",
+    "load_extension",
+    "source_digest",
+    "torch_runtime",
+]

@@ -1,0 +1,71 @@
+"""A stand-in CUDA engine worker for test_cuda_e2e.py (GPU only).
+
+Allocates a small paged KV cache on GPU 0 (torch), fills it from a seed, registers it through
+the WorkerAdapter (CUDA IPC), then stores the prompt from SOURCE blocks, retrieves it into TARGET
+blocks, and prints one JSON line: per-layer SHA-256 of both block sets.
+
+Usage: python cuda_engine_worker.py ENDPOINT LAYOUT
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+
+import torch
+
+from kvtrio.client import LoadStoreOp, WorkerAdapter
+
+LAYERS, BLOCKS, BLOCK = 4, 256, 16
+SHAPES = {
+    "flash_attn": (2, BLOCKS, BLOCK, 2, 64),
+    "flash_infer": (BLOCKS, 2, BLOCK, 2, 64),
+    "mla": (BLOCKS, BLOCK, 96),
+}
+PROMPT = list(range(3000, 3000 + 4 * 256))
+SOURCE = list(range(64))
+TARGET = list(range(255, 191, -1))
+
+
+def digests(tensors: list[torch.Tensor], kind: str, blocks: list[int]) -> list[str]:
+    index = torch.tensor(blocks, device=tensors[0].device)
+    axis = 1 if kind == "flash_attn" else 0
+    return [
+        hashlib.sha256(
+            t.index_select(axis, index).cpu().view(torch.uint8).numpy().tobytes()
+        ).hexdigest()
+        for t in tensors
+    ]
+
+
+def main() -> None:
+    endpoint, kind = sys.argv[1], sys.argv[2]
+    torch.manual_seed(7)
+    tensors = [
+        torch.randn(SHAPES[kind], dtype=torch.float16, device="cuda:0") for _ in range(LAYERS)
+    ]
+    adapter = WorkerAdapter(endpoint, "m", 1, 0, BLOCK, timeout=120)
+    adapter.register_kv_caches({f"layer.{i}": t for i, t in enumerate(tensors)}, layout=kind)
+    deadline = time.monotonic() + 300  # the first registration may build the extension
+    while not adapter.registered and time.monotonic() < deadline:
+        time.sleep(0.1)
+    adapter.submit_store_request("r", LoadStoreOp(SOURCE, PROMPT, end=len(PROMPT))).result(60)
+    adapter.submit_retrieve_request("r", LoadStoreOp(TARGET, PROMPT, end=len(PROMPT))).result(60)
+    failed = sorted(adapter.get_block_ids_with_load_errors())
+    print(
+        json.dumps(
+            {
+                "source": digests(tensors, kind, SOURCE),
+                "target": digests(tensors, kind, TARGET),
+                "failed": failed,
+            }
+        ),
+        flush=True,
+    )
+    adapter.shutdown()
+
+
+if __name__ == "__main__":
+    main()

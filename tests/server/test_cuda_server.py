@@ -1,0 +1,355 @@
+"""Server-driven CUDA transfers with the CUDA runtime simulated at the driver boundary.
+
+The server runs for real (in the test's trio loop) with ``kvtrio.testing.FakeCuda``: GPUs with
+UUIDs, IPC handles, streams and events that follow CUDA's ordering rules, and kernels that are
+the host build of the real ones. The "worker" here is the test itself, with another process
+view of the same GPUs (another ordinal order), talking the protocol directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import trio
+
+from kvtrio.client import AsyncClient, open_client
+from kvtrio.config import ServerConfig
+from kvtrio.errors import BadRequest
+from kvtrio.protocol import (
+    CudaCache,
+    LayoutSpec,
+    Lookup,
+    LookupReply,
+    Register,
+    Registered,
+    Retrieve,
+    RetrieveReply,
+    Store,
+    StoreReply,
+    Unregister,
+)
+from kvtrio.server import ServerHandle, serve
+from kvtrio.storage import HASH_SCHEME_TOKENS, SharedArena
+from kvtrio.testing import FakeCuda
+from kvtrio.transfer import KVLayout, gather
+
+from ..conftest import await_async
+
+LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 128, 16, 2, 8
+CHUNK = 256
+PER_CHUNK = CHUNK // BLOCK
+PROMPT = list(range(1000, 1000 + 3 * CHUNK))
+SERVER_GPUS = ["GPU-aaaa", "GPU-bbbb"]
+WORKER_GPUS = ["GPU-bbbb", "GPU-aaaa"]  # another CUDA_VISIBLE_DEVICES order
+
+
+@attrs.define
+class Gpus:
+    server: FakeCuda
+    worker: FakeCuda
+    factory_calls: int = 0
+    available: bool = True
+
+    def factory(self) -> FakeCuda | None:
+        self.factory_calls += 1
+        return self.server if self.available else None
+
+
+@pytest.fixture
+def gpus(host_library: Any) -> Gpus:
+    server = FakeCuda(host_library, SERVER_GPUS)
+    return Gpus(server, server.process_view(WORKER_GPUS))
+
+
+@pytest.fixture
+async def cuda_server(
+    nursery: trio.Nursery, server_config: ServerConfig, gpus: Gpus
+) -> AsyncIterator[ServerHandle]:
+    handle: ServerHandle = await nursery.start(
+        lambda task_status: serve(server_config, cuda_runtime=gpus.factory, task_status=task_status)
+    )
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+async def client(cuda_server: ServerHandle) -> AsyncIterator[AsyncClient]:
+    async with open_client(cuda_server.endpoint, timeout=10) as client:
+        yield client
+
+
+class Worker:
+    """A CUDA engine worker: KV layers on a fake GPU, its own stream, the protocol by hand."""
+
+    def __init__(self, client: AsyncClient, cuda: FakeCuda, kind: str = "flash_attn") -> None:
+        self.client = client
+        self.cuda = cuda
+        heads, dim = (1, 24) if kind == "mla" else (HEADS, DIM)
+        self.layout = KVLayout(kind, LAYERS, BLOCKS, BLOCK, heads, dim, "float16")
+        self.ordinal = 0  # this process's GPU 0 is the server's GPU 1
+        self.layers = [
+            cuda.empty(self.layout.layer_shape, "float16", self.ordinal, pad=256)
+            for _ in range(LAYERS)
+        ]
+        self.stream = cuda.current_stream(self.ordinal)
+        self.device = cuda.device(self.ordinal)
+        self.event = self.device.new_event()
+
+    def fill(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for layer in self.layers:
+            layer.array[...] = rng.integers(0, 1 << 16, layer.array.shape, dtype=np.uint16)
+
+    def register_request(self, **changes: Any) -> Register:
+        layout = self.layout
+        spec = LayoutSpec(layout.kind, LAYERS, BLOCKS, BLOCK, layout.num_heads,
+                          layout.head_dim, "float16")  # fmt: skip
+        cuda = CudaCache(
+            self.cuda.uuids[self.ordinal], tuple(self.cuda.export_layer(t) for t in self.layers)
+        )
+        fields: dict[str, Any] = {
+            "instance_id": "engine", "model": "m", "world_size": 1, "rank": 0, "layout": spec,
+            "hash_scheme": HASH_SCHEME_TOKENS, "device": "cuda", "cuda": cuda,
+        }  # fmt: skip
+        return Register(**{**fields, **changes})
+
+    async def register(self, **changes: Any) -> Registered:
+        return await self.client.call(self.register_request(**changes), Registered)
+
+    def record(self) -> bytes:
+        """Record the engine's event after its (queued) forward step; its IPC handle."""
+        self.event.record(self.stream)
+        return self.event.ipc_handle()
+
+    async def wait(self, handle: bytes) -> None:
+        """What the adapter does: open the server's event and wait for it (in a thread)."""
+        assert handle
+        event = self.device.open_event(handle)
+        await trio.to_thread.run_sync(event.synchronize)
+
+    async def store(self, request: str, blocks: list[int], **more: Any) -> StoreReply:
+        store = Store(request, 0, len(PROMPT), tokens=tuple(PROMPT), block_ids=tuple(blocks),
+                      event=self.record(), **more)  # fmt: skip
+        return await self.client.call(store, StoreReply)
+
+    async def retrieve(self, request: str, blocks: list[int]) -> RetrieveReply:
+        retrieve = Retrieve(request, 0, len(PROMPT), tokens=tuple(PROMPT),
+                            block_ids=tuple(blocks), event=self.record())  # fmt: skip
+        return await self.client.call(retrieve, RetrieveReply)
+
+    def canonical(self, blocks: list[int]) -> bytes:
+        out = np.zeros(self.layout.chunk_nbytes(len(blocks) * BLOCK), np.uint8)
+        gather(self.layout, [t.array for t in self.layers], blocks, out)
+        return out.tobytes()
+
+    def per_layer(self, blocks: list[int]) -> list[bytes]:
+        if self.layout.kind == "flash_attn":
+            return [t.array[:, blocks].tobytes() for t in self.layers]
+        return [t.array[blocks].tobytes() for t in self.layers]
+
+
+async def hits(client: AsyncClient) -> int:
+    reply = await client.call(Lookup("probe", "m", 1, tokens=tuple(PROMPT)), LookupReply)
+    return reply.hit_chunks
+
+
+async def wait_hits(client: AsyncClient, expected: int) -> None:
+    await await_async(lambda: _equals(hits(client), expected), what=f"{expected} chunks stored")
+
+
+async def _equals(value: Any, expected: int) -> bool:
+    return bool(await value == expected)
+
+
+SOURCE = list(range(3 * PER_CHUNK))
+TARGET = list(range(BLOCKS - 1, BLOCKS - 1 - 3 * PER_CHUNK, -1))
+
+
+@pytest.mark.parametrize("kind", ["flash_attn", "flash_infer", "mla"])
+async def test_store_then_retrieve_through_ipc(client: AsyncClient, gpus: Gpus, kind: str) -> None:
+    worker = Worker(client, gpus.worker, kind)
+    worker.fill(1)
+    registered = await worker.register()
+    assert gpus.server.open_layers == LAYERS
+    assert gpus.server.pinned  # L1 is pinned once CUDA is in use
+
+    reply = await worker.store("r1", SOURCE)
+    assert [s.status for s in reply.slots] == ["write"] * 3
+    await worker.wait(reply.done_event)
+    await wait_hits(client, 3)  # committed by the server once its event completed
+    arena = SharedArena.attach(registered.arena_path, registered.arena_size)
+    try:
+        for slot in reply.slots:
+            blocks = SOURCE[slot.chunk * PER_CHUNK : (slot.chunk + 1) * PER_CHUNK]
+            assert arena.view(slot.offset, slot.nbytes).tobytes() == worker.canonical(blocks)
+    finally:
+        arena.close()
+
+    got = await worker.retrieve("r1", TARGET)
+    assert [s.status for s in got.slots] == ["read"] * 3
+    await worker.wait(got.done_event)
+    assert worker.per_layer(TARGET) == worker.per_layer(SOURCE)
+    assert gpus.server.gpu.kernels == 6  # one launch per chunk, all layers at once
+
+
+async def test_the_copy_waits_for_the_engine_event(client: AsyncClient, gpus: Gpus) -> None:
+    """The engine's forward step is still running when the store arrives: the server's copy
+    waits for its event, nothing is committed until the server's own event completed, and the
+    bytes stored are the ones the forward step wrote."""
+    worker = Worker(client, gpus.worker)
+    worker.fill(1)
+    await worker.register()
+    gpus.worker.hold(worker.stream)  # the GPU is busy with the forward step
+    fresh = [np.random.default_rng(9).integers(0, 1 << 16, t.array.shape, dtype=np.uint16)
+             for t in worker.layers]  # fmt: skip
+
+    def forward_step() -> None:
+        for tensor, data in zip(worker.layers, fresh, strict=True):
+            tensor.array[...] = data
+
+    gpus.worker.on_stream(worker.stream, forward_step)
+    reply = await worker.store("r2", SOURCE)
+    done = worker.device.open_event(reply.done_event)
+    await trio.sleep(0.05)
+    assert not done.query()
+    assert await hits(client) == 0  # not visible while being written
+    gpus.worker.release(worker.stream)
+    await worker.wait(reply.done_event)
+    await wait_hits(client, 3)
+    expected = worker.canonical(SOURCE[:PER_CHUNK])
+    got = await worker.retrieve("r2", TARGET)
+    await worker.wait(got.done_event)
+    assert worker.canonical(TARGET[:PER_CHUNK]) == expected
+    assert worker.per_layer(TARGET) == worker.per_layer(SOURCE)
+
+
+async def test_retrieve_leaves_blocks_marked_minus_one_alone(
+    client: AsyncClient, gpus: Gpus
+) -> None:
+    worker = Worker(client, gpus.worker)
+    worker.fill(1)
+    await worker.register()
+    reply = await worker.store("r3", SOURCE)
+    await worker.wait(reply.done_event)
+    await wait_hits(client, 3)
+    kept = worker.per_layer(TARGET[:PER_CHUNK])
+    got = await worker.retrieve("r3", [-1] * PER_CHUNK + TARGET[PER_CHUNK:])
+    await worker.wait(got.done_event)
+    assert worker.per_layer(TARGET[:PER_CHUNK]) == kept
+    assert worker.per_layer(TARGET[PER_CHUNK:]) == worker.per_layer(SOURCE[PER_CHUNK:])
+
+
+async def test_handles_are_opened_once_and_closed_with_the_registration(
+    client: AsyncClient, gpus: Gpus
+) -> None:
+    worker = Worker(client, gpus.worker)
+    await worker.register()
+    await worker.register()  # replaces the first: its handles are closed
+    await await_async(lambda: _equals(_open(gpus), LAYERS), what="the old handles closed")
+    assert gpus.server.gpu.opened_total == 2 * LAYERS
+    await client.request(Unregister())
+    await await_async(lambda: _equals(_open(gpus), 0), what="the handles closed")
+    assert gpus.factory_calls == 1  # one runtime for the server's life
+
+
+async def _open(gpus: Gpus) -> int:
+    await trio.lowlevel.checkpoint()
+    return gpus.server.open_layers
+
+
+async def test_unregister_closes_only_after_queued_copies(client: AsyncClient, gpus: Gpus) -> None:
+    """An IPC mapping is never closed under a copy: closing waits for the queued work."""
+    worker = Worker(client, gpus.worker)
+    await worker.register()
+    gpus.worker.hold(worker.stream)
+    reply = await worker.store("r4", SOURCE)
+    await client.request(Unregister())
+    await trio.sleep(0.05)
+    assert gpus.server.open_layers == LAYERS
+    gpus.worker.release(worker.stream)
+    await worker.wait(reply.done_event)
+    await await_async(lambda: _equals(_open(gpus), 0), what="the handles closed")
+    assert await hits(client) == 0  # the worker left before the copy finished: nothing stored
+
+
+@pytest.mark.parametrize("server_config", [{"heartbeat_timeout": 0.3}], indirect=True)
+async def test_session_death_closes_the_handles(cuda_server: ServerHandle, gpus: Gpus) -> None:
+    async with open_client(cuda_server.endpoint, timeout=5, heartbeat=False) as client:
+        await Worker(client, gpus.worker).register()
+        assert gpus.server.open_layers == LAYERS
+    await await_async(lambda: _equals(_open(gpus), 0), what="the session's handles closed")
+
+
+def _tamper(field: str, value: Any) -> Callable[[Register], Register]:
+    def change(request: Register) -> Register:
+        assert request.cuda is not None
+        layers = list(request.cuda.layers)
+        layers[1] = attrs.evolve(layers[1], **{field: value})
+        return attrs.evolve(request, cuda=attrs.evolve(request.cuda, layers=tuple(layers)))
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda r: attrs.evolve(r, cuda=attrs.evolve(r.cuda, device_uuid="GPU-zzzz")),
+         r"GPU GPU-zzzz is not visible to the kvtrio server \(it sees GPU-aaaa, GPU-bbbb\)"),
+        (lambda r: attrs.evolve(r, cuda=None), r"needs the 'cuda' field"),
+        (lambda r: attrs.evolve(r, device="cpu"), r"the 'cuda' field needs device 'cuda'"),
+        (lambda r: attrs.evolve(r, device="tpu"), r"device 'tpu': expected 'cpu'"),
+        (lambda r: attrs.evolve(r, cuda=attrs.evolve(r.cuda, layers=r.cuda.layers[:2])),
+         r"2 CUDA layers for a layout of 3"),
+        (_tamper("storage_size", 1000), r"layer 1: .* beyond the 1000 bytes of its memory"),
+        (_tamper("shape", (2, 64, 16, 2, 4)), r"layer 1: shape \(2, 64, 16, 2, 4\)"),
+        (_tamper("dtype", "bfloat16"), r"layer 1: dtype bfloat16"),
+        (_tamper("stride", (0, 0, 0, 0, 1)), r"all layers must have the same strides"),
+        (_tamper("handle", b"x" * 64), r"cannot open the KV cache's CUDA IPC handles"),
+    ],
+)  # fmt: skip
+async def test_bad_registrations_are_refused(
+    client: AsyncClient, gpus: Gpus, change: Callable[[Register], Register], match: str
+) -> None:
+    worker = Worker(client, gpus.worker)
+    with pytest.raises(BadRequest, match=match):
+        await client.call(change(worker.register_request()), Registered)
+    assert gpus.server.open_layers == 0
+    await worker.register()  # the session is fine afterwards
+
+
+async def test_a_server_without_cuda_says_so(client: AsyncClient, gpus: Gpus) -> None:
+    gpus.available = False
+    with pytest.raises(BadRequest, match=r"no usable CUDA .* torch built with CUDA"):
+        await Worker(client, gpus.worker).register()
+
+
+async def test_l1_that_cannot_be_pinned_is_reported(client: AsyncClient, gpus: Gpus) -> None:
+    gpus.server.fail_pin = "cudaErrorMemoryAllocation"
+    with pytest.raises(BadRequest, match=r"cannot pin the L1 arena .*ulimit -l"):
+        await Worker(client, gpus.worker).register()
+
+
+async def test_bad_block_ids_are_refused_and_leave_nothing_behind(
+    client: AsyncClient, gpus: Gpus
+) -> None:
+    worker = Worker(client, gpus.worker)
+    await worker.register()
+    with pytest.raises(BadRequest, match="need 48 block ids, got 47"):
+        await worker.store("r5", SOURCE[:-1])
+    with pytest.raises(BadRequest, match=r"ints in \[0, 128\)"):
+        await worker.store("r5", [*SOURCE[:-1], 128])
+    with pytest.raises(BadRequest, match="cannot open the engine's CUDA event"):
+        await worker.client.call(
+            Store("r5", 0, len(PROMPT), tokens=tuple(PROMPT), block_ids=tuple(SOURCE),
+                  event=b"?" * 64),
+            StoreReply,
+        )  # fmt: skip
+    reply = await worker.store("r5", SOURCE)  # nothing was left reserved by the failures
+    assert [s.status for s in reply.slots] == ["write"] * 3
+    await worker.wait(reply.done_event)
+    with pytest.raises(BadRequest, match="must differ"):
+        await worker.retrieve("r5", [1] * len(TARGET))

@@ -33,11 +33,18 @@ from ..client import SchedulerAdapter, WorkerAdapter
 from ._options import ConnectorOptions, parse_options, request_switches
 from ._planner import RequestPlan, Transfer, plan_load, plan_store, usable_hit
 
+try:  # vLLM ≥ 0.32 labels external hits by tier in its metrics
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _HOST: Any = CacheHitSource.HOST
+except ImportError:  # pragma: no cover - older vLLM
+    _HOST = None
+
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -49,25 +56,45 @@ log = logging.getLogger("kvtrio.vllm")
 
 
 class KvtrioConnectorMetadata(KVConnectorMetadata):
-    """What the scheduler side hands to every worker for one step: loads and stores."""
+    """What the scheduler side hands to every worker for one step: loads and stores, and the
+    requests vLLM preempted (their blocks are about to be reused)."""
 
-    def __init__(self, transfers: list[Transfer]) -> None:
+    def __init__(self, transfers: list[Transfer], preempted: frozenset[str] = frozenset()) -> None:
         self.transfers = transfers
+        self.preempted = preempted
 
     def __repr__(self) -> str:
-        return f"KvtrioConnectorMetadata({self.transfers!r})"
+        return f"KvtrioConnectorMetadata({self.transfers!r}, preempted={set(self.preempted)})"
+
+
+def _opted_out(request: Request) -> str:
+    """Why ``request`` must not share KV through kvtrio's token-keyed chunks, or ''."""
+    if request.cache_salt:
+        return "it has a cache_salt"
+    if request.lora_request is not None:
+        return "it uses a LoRA adapter"
+    if request.mm_features:
+        return "it has multimodal inputs"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "it has prompt embeddings"
+    return ""
 
 
 class KvtrioConnector(KVConnectorBase_V1):
     """The vLLM connector (see the module docstring). vLLM constructs it; users configure it
     with ``kvtrio.*`` keys of ``kv_connector_extra_config`` (see ``docs/vllm.md``)."""
 
+    if _HOST is not None:
+        _cache_hit_source = _HOST
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer_config = vllm_config.kv_transfer_config
-        self.options: ConnectorOptions = parse_options(transfer_config.kv_connector_extra_config)
+        self.options: ConnectorOptions = parse_options(
+            transfer_config.kv_connector_extra_config or {}
+        )
         self.block_size: int = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
         model = self.options.model or vllm_config.model_config.model
@@ -81,16 +108,29 @@ class KvtrioConnector(KVConnectorBase_V1):
         }
         self._scheduler: SchedulerAdapter | None = None
         self._worker: WorkerAdapter | None = None
+        # Scheduler side.
+        self._plans: dict[str, RequestPlan] = {}
+        self._requests: dict[str, Request] = {}
+        self._ready: list[Transfer] = []
+        self._warned_chunk = False
+        # Worker side.
+        self._async_loads: set[str] = set()
+        self._stores: dict[str, list[concurrent.futures.Future[None]]] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerAdapter(self.options.url, **common)
-            self._plans: dict[str, RequestPlan] = {}
-            self._requests: dict[str, Request] = {}
-            self._ready: list[Transfer] = []
-            self._kv_manager: KVCacheManager | None = None
         else:
             self._worker = WorkerAdapter(self.options.url, **common)
-            self._async_loads: set[str] = set()
         log.info("kvtrio connector (%s) for %s at %s", role.name, model, self.options.url)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a hand-off: a store lost to a preemption is only a later miss."""
+        return False
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: the workers' registration would point at KV memory that sleep mode remaps."""
+        return False
 
     # ================================================================= scheduler side
 
@@ -98,10 +138,6 @@ class KvtrioConnector(KVConnectorBase_V1):
     def _chunk_size(self) -> int:
         assert self._scheduler is not None
         return self._scheduler.chunk_size
-
-    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
-        """vLLM hands over its block manager: stores read a request's blocks from it."""
-        self._kv_manager = kv_cache_manager
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -117,8 +153,22 @@ class KvtrioConnector(KVConnectorBase_V1):
         hit = self._scheduler.check_lookup_result(request.request_id, wait=self.options.lookup_wait)
         if hit is None:
             return None, False
+        chunk_size = self._chunk_size
+        if chunk_size % self.block_size:
+            if not self._warned_chunk:
+                log.error(
+                    "kvtrio's chunk size %d is not a multiple of vLLM's block size %d: "
+                    "nothing is loaded or stored (start kvtrio with --chunk-size N*%d)",
+                    chunk_size,
+                    self.block_size,
+                    self.block_size,
+                )
+                self._warned_chunk = True
+            plan.load = plan.save = False
+            plan.locked = hit > 0
+            return 0, False
         plan.locked = hit > 0
-        plan.hit_tokens = usable_hit(hit, len(tokens), self._chunk_size)
+        plan.hit_tokens = usable_hit(hit, len(tokens), chunk_size)
         plan.local_tokens = num_computed_tokens
         plan.held_tokens = max(plan.held_tokens, hit)
         need = max(0, plan.hit_tokens - num_computed_tokens)
@@ -144,8 +194,11 @@ class KvtrioConnector(KVConnectorBase_V1):
             load=self.options.load if load is None else load,
             save=self.options.save if save is None else save,
         )
-        if request.cache_salt:
-            # A salted request must not share KV with others, and kvtrio keys are per tenant.
+        reason = _opted_out(request)
+        if reason:
+            # kvtrio keys chunks by token ids alone: such a request's KV differs from another
+            # request's with the same tokens, so it must neither load nor store.
+            log.debug("request %s bypasses kvtrio: %s", request.request_id, reason)
             plan.load = plan.save = False
         return plan
 
@@ -159,16 +212,18 @@ class KvtrioConnector(KVConnectorBase_V1):
         if plan is None or not plan.locked:
             return
         self._scheduler.cleanup_lookup_result(request.request_id)
-        (block_ids,) = blocks.get_block_ids()
-        load = plan_load(
-            plan,
-            tokens=request.all_token_ids,
-            block_ids=block_ids,
-            external_tokens=num_external_tokens,
-            block_size=self.block_size,
-            chunk_size=self._chunk_size,
-            sync=not self.options.async_load,
-        )
+        load = None
+        if plan.load:
+            (block_ids,) = blocks.get_block_ids()
+            load = plan_load(
+                plan,
+                tokens=request.all_token_ids,
+                block_ids=block_ids,
+                external_tokens=num_external_tokens,
+                block_size=self.block_size,
+                chunk_size=self._chunk_size,
+                sync=not self.options.async_load,
+            )
         if load is not None:
             self._ready.append(load)
         else:
@@ -180,15 +235,16 @@ class KvtrioConnector(KVConnectorBase_V1):
         """This step's transfers: the loads planned at allocation, and a store for each
         scheduled request that completes whole chunks in this step."""
         transfers, self._ready = self._ready, []
-        if self._kv_manager is None:
-            return KvtrioConnectorMetadata(transfers)
-        scheduled = scheduler_output.num_scheduled_tokens
-        for request_id, num_new in scheduled.items():
+        preempted = frozenset(scheduler_output.preempted_req_ids or ())
+        manager = self._kv_cache_manager
+        if manager is None:
+            return KvtrioConnectorMetadata(transfers, preempted)
+        for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
             plan = self._plans.get(request_id)
             request = self._requests.get(request_id)
             if plan is None or request is None or not plan.save:
                 continue
-            (block_ids,) = self._kv_manager.get_block_ids(request_id)
+            (block_ids,) = manager.get_block_ids(request_id)
             store = plan_store(
                 plan,
                 tokens=request.all_token_ids,
@@ -199,7 +255,7 @@ class KvtrioConnector(KVConnectorBase_V1):
             )
             if store is not None:
                 transfers.append(store)
-        return KvtrioConnectorMetadata(transfers)
+        return KvtrioConnectorMetadata(transfers, preempted)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Nothing to update: the workers' reports go straight to vLLM's scheduler."""
@@ -207,8 +263,8 @@ class KvtrioConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """The request is done: release what it holds at kvtrio. Its blocks stay allocated
-        until its stores are done (True) if it issued any."""
+        """The request is done or aborted: release what it holds at kvtrio. Its blocks stay
+        allocated until its stores are done (True) if it issued any."""
         assert self._scheduler is not None
         plan = self._plans.pop(request.request_id, None)
         self._requests.pop(request.request_id, None)
@@ -228,6 +284,18 @@ class KvtrioConnector(KVConnectorBase_V1):
             distinct.setdefault((tensor.data_ptr(), tuple(tensor.shape)), (name, tensor))
         self._worker.register_kv_caches(dict(distinct.values()))
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step runs: wait for the stores still copying out of the blocks of the
+        requests vLLM preempted, since those blocks are about to be reused."""
+        if not isinstance(kv_connector_metadata, KvtrioConnectorMetadata):
+            return
+        futures = [
+            future
+            for request_id in kv_connector_metadata.preempted
+            for future in self._stores.pop(request_id, ())
+        ]
+        concurrent.futures.wait(futures)  # each store ends within kvtrio.timeout
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start this step's loads; a synchronous load is complete when this returns."""
         assert self._worker is not None
@@ -238,7 +306,7 @@ class KvtrioConnector(KVConnectorBase_V1):
                 sync.append(future)
             else:
                 self._async_loads.add(transfer.request_id)
-        concurrent.futures.wait(sync)  # each retrieve ends within the kvtrio.timeout
+        concurrent.futures.wait(sync)  # each retrieve ends within kvtrio.timeout
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: synchronous loads finished in :meth:`start_load_kv`."""
@@ -250,10 +318,13 @@ class KvtrioConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         """Queue this step's stores; they run after the forward, and vLLM keeps the blocks
-        until :meth:`get_finished` reports the request's stores done."""
+        until :meth:`get_finished` reports the request's stores done (or, for a preempted
+        request, until :meth:`handle_preemptions` has waited for them)."""
         assert self._worker is not None
         for transfer in self._transfers("store"):
-            self._worker.submit_store_request(transfer.request_id, transfer.op)
+            future = self._worker.submit_store_request(transfer.request_id, transfer.op)
+            pending = [f for f in self._stores.get(transfer.request_id, ()) if not f.done()]
+            self._stores[transfer.request_id] = [*pending, future]
 
     def _transfers(self, kind: str) -> list[Transfer]:
         if not self.has_connector_metadata():
@@ -267,6 +338,10 @@ class KvtrioConnector(KVConnectorBase_V1):
         loads are done."""
         assert self._worker is not None
         stores, loads = self._worker.get_finished(finished_req_ids)
+        for request_id in stores | (finished_req_ids or set()):
+            futures = self._stores.get(request_id)
+            if futures is not None and all(f.done() for f in futures):
+                del self._stores[request_id]
         loads &= self._async_loads
         self._async_loads -= loads
         return stores or None, loads or None

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 ENV = {
@@ -43,7 +44,7 @@ def wait_ready(url: str, chunks: int, timeout: float = 20.0) -> None:
 
 def main() -> None:
     model, job_path, results_path = sys.argv[1:4]
-    job = json.loads(open(job_path).read())
+    job = json.loads(Path(job_path).read_text())
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

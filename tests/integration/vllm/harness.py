@@ -191,14 +191,29 @@ class Engine:
 
     # ----------------------------------------------------------------- requests
 
-    def add(self, request_id: str, prompt: list[int], max_tokens: int = 4, **params: Any) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        max_tokens: int = 4,
+        *,
+        cache_salt: str | None = None,
+        **params: Any,
+    ) -> None:
         """Submit a request (``params`` become its ``kv_transfer_params``)."""
         sampling = SamplingParams(
             max_tokens=max_tokens,
             ignore_eos=True,
             extra_args={"kv_transfer_params": params} if params else None,
         )
-        request = Request(request_id, list(prompt), sampling, None, block_hasher=self._block_hasher)
+        request = Request(
+            request_id,
+            list(prompt),
+            sampling,
+            None,
+            cache_salt=cache_salt,
+            block_hasher=self._block_hasher,
+        )
         self.requests[request_id] = request
         self.results[request_id] = Result()
         self.scheduler.add_request(request)

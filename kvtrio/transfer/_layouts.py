@@ -11,7 +11,9 @@ the axes depends on the attention backend (the *kind*):
                 up to 0.31)
 ``vllm_cpu``    ``(num_blocks, num_heads, 2, block_size, head_dim)`` (vLLM's CPU backend
                 from 0.32: its connectors see ``[num_blocks, heads, block_size, 2 * head_dim]``
-                views, but per block and head the backend keeps all K rows, then all V rows)
+                views; per block and head its kernels keep K first, *transposed*
+                (``[head_dim, block_size]``), then V as ``[block_size, head_dim]``: checked
+                against vllm-cpu 0.32.0's ``vec`` and ``vec16`` kernels)
 ==============  ===================================================
 
 L1 stores every chunk in one **canonical format**, whatever the kind: a C-contiguous array of

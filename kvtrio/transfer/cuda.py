@@ -31,10 +31,11 @@ from ._cuda_engine import (
     Stream,
 )
 from ._cuda_torch import TorchDevice, TorchRuntime, kernel_choice, torch_runtime
-from ._geometry import check_extent, geometry
+from ._geometry import GPU_LAYOUT_KINDS, check_extent, geometry
 from ._hostlib import HostLibrary, Plan
 
 __all__ = [
+    "GPU_LAYOUT_KINDS",
     "ChunkCopy",
     "CopyPipeline",
     "CudaRuntime",

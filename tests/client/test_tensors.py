@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from kvtrio.client._tensors import describe_kv_caches, infer_layout_kind
+from kvtrio.transfer import gather
 
 
 @pytest.mark.parametrize(
@@ -68,9 +69,10 @@ def test_torch_tensors_are_viewed_without_copying() -> None:
     assert float(tensor[0, 3, 0, 0, 0]) == 1.0
 
 
-def test_vllm_cpu_views_are_read_as_k_rows_then_v_rows() -> None:
+def test_vllm_cpu_views_are_read_as_transposed_k_then_v_rows() -> None:
     """vLLM's [blocks, heads, block_size, 2 * head_dim] view: per block and head, the CPU
-    backend writes all K rows first (the first half of the bytes), then all V rows."""
+    backend's kernels keep K first, transposed ([head_dim, block_size]), then V token by token
+    (tests/integration/vllm_cpu/test_layout.py checks this against the real kernels)."""
     torch = pytest.importorskip("torch")
     view = torch.zeros((10, 2, 16, 64), dtype=torch.float16)
     layout, (array,) = describe_kv_caches({"l0": view}, 16, None)
@@ -81,9 +83,15 @@ def test_vllm_cpu_views_are_read_as_k_rows_then_v_rows() -> None:
         32,
     )
     assert array.shape == (10, 2, 2, 16, 32)
-    array[3, 1, 1, 0] = 0x3C00  # V of token 0 of block 3, head 1: 1.0 in float16
-    as_rows = view.view(10, 2, 32, 32)  # how the backend reads it: 2 * block_size rows
-    assert float(as_rows[3, 1, 16, 0]) == 1.0
+    regions = view.view(10, 2, 2, 16 * 32)  # per block and head: K's bytes, then V's
+    regions[3, 1, 0].view(32, 16)[5, 7] = 1.0  # K, dim 5 of token 7
+    regions[3, 1, 1].view(16, 32)[7, 6] = 2.0  # V, dim 6 of token 7
+    chunk = np.zeros(layout.chunk_nbytes(16), np.uint8)
+    gather(layout, [array], [3], chunk)
+    canonical = chunk.view(np.float16).reshape(layout.chunk_shape(16))  # [layer, kv, t, row]
+    assert canonical[0, 0, 7, 32 + 5] == 1.0
+    assert canonical[0, 1, 7, 32 + 6] == 2.0
+    assert np.count_nonzero(canonical) == 2
 
 
 def test_tensors_off_the_cpu_are_refused_with_a_clear_message() -> None:

@@ -83,8 +83,10 @@ def head_vector(
         assert k == 0
         assert head == 0
         return layer[block, offset, :]
-    if layout.kind == "vllm_cpu":  # (blocks, heads, 2, block_size, dim)
-        return layer[block, head, k, offset, :]
+    if layout.kind == "vllm_cpu":  # (blocks, heads, 2, block_size, dim); K as [dim, block_size]
+        if k == 0:
+            return layer[block, head, 0].reshape(layout.head_dim, layout.block_size)[:, offset]
+        return layer[block, head, 1, offset, :]
     return layer[k, block, head, offset, :]  # cpu: (2, blocks, heads, block_size, dim)
 
 
@@ -167,6 +169,11 @@ def test_non_contiguous_layers(kind: str, make_strided: Callable[[Array], Array]
     assert not any(layer.flags.c_contiguous for layer in layers)
     ids = [4, 0, 6]
     out = empty_chunk(layout, len(ids))
+    if kind == "vllm_cpu":  # K is stored transposed: only whole (token, dim) regions make sense
+        with pytest.raises(ValueError, match="must keep the K and the V of each block"):
+            gather(layout, layers, ids, out)
+        assert not out.any()
+        return
     gather(layout, layers, ids, out)
     assert out.tobytes() == reference_gather(layout, layers, ids).tobytes()
 
@@ -272,7 +279,9 @@ def test_chunks_are_shared_across_layout_kinds() -> None:
                         expected = fa[layer][k, src_block, offset, head].tobytes()
                         assert fi[layer][dst_block, k, offset, head].tobytes() == expected
                         assert cpu[layer][k, dst_block, head, offset].tobytes() == expected
-                        assert vcpu[layer][dst_block, head, k, offset].tobytes() == expected
+                        region = vcpu[layer][dst_block, head, k]  # K: [dim, token]
+                        got = region.reshape(dim, size)[:, offset] if k == 0 else region[offset]
+                        assert got.tobytes() == expected
     for kind, layers in (("flash_infer", fi), ("cpu", cpu), ("vllm_cpu", vcpu)):
         back = empty_chunk(shapes[kind], 3)
         gather(shapes[kind], layers, target, back)

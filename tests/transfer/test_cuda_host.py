@@ -3,7 +3,8 @@
 ``cuda_ext/kvtrio_index.h`` is compiled into the kernels and into the host library
 (``kvtrio_host.cpp``); these tests run the host build, which executes the kernels' per-vector
 body (``kvt_move``) for every vector of a chunk, and compare its bytes with the slow reference
-of ``test_cpu.py`` for every layout kind, element size, block size and odd block-id list.
+of ``test_cpu.py`` for every layout kind the kernels copy (``vllm_cpu``, a CPU-only layout
+whose K is transposed, is refused), element size, block size and odd block-id list.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtrio.transfer import LAYOUT_KINDS, KVLayout, gather
-from kvtrio.transfer._geometry import check_extent, geometry
+from kvtrio.transfer import KVLayout, gather
+from kvtrio.transfer._geometry import GPU_LAYOUT_KINDS, check_extent, geometry
 from kvtrio.transfer._hostlib import HostLibrary
 
 from .test_cpu import (
@@ -33,7 +34,7 @@ from .test_cpu import (
 @pytest.mark.parametrize("ids", list(BLOCK_IDS.values()), ids=list(BLOCK_IDS))
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("element_size", [1, 2, 4])
-@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("kind", GPU_LAYOUT_KINDS)
 def test_host_copy_matches_reference(
     host_library: HostLibrary, kind: str, element_size: int, block_size: int, ids: list[int]
 ) -> None:
@@ -53,7 +54,7 @@ def test_host_copy_matches_reference(
     assert as_bytes(layers) == as_bytes(expected)
 
 
-@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("kind", GPU_LAYOUT_KINDS)
 @pytest.mark.parametrize(
     "make_strided",
     [
@@ -81,7 +82,7 @@ def test_host_copy_of_strided_layers(
     assert as_bytes(layers) == as_bytes(expected)
 
 
-@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("kind", GPU_LAYOUT_KINDS)
 @pytest.mark.parametrize("element_size", [1, 2, 4])
 def test_every_byte_lands_where_the_reference_puts_it(
     host_library: HostLibrary, kind: str, element_size: int
@@ -208,3 +209,9 @@ def test_extent_checks() -> None:
         check_extent(layout, (48, 12, 6, 2, 1), 0, 1 << 20)
     with pytest.raises(ValueError, match="5 axes"):
         check_extent(layout, (1, 2, 3), 0, 1 << 20)
+
+
+def test_the_cpu_only_layout_is_refused_with_a_clear_message() -> None:
+    layout = make_layout("vllm_cpu", 2, 16)
+    with pytest.raises(ValueError, match="CPU-only layout"):
+        geometry(layout)

@@ -18,7 +18,13 @@ import pytest
 
 from kvtrio.testing import FakeCuda
 from kvtrio.transfer import CPU_TRANSFER, LAYOUT_KINDS, KVLayout, Transfer
-from kvtrio.transfer.cuda import CudaTransfer, TorchDevice, kernel_choice, torch_runtime
+from kvtrio.transfer.cuda import (
+    GPU_LAYOUT_KINDS,
+    CudaTransfer,
+    TorchDevice,
+    kernel_choice,
+    torch_runtime,
+)
 
 from .test_cpu import (
     BLOCK_IDS,
@@ -43,6 +49,16 @@ class Engine:
     transfer: Transfer
     upload: Callable[[KVLayout, Sequence[Array]], list[Any]]
     download: Callable[[Sequence[Any]], list[Array]]
+    kinds: Sequence[str] = LAYOUT_KINDS
+    """The layout kinds it copies; it refuses the others (CUDA: the CPU-only ``vllm_cpu``)."""
+
+    def refused(self, layout: KVLayout, layers: Sequence[Any], ids: Sequence[int]) -> bool:
+        """Whether this engine does not copy ``layout``'s kind (and says so, checked here)."""
+        if layout.kind in self.kinds:
+            return False
+        with pytest.raises(ValueError, match="CPU-only layout"):
+            self.transfer.gather(layout, layers, ids, empty_chunk(layout, len(ids)))
+        return True
 
 
 def _cpu() -> Engine:
@@ -63,7 +79,7 @@ def _fake(host_library: Any) -> Engine:
     def download(layers: Sequence[Any]) -> list[Array]:
         return [layer.array.copy() for layer in layers]
 
-    return Engine(CudaTransfer(cuda.device(0), MAX_CHUNK), upload, download)
+    return Engine(CudaTransfer(cuda.device(0), MAX_CHUNK), upload, download, GPU_LAYOUT_KINDS)
 
 
 def _cuda(kernels: str) -> Engine:
@@ -86,7 +102,7 @@ def _cuda(kernels: str) -> Engine:
     def download(layers: Sequence[Any]) -> list[Array]:
         return [layer.cpu().numpy() for layer in layers]
 
-    return Engine(CudaTransfer(device, MAX_CHUNK), upload, download)
+    return Engine(CudaTransfer(device, MAX_CHUNK), upload, download, GPU_LAYOUT_KINDS)
 
 
 @pytest.fixture(params=ENGINES)
@@ -116,6 +132,8 @@ def test_gather_and_scatter_match_reference(
     layout = make_layout(kind, element_size, block_size)
     arrays = random_layers(layout)
     layers = engine.upload(layout, arrays)
+    if engine.refused(layout, layers, ids):
+        return
 
     out = empty_chunk(layout, len(ids))
     engine.transfer.gather(layout, layers, ids, out)
@@ -134,6 +152,8 @@ def test_round_trip_into_other_blocks(engine: Engine, kind: str) -> None:
     layout = make_layout(kind, 2, 16)
     arrays = random_layers(layout)
     layers = engine.upload(layout, arrays)
+    if engine.refused(layout, layers, [6, 1, 3]):
+        return
     first = empty_chunk(layout, 3)
     engine.transfer.gather(layout, layers, [6, 1, 3], first)
     engine.transfer.scatter(layout, layers, [0, 5, 2], first)
@@ -153,6 +173,8 @@ def test_chunks_are_shared_across_layout_kinds(engine: Engine) -> None:
     chunk = empty_chunk(shapes["flash_attn"], 3)
     engine.transfer.gather(shapes["flash_attn"], source, [4, 1, 6], chunk)
     for kind in ("flash_infer", "cpu", "vllm_cpu"):
+        if kind not in engine.kinds:
+            continue
         zeros = [np.zeros(shapes[kind].layer_shape, np.uint16) for _ in range(2)]
         layers = engine.upload(shapes[kind], zeros)
         engine.transfer.scatter(shapes[kind], layers, [0, 2, 3], chunk)

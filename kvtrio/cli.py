@@ -21,6 +21,7 @@ import trio
 if sys.version_info < (3, 11):  # pragma: no cover - exercised by the py310 tox env
     from exceptiongroup import BaseExceptionGroup
 
+from ._logging import configure_logging, event
 from ._version import __version__
 from .config import ServerConfig, field_help, load_config
 from .errors import ConfigError, KvtrioError
@@ -121,11 +122,7 @@ def _serve(args: argparse.Namespace) -> None:
     import os
 
     config = load_config(overrides, config_file=args.config, environ=os.environ)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(config.log_level, config.log_format)
     trio.run(_run_server, config)
     # Stopped: what is left is flushing the last replies (bounded by the socket linger).
     # A signal now must not turn into a KeyboardInterrupt traceback.
@@ -146,20 +143,29 @@ async def _run_server(config: ServerConfig) -> None:
                 config.chunk_size,
                 config.l1_size / (1 << 30),
                 handle.instance_id,
+                extra=event(
+                    "serving",
+                    endpoint=handle.endpoint,
+                    version=__version__,
+                    instance=handle.instance_id,
+                ),
             )
             draining = False
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if draining:
-                    log.warning("%s again: stopping now", name)
+                    log.warning("%s again: stopping now", name, extra=event("stop", signal=name))
                     handle.stop()
                     break
                 log.info(
-                    "%s: draining for up to %.1fs (again to stop now)", name, config.drain_timeout
+                    "%s: draining for up to %.1fs (again to stop now)",
+                    name,
+                    config.drain_timeout,
+                    extra=event("shutdown", signal=name, grace_s=config.drain_timeout),
                 )
                 draining = True
                 nursery.start_soon(_drain_then_stop, handle, nursery.cancel_scope)
-    log.info("stopped")
+    log.info("stopped", extra=event("stopped"))
 
 
 async def _drain_then_stop(handle: object, scope: trio.CancelScope) -> None:

@@ -155,6 +155,7 @@ async def test_a_retrieve_reports_exactly_the_chunks_whose_loads_failed(
         await written_to_l2(worker, 10)
     async with running(config, fault) as (_, worker, scheduler):
         await store(worker, "again", 5)  # chunks 0-4 in L1, 5-9 only in L2
+        await written_to_l2(worker, 5)  # (write-behind pins them until then)
         fault.configure(drop_rate=1.0)  # every load from L2 fails
         assert await lookup(scheduler, "r") == LookupReply(10 * CHUNK, 10)
         assert await retrieve(worker, "r") == {"read": [0, 1, 2, 3, 4], "failed": [5, 6, 7, 8, 9]}

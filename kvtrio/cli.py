@@ -1,4 +1,4 @@
-"""The ``kvtrio`` command: ``serve``, ``ping``.
+"""The ``kvtrio`` command: ``serve``, ``bench``, ``status``, ``backends``, ``ping``.
 
 Every expected failure (bad setting, address in use, server unreachable) ends the command with a
 one-line message on stderr and a non-zero exit status, never a traceback.
@@ -73,6 +73,28 @@ def _build_parser() -> argparse.ArgumentParser:
         description="List the L2 backends found through the kvtrio.backends entry points.",
     )
 
+    status = commands.add_parser(
+        "status",
+        help="print a server's status (what GET /status shows) as JSON",
+        description="Print the status document of a server, over the ZeroMQ stats operation: "
+        "the same JSON as GET /status on its HTTP port, for servers that run without HTTP.",
+    )
+    status.add_argument("endpoint", nargs="?", default=DEFAULT_ENDPOINT, help="server endpoint")
+    status.add_argument("--timeout", type=float, default=2.0, help="seconds to wait [default: 2]")
+
+    bench = commands.add_parser(
+        "bench",
+        help="run a workload through a server and a simulated engine; print what it measured",
+        description="Start a server (or use --server), a scheduler and --world-size engine "
+        "worker processes with KV caches in shared memory, and drive a workload through the "
+        "real adapters: lookup, retrieve of the hits (checked byte for byte), store of the "
+        "misses, end of the request. The built-in workload is multi-turn conversations sharing "
+        "system prompts; --trace replays a Mooncake trace in hash mode.",
+    )
+    from .bench import add_arguments
+
+    add_arguments(bench)
+
     ping = commands.add_parser("ping", help="check that a server answers")
     ping.add_argument("endpoint", nargs="?", default=DEFAULT_ENDPOINT, help="server endpoint")
     ping.add_argument("--timeout", type=float, default=2.0, help="seconds to wait [default: 2]")
@@ -89,6 +111,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             _ping(args)
         elif args.command == "backends":
             _backends()
+        elif args.command == "status":
+            _status(args)
+        elif args.command == "bench":
+            from .bench import main as bench_main
+
+            sys.exit(bench_main(args))
     except BaseException as exc:
         error = _sole_error(exc)  # trio wraps errors raised in nurseries in exception groups
         if isinstance(error, KeyboardInterrupt):  # a signal after the server had stopped
@@ -192,6 +220,23 @@ def _backends() -> None:
             shown = f" [default: {default}]" if default else ""
             print(f"    {option:<14} {text}{shown}")
         print()
+
+
+# --------------------------------------------------------------------------- status
+
+
+def _status(args: argparse.Namespace) -> None:
+    import json
+
+    from .client import Client
+    from .protocol import GetStats, StatsReply
+    from .server import status_document
+
+    with Client(
+        args.endpoint, timeout=args.timeout, client_name="kvtrio-status", heartbeat=False
+    ) as client:
+        stats = client.call(GetStats(), StatsReply, fail_fast=True)
+    print(json.dumps(status_document(stats), indent=2))
 
 
 # --------------------------------------------------------------------------- ping

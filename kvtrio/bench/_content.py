@@ -62,9 +62,8 @@ class BlockContent:
         slots = np.uint64(_POOL_BYTES // self.align)
         offsets = (mixed % slots).astype(np.int64) * self.align
         rows = self._windows[offsets]  # (n, window), a copy
-        expected: np.ndarray[Any, Any] = rows.reshape(len(identities), self.lead, self.part)
-        expected = expected.transpose(1, 0, 2)
-        return expected
+        shaped: np.ndarray[Any, Any] = rows.reshape(len(identities), self.lead, self.part)
+        return np.transpose(shaped, (1, 0, 2))
 
     def fill(self, blocks: np.ndarray[Any, Any], identities: np.ndarray[Any, Any]) -> None:
         """Write the KV of blocks with these identities (what a prefill would compute)."""

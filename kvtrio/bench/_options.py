@@ -27,10 +27,12 @@ class BenchOptions:
 
     server: str = ""
     world_size: int = 2
-    layers: int = 4
-    heads: int = 4
-    """KV heads of the model, split evenly over the ranks."""
-    head_dim: int = 32
+    layers: int = 0
+    """0: 4 for the built-in workload, 2 for a trace (which moves ~200× more tokens)."""
+    heads: int = 0
+    """KV heads of the model, split evenly over the ranks; 0: 4, or 2 for a trace."""
+    head_dim: int = 0
+    """0: 32, or 16 for a trace."""
     dtype: str = "float16"
     block_size: int = 16
     blocks: int = 0
@@ -73,6 +75,16 @@ class BenchOptions:
     @property
     def heads_per_rank(self) -> int:
         return self.heads // self.world_size
+
+    def resolved(self) -> BenchOptions:
+        """The options with the model shape's defaults of the workload filled in."""
+        layers, heads, dim = (2, 2, 16) if self.trace is not None else (4, 4, 32)
+        return attrs.evolve(
+            self,
+            layers=self.layers or layers,
+            heads=self.heads or heads,
+            head_dim=self.head_dim or dim,
+        )
 
     def check(self) -> None:
         """Raise :class:`BenchError` for settings that cannot work together."""
@@ -138,9 +150,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     engine = parser.add_argument_group("simulated engine")
     engine.add_argument("--world-size", type=int, default=d.world_size, help="worker processes")
-    engine.add_argument("--layers", type=int, default=d.layers)
-    engine.add_argument("--heads", type=int, default=d.heads, help="KV heads over all ranks")
-    engine.add_argument("--head-dim", type=int, default=d.head_dim)
+    engine.add_argument("--layers", type=int, default=d.layers, help="[default: 4; trace: 2]")
+    engine.add_argument(
+        "--heads", type=int, default=d.heads, help="KV heads over all ranks [default: 4; trace: 2]"
+    )
+    engine.add_argument("--head-dim", type=int, default=d.head_dim, help="[default: 32; trace: 16]")
     engine.add_argument("--dtype", choices=DTYPES, default=d.dtype)
     engine.add_argument("--block-size", type=int, default=d.block_size, help="tokens per block")
     engine.add_argument(

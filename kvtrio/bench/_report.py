@@ -79,11 +79,13 @@ def _size(n: float) -> str:
 def print_table(result: BenchResult, console: Console) -> None:
     """The end table (one row per figure)."""
     s = result.summary()
-    table = Table(
-        title=f"kvtrio bench: {s['workload']}",
-        caption=f"{s['engine']}; chunks of {s['chunk_size']} tokens; server {s['endpoint']}",
-        show_header=True,
+    console.print(f"[bold]kvtrio bench[/bold]: {s['workload']}", highlight=False)
+    console.print(
+        f"engine: {s['engine']}; chunks of {s['chunk_size']} tokens; server {s['endpoint']}",
+        highlight=False,
+        style="dim",
     )
+    table = Table(show_header=True)
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_column("detail")
@@ -120,6 +122,14 @@ def print_table(result: BenchResult, console: Console) -> None:
         f"{s['gb_per_second']:.2f} GB/s",
         f"{_size(s['bytes_retrieved'])} retrieved + {_size(s['bytes_stored'])} stored",
     )
+    server = s["server"]
+    if server:
+        table.add_row(
+            "L1 evictions",
+            f"{server['l1_evictions']:,}",
+            f"chunks; {server['write_behind_skipped']:,} not written to L2 (queue full), "
+            f"{server['store_failures']:,} not stored (no room)",
+        )
     table.add_row(
         "retrieve failures",
         f"{s['failed_blocks']:,}",

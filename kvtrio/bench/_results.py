@@ -54,6 +54,8 @@ class BenchResult:
     l1_hit_chunks: int | None = None
     """From the server's counters (its lookups over the run; other clients' too, if any)."""
     l2_hit_chunks: int | None = None
+    server: dict[str, int] = attrs.field(factory=dict)
+    """Changes of the server's counters over the run (evictions, skipped L2 writes, ...)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -113,6 +115,7 @@ class BenchResult:
             "checksum_failures": self.checksum_failures,
             "lookup_failures": self.lookup_failures,
             "truncated_requests": self.truncated,
+            "server": dict(self.server),
         }
 
     def to_json(self) -> dict[str, Any]:

@@ -43,7 +43,7 @@ def main(args: argparse.Namespace) -> int:
         options = options_from_args(args)
         result = run_bench(options, console)
     except BenchError as exc:
-        console.print(f"kvtrio bench: error: {exc}", style="bold red", highlight=False)
+        print(f"kvtrio bench: error: {exc}", file=sys.stderr)
         return 2
     print_table(result, console)
     if options.json is not None:
@@ -56,6 +56,7 @@ def main(args: argparse.Namespace) -> int:
 def run_bench(options: BenchOptions, console: Console | None = None) -> BenchResult:
     """Run the bench the options describe; :class:`BenchError` if it cannot run or finish."""
     console = console or Console(quiet=True)
+    options = options.resolved()
     options.check()
     workload = load_workload(options)
     with contextlib.ExitStack() as stack:
@@ -114,14 +115,30 @@ def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Cons
                 trio.run(driver.run, progress.update)
             after = _stats(scheduler)
         if before.cache is not None and after.cache is not None:
-            l2 = after.cache.lookup_l2_chunks - before.cache.lookup_l2_chunks
-            result.l2_hit_chunks = l2
-            result.l1_hit_chunks = (
-                after.cache.lookup_hit_chunks - before.cache.lookup_hit_chunks - l2
-            )
+            delta = {
+                name: getattr(after.cache, name) - getattr(before.cache, name)
+                for name in _SERVER_COUNTERS
+            }
+            result.l2_hit_chunks = delta["lookup_l2_chunks"]
+            result.l1_hit_chunks = delta["lookup_hit_chunks"] - delta["lookup_l2_chunks"]
+            result.server = {
+                name: delta[name] for name in _SERVER_COUNTERS if not name.startswith("lookup_")
+            }
+            result.server["lookup_timeouts"] = delta["lookup_timeouts"]
         return result
     finally:
         scheduler.close()
+
+
+_SERVER_COUNTERS = (
+    "lookup_hit_chunks",
+    "lookup_l2_chunks",
+    "lookup_timeouts",
+    "l1_evictions",
+    "store_failures",
+    "write_behind_skipped",
+    "loads_failed",
+)
 
 
 def _stats(scheduler: SchedulerAdapter) -> StatsReply:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -23,7 +24,7 @@ from ._metrics import CONTENT_TYPE, ServerMetrics
 from ._state import ServerState
 from ._status import status_document
 
-__all__ = ["HttpApp", "serve_http"]
+__all__ = ["HttpApp", "bind_http", "serve_http"]
 
 log = logging.getLogger("kvtrio.http")
 
@@ -98,37 +99,41 @@ async def _respond(
     await send({"type": "http.response.body", "body": body})
 
 
+def bind_http(address: str) -> socket.socket:
+    """A listening TCP socket on ``address`` (``PORT`` or ``HOST:PORT``), bound before the server
+    starts anything else; :class:`ConfigError` in one line if it cannot be."""
+    host, port = parse_http_address(address)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as exc:
+        raise ConfigError(f"http: cannot listen on {address}: {exc.strerror}") from None
+
+
 async def serve_http(
     state: ServerState,
     metrics: ServerMetrics,
-    address: str,
+    sock: socket.socket,
     *,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the HTTP endpoint on ``address`` (``PORT`` or ``HOST:PORT``) until cancelled.
+    """Serve the HTTP endpoint on the listening socket ``sock`` until cancelled.
 
-    Starts once the socket is bound (``task_status.started`` gets ``http://HOST:PORT``, with the
-    real port if 0 was asked for). Cancellation closes the listener and open connections.
+    Starts once hypercorn listens (``task_status.started`` gets ``http://HOST:PORT``).
+    Cancellation closes the listener and open connections.
     """
-    from hypercorn.config import Config
+    from hypercorn.config import Config, Sockets
     from hypercorn.trio.run import worker_serve
     from hypercorn.utils import wrap_app
 
-    host, port = parse_http_address(address)
     config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = _hypercorn_log
     config.graceful_timeout = 0.5
-    try:  # bound here, so that a taken port is a one-line error, not a traceback
-        sockets = config.create_sockets()
-        for sock in sockets.insecure_sockets:
-            sock.listen(config.backlog)
-    except OSError as exc:
-        raise ConfigError(f"http: cannot listen on {address}: {exc.strerror}") from None
+    sockets = Sockets(secure_sockets=[], insecure_sockets=[sock], quic_sockets=[])
     app = wrap_app(HttpApp(state, metrics), config.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(functools.partial(worker_serve, app, config, sockets=sockets))
-        url = binds[0] if binds else f"http://{host}:{port}"
+        url = binds[0] if binds else "http://?"
         log.info("HTTP on %s (/metrics, /healthz, /status)", url, extra=event("http", url=url))
         task_status.started(url)

@@ -17,7 +17,7 @@ from ..l2 import Backend, create_backend
 from ..storage import L1Cache, SharedArena, default_shm_dir
 from ..transport import ensure_endpoint_free, open_socket
 from ._cache import CacheService
-from ._http import serve_http
+from ._http import bind_http, serve_http
 from ._l2 import L2Tier
 from ._metrics import ServerMetrics
 from ._operations import register_core_operations
@@ -111,9 +111,15 @@ async def open_server(
     use it to hold on to a backend); they are closed when the server stops.
     """
     ensure_endpoint_free(config.endpoint)
-    if backends is None:
-        backends = [(spec.name, create_backend(spec.name, spec.options)) for spec in config.l2]
-    arena = create_arena(config)
+    http_socket = bind_http(config.http) if config.http else None
+    try:
+        if backends is None:
+            backends = [(spec.name, create_backend(spec.name, spec.options)) for spec in config.l2]
+        arena = create_arena(config)
+    except BaseException:
+        if http_socket is not None:
+            http_socket.close()
+        raise
     try:
         with trio.CancelScope() as stop_scope:
             async with open_socket(
@@ -136,8 +142,8 @@ async def open_server(
                 metrics.install(l2)
                 async with trio.open_nursery() as root, trio.open_nursery() as sessions:
                     http_url = None
-                    if config.http:  # first: /healthz says "starting" until the router runs
-                        http_url = await root.start(serve_http, state, metrics, config.http)
+                    if http_socket is not None:  # first: /healthz says "starting" until now
+                        http_url = await root.start(serve_http, state, metrics, http_socket)
                     root.start_soon(_preallocate, arena)
                     await root.start(l2.serve)
                     await root.start(cache.serve_reaper)
@@ -151,6 +157,8 @@ async def open_server(
                         root.cancel_scope.cancel()
     finally:
         arena.close()
+        if http_socket is not None:
+            http_socket.close()
 
 
 _ARENA_LIMITER = trio.CapacityLimiter(1)

@@ -4,11 +4,13 @@ Prometheus' own text parser, /healthz through a drain, /status."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -41,6 +43,7 @@ from kvtrio.transport import open_socket
 
 from ..conftest import await_async, await_condition
 
+METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 CHUNK = 256
 PROMPT = tuple(range(3000, 3000 + 8 * CHUNK))
 LAYOUT = LayoutSpec("flash_attn", 2, 64, 16, 2, 16, "float16")
@@ -163,6 +166,11 @@ async def test_metrics_count_requests_hits_misses_l1_and_l2(config: ServerConfig
     )
     assert value(samples, "kvtrio_write_behind_queue_depth") == 0
     assert value(samples, "kvtrio_write_behind_skipped_total") == 0
+    # docs/metrics.md names every metric a server exposes.
+    documented = set(re.findall(r"`(kvtrio_[a-z0-9_]+)`", METRICS_DOC.read_text()))
+    for name, _ in samples:
+        base = re.sub(r"_(bucket|sum|count|created)$", "", name)
+        assert {base, base + "_total"} & documented, f"{name} is not in docs/metrics.md"
 
 
 async def test_healthz_is_503_while_draining_and_the_request_in_flight_is_answered(

@@ -101,7 +101,10 @@ class Driver:
                 raise BenchError(f"worker {rank.rank} exited unexpectedly") from None
             if reply[0] == "error":
                 raise BenchError(f"worker {reply[1]} failed: {reply[2]}")
-            replies, event = self._waiting[(reply[0], reply[1])]
+            waiting = self._waiting.get((reply[0], reply[1]))
+            if waiting is None:  # its request gave up waiting (the run is failing anyway)
+                continue
+            replies, event = waiting
             replies.append(reply)
             if len(replies) == len(self.ranks):
                 event.set()

@@ -21,6 +21,9 @@ from typing import Any
 import trio
 from rich.console import Console
 
+if sys.version_info < (3, 11):  # pragma: no cover - exercised by the py310 tox env
+    from exceptiongroup import BaseExceptionGroup
+
 from ..client import Client, SchedulerAdapter
 from ..errors import KvtrioError
 from ..protocol import GetStats, Ping, StatsReply
@@ -112,7 +115,10 @@ def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Cons
             driver = Driver(options, workload, scheduler, conns, blocks, chunk, result)
             total = len(workload.requests)
             with Progress(console, total, enabled=options.progress) as progress:
-                trio.run(driver.run, progress.update)
+                try:
+                    trio.run(driver.run, progress.update)
+                except BaseExceptionGroup as group:  # trio's nurseries wrap what they raise
+                    raise _first(group, BenchError) or group from None
             after = _stats(scheduler)
         if before.cache is not None and after.cache is not None:
             delta = {
@@ -139,6 +145,14 @@ _SERVER_COUNTERS = (
     "write_behind_skipped",
     "loads_failed",
 )
+
+
+def _first(group: BaseExceptionGroup[BaseException], kind: type[BenchError]) -> BenchError | None:
+    """The first ``kind`` exception in a (nested) exception group."""
+    matched, _ = group.split(kind)
+    while isinstance(matched, BaseExceptionGroup):
+        matched = matched.exceptions[0]  # type: ignore[assignment]
+    return matched
 
 
 def _stats(scheduler: SchedulerAdapter) -> StatsReply:

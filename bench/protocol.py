@@ -1,6 +1,7 @@
 """Round trips of a lookup-sized request through kvtrio, next to raw pyzmq in the same run.
 
     python bench/protocol.py [--requests 20000] [--repeats 5] [--transport ipc|tcp]
+                             [--server-args "--http 127.0.0.1:0"] [--baseline-src DIR]
 
 Measured, each in fresh processes and interleaved over ``--repeats`` rounds (medians reported,
 these machines are shared and noisy):
@@ -10,7 +11,9 @@ these machines are shared and noisy):
 * raw pyzmq REQ/REP and DEALER/ROUTER ping-pong of the very same bytes (the server an echo loop
   in its own process);
 * kvtrio: ``kvtrio serve`` and the synchronous client, ``probe`` operation (decoded, validated,
-  answered; no cache work), sequentially and with 64 requests in flight.
+  answered; no cache work), sequentially and with 64 requests in flight;
+* with ``--baseline-src DIR`` (e.g. ``git archive main | tar -x -C DIR``), the same against the
+  server of that source tree, in the same rounds: what a change costs on the request path.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -184,6 +188,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
     parser.add_argument(
+        "--server-args", default="", help="extra arguments of kvtrio serve (e.g. --http 0)"
+    )
+    parser.add_argument(
+        "--baseline-src", type=Path, help="also measure the kvtrio server of this source tree"
+    )
+    parser.add_argument(
         "--raw-server", nargs=2, metavar=("KIND", "ENDPOINT"), help=argparse.SUPPRESS
     )
     args = parser.parse_args()
@@ -214,24 +224,31 @@ def main() -> None:
             finally:
                 proc.kill()
                 proc.wait()
-        ep = endpoint(f"kvtrio{round_}")
-        env = {**os.environ, "KVTRIO_LOG_LEVEL": "warning"}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtrio", "serve", "--endpoint", ep],
-            env=env,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            with Client(ep, heartbeat=False) as client:
-                deadline = time.monotonic() + 15
-                while client.server_info is None and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                row = kvtrio_sequential(client, n)
-                row["win_rps"] = kvtrio_windowed(client, n)
-                results["kvtrio"].append(row)
-        finally:
-            proc.kill()
-            proc.wait()
+        servers = [("kvtrio", None)]
+        if args.baseline_src is not None:
+            servers.append(("baseline", args.baseline_src))
+        for kind, source in servers:
+            ep = endpoint(f"{kind}{round_}")
+            env = {**os.environ, "KVTRIO_LOG_LEVEL": "warning"}
+            if source is not None:
+                env["PYTHONPATH"] = str(source.resolve())
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtrio", "serve", "--endpoint", ep]
+                + (shlex.split(args.server_args) if source is None else []),
+                env=env,
+                stderr=subprocess.DEVNULL,
+            )
+            try:
+                with Client(ep, heartbeat=False) as client:
+                    deadline = time.monotonic() + 15
+                    while client.server_info is None and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    row = kvtrio_sequential(client, n)
+                    row["win_rps"] = kvtrio_windowed(client, n)
+                    results[kind].append(row)
+            finally:
+                proc.kill()
+                proc.wait()
         print(f"round {round_ + 1}/{args.repeats} done", file=sys.stderr)
 
     def med(kind: str, key: str) -> float:
@@ -250,6 +267,8 @@ def main() -> None:
         ("raw pyzmq DEALER/ROUTER", "router"),
         ("kvtrio (sync client)", "kvtrio"),
     ]
+    if args.baseline_src is not None:
+        rows.append(("kvtrio baseline server", "baseline"))
     for label, kind in rows:
         win = f"{med(kind, 'win_rps'):>20,.0f}" if kind != "rep" else f"{'-':>20}"
         print(
@@ -265,6 +284,12 @@ def main() -> None:
         f"kvtrio / raw 64-in-flight throughput: {rps / med('router', 'win_rps'):.2f}  "
         f"(kvtrio {rps:,.0f} req/s, target ≥ 30,000)"
     )
+    if args.baseline_src is not None:
+        base_p50, base_rps = med("baseline", "p50"), med("baseline", "win_rps")
+        print(
+            f"kvtrio / baseline server:             p50 {p50 / base_p50:.3f}×  "
+            f"({(p50 - base_p50) * 1e6:+.1f} µs), 64-in-flight throughput {rps / base_rps:.3f}×"
+        )
 
 
 if __name__ == "__main__":

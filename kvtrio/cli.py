@@ -1,4 +1,4 @@
-"""The ``kvtrio`` command: ``serve``, ``ping``.
+"""The ``kvtrio`` command: ``serve``, ``bench``, ``status``, ``backends``, ``ping``.
 
 Every expected failure (bad setting, address in use, server unreachable) ends the command with a
 one-line message on stderr and a non-zero exit status, never a traceback.
@@ -21,6 +21,7 @@ import trio
 if sys.version_info < (3, 11):  # pragma: no cover - exercised by the py310 tox env
     from exceptiongroup import BaseExceptionGroup
 
+from ._logging import configure_logging, event
 from ._version import __version__
 from .config import ServerConfig, field_help, load_config
 from .errors import ConfigError, KvtrioError
@@ -72,6 +73,28 @@ def _build_parser() -> argparse.ArgumentParser:
         description="List the L2 backends found through the kvtrio.backends entry points.",
     )
 
+    status = commands.add_parser(
+        "status",
+        help="print a server's status (what GET /status shows) as JSON",
+        description="Print the status document of a server, over the ZeroMQ stats operation: "
+        "the same JSON as GET /status on its HTTP port, for servers that run without HTTP.",
+    )
+    status.add_argument("endpoint", nargs="?", default=DEFAULT_ENDPOINT, help="server endpoint")
+    status.add_argument("--timeout", type=float, default=2.0, help="seconds to wait [default: 2]")
+
+    bench = commands.add_parser(
+        "bench",
+        help="run a workload through a server and a simulated engine; print what it measured",
+        description="Start a server (or use --server), a scheduler and --world-size engine "
+        "worker processes with KV caches in shared memory, and drive a workload through the "
+        "real adapters: lookup, retrieve of the hits (checked byte for byte), store of the "
+        "misses, end of the request. The built-in workload is multi-turn conversations sharing "
+        "system prompts; --trace replays a Mooncake trace in hash mode.",
+    )
+    from .bench import add_arguments
+
+    add_arguments(bench)
+
     ping = commands.add_parser("ping", help="check that a server answers")
     ping.add_argument("endpoint", nargs="?", default=DEFAULT_ENDPOINT, help="server endpoint")
     ping.add_argument("--timeout", type=float, default=2.0, help="seconds to wait [default: 2]")
@@ -88,6 +111,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             _ping(args)
         elif args.command == "backends":
             _backends()
+        elif args.command == "status":
+            _status(args)
+        elif args.command == "bench":
+            from .bench import main as bench_main
+
+            sys.exit(bench_main(args))
     except BaseException as exc:
         error = _sole_error(exc)  # trio wraps errors raised in nurseries in exception groups
         if isinstance(error, KeyboardInterrupt):  # a signal after the server had stopped
@@ -121,11 +150,7 @@ def _serve(args: argparse.Namespace) -> None:
     import os
 
     config = load_config(overrides, config_file=args.config, environ=os.environ)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(config.log_level, config.log_format)
     trio.run(_run_server, config)
     # Stopped: what is left is flushing the last replies (bounded by the socket linger).
     # A signal now must not turn into a KeyboardInterrupt traceback.
@@ -146,20 +171,29 @@ async def _run_server(config: ServerConfig) -> None:
                 config.chunk_size,
                 config.l1_size / (1 << 30),
                 handle.instance_id,
+                extra=event(
+                    "serving",
+                    endpoint=handle.endpoint,
+                    version=__version__,
+                    instance=handle.instance_id,
+                ),
             )
             draining = False
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if draining:
-                    log.warning("%s again: stopping now", name)
+                    log.warning("%s again: stopping now", name, extra=event("stop", signal=name))
                     handle.stop()
                     break
                 log.info(
-                    "%s: draining for up to %.1fs (again to stop now)", name, config.drain_timeout
+                    "%s: draining for up to %.1fs (again to stop now)",
+                    name,
+                    config.drain_timeout,
+                    extra=event("shutdown", signal=name, grace_s=config.drain_timeout),
                 )
                 draining = True
                 nursery.start_soon(_drain_then_stop, handle, nursery.cancel_scope)
-    log.info("stopped")
+    log.info("stopped", extra=event("stopped"))
 
 
 async def _drain_then_stop(handle: object, scope: trio.CancelScope) -> None:
@@ -186,6 +220,23 @@ def _backends() -> None:
             shown = f" [default: {default}]" if default else ""
             print(f"    {option:<14} {text}{shown}")
         print()
+
+
+# --------------------------------------------------------------------------- status
+
+
+def _status(args: argparse.Namespace) -> None:
+    import json
+
+    from .client import Client
+    from .protocol import GetStats, StatsReply
+    from .server import status_document
+
+    with Client(
+        args.endpoint, timeout=args.timeout, client_name="kvtrio-status", heartbeat=False
+    ) as client:
+        stats = client.call(GetStats(), StatsReply, fail_fast=True)
+    print(json.dumps(status_document(stats), indent=2))
 
 
 # --------------------------------------------------------------------------- ping

@@ -28,10 +28,13 @@ else:  # pragma: no cover - exercised by the py310 tox env
 __all__ = [
     "BackendSpec",
     "ByteSize",
+    "HttpAddress",
     "ServerConfig",
+    "config_summary",
     "field_help",
     "load_config",
     "parse_backend_spec",
+    "parse_http_address",
     "parse_size",
     "structure_options",
 ]
@@ -39,8 +42,11 @@ __all__ = [
 _T = TypeVar("_T")
 ByteSize = NewType("ByteSize", int)
 """A size in bytes; accepts ``4GiB``, ``512MB``, ``1_000`` or a plain integer."""
+HttpAddress = NewType("HttpAddress", str)
+"""``PORT`` or ``HOST:PORT``; a TOML file may give the port as an integer."""
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 ENV_PREFIX = "KVTRIO_"
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -89,6 +95,26 @@ def _one_of(*choices: str) -> Any:
             )
 
     return check
+
+
+def parse_http_address(text: str) -> tuple[str, int]:
+    """``PORT`` or ``HOST:PORT`` (``[v6]:PORT``) → ``(host, port)``; the host defaults to
+    127.0.0.1. ``ValueError`` with a readable message otherwise."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep:
+        host = "127.0.0.1"
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not PORT or HOST:PORT (e.g. 9464 or 0.0.0.0:9464)")
+    return host, int(port)
+
+
+def _http_address(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value:
+        try:
+            parse_http_address(value)
+        except ValueError as exc:
+            raise ValueError(f"{attribute.name}: {exc}") from None
 
 
 def _endpoint(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
@@ -207,11 +233,46 @@ class ServerConfig:
             "no L2). See `kvtrio backends`."
         },
     )
+    http: HttpAddress = field(
+        default=HttpAddress(""),
+        validator=_http_address,
+        metadata={
+            "help": "Serve /metrics, /healthz and /status over HTTP on PORT or HOST:PORT (the "
+            "host defaults to 127.0.0.1; empty: no HTTP)."
+        },
+    )
     log_level: str = field(
         default="info",
         validator=_one_of(*LOG_LEVELS),
         metadata={"help": "Logging level (debug, info, warning, error)."},
     )
+    log_format: str = field(
+        default="text",
+        validator=_one_of(*LOG_FORMATS),
+        metadata={"help": "Log lines as text, or json (one object per line)."},
+    )
+
+
+def config_summary(config: ServerConfig) -> dict[str, Any]:
+    """The settings an operator wants to see in ``/status``: never backend options (they may
+    hold credentials), only the backends' names."""
+    return {
+        "endpoint": config.endpoint,
+        "chunk_size": config.chunk_size,
+        "l1_size": config.l1_size,
+        "l2": [spec.name for spec in config.l2],
+        "lookup_timeout": config.lookup_timeout,
+        "retrieve_timeout": config.retrieve_timeout,
+        "heartbeat_timeout": config.heartbeat_timeout,
+        "drain_timeout": config.drain_timeout,
+        "pin_ttl": config.pin_ttl,
+        "reservation_ttl": config.reservation_ttl,
+        "write_behind_queue": config.write_behind_queue,
+        "l2_loaders": config.l2_loaders,
+        "http": config.http,
+        "log_level": config.log_level,
+        "log_format": config.log_format,
+    }
 
 
 def field_help() -> dict[str, str]:
@@ -251,6 +312,13 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(float, number(float))
     conv.register_structure_hook(str, string)
     conv.register_structure_hook(ByteSize, lambda v, _: ByteSize(parse_size(v)))
+
+    def http_address(value: Any, _: Any) -> HttpAddress:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return HttpAddress(str(value))
+        return HttpAddress(string(value, _))
+
+    conv.register_structure_hook(HttpAddress, http_address)
 
     def boolean(value: Any, _: Any) -> bool:
         if isinstance(value, bool):

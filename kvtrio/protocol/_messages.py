@@ -12,7 +12,7 @@ the server.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from attrs import field, frozen
 
@@ -233,6 +233,10 @@ class StatsReply(Reply):
     sessions: tuple[SessionStats, ...] = field(factory=tuple)
     cache: CacheStats | None = None
     l2: tuple[L2Stats, ...] = ()
+    phase: str = "serving"
+    """``starting``, ``serving`` or ``draining``."""
+    config: dict[str, Any] = field(factory=dict)
+    """A summary of the server's settings (no backend options: they may hold credentials)."""
 
 
 @frozen

@@ -1,7 +1,18 @@
 """The kvtrio server: router, sessions and operation handlers under one root nursery."""
 
+from ._metrics import ServerMetrics
 from ._serve import ServerHandle, open_server, serve
 from ._session import Session
 from ._state import Operation, ServerState
+from ._status import status_document
 
-__all__ = ["Operation", "ServerHandle", "ServerState", "Session", "open_server", "serve"]
+__all__ = [
+    "Operation",
+    "ServerHandle",
+    "ServerMetrics",
+    "ServerState",
+    "Session",
+    "open_server",
+    "serve",
+    "status_document",
+]

@@ -14,6 +14,7 @@ from typing import Any
 
 import trio
 
+from .._logging import event
 from ..config import ServerConfig
 from ..errors import ErrorCode, RequestError
 from ..protocol import (
@@ -125,6 +126,15 @@ class CacheService:
             request.layout.kind,
             request.layout.dtype,
             f", replacing its registration ({released} released)" if released else "",
+            extra=event(
+                "registration",
+                session=session.id,
+                model=request.model,
+                rank=request.rank,
+                world_size=request.world_size,
+                layout=request.layout.kind,
+                dtype=request.layout.dtype,
+            ),
         )
         config = self.config
         return Registered(
@@ -153,6 +163,13 @@ class CacheService:
                 session_id,
                 registration.model,
                 registration.rank,
+                extra=event(
+                    "unregistration",
+                    session=session_id,
+                    model=registration.model,
+                    rank=registration.rank,
+                    released=released,
+                ),
             )
         return released
 
@@ -558,7 +575,9 @@ class CacheService:
             expired = self.leases.pop_expired(now)
             if expired:
                 log.warning(
-                    "%d leases expired (clients that neither released nor ended them)", len(expired)
+                    "%d leases expired (clients that neither released nor ended them)",
+                    len(expired),
+                    extra=event("leases_expired", count=len(expired)),
                 )
                 self._undo(expired, quarantine=True)
             self.l1.release_quarantine(now)

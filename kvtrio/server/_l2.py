@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
+from .._logging import event
 from ..l2 import HEADER_SIZE, Backend, BackendError, Corrupt, check, header
 from ..protocol import L2Stats
 from ..storage import Entry, L1Cache, SharedArena
@@ -40,6 +41,8 @@ _CPU = trio.CapacityLimiter(2)
 class _Health:
     backend: Backend
     name: str
+    label: str = ""
+    """The name, made unique within the cascade (``disk``, ``disk#2``): for metrics."""
     down_until: float = -math.inf
     backoff: float = 0.0
     counters: dict[str, int] = attrs.field(factory=dict)
@@ -55,13 +58,23 @@ class _Health:
         self.backoff = min(max(self.backoff * 2, _BACKOFF_MIN), _BACKOFF_MAX)
         if self.down_until < now:
             log.warning(
-                "L2 backend %s failed (%s); skipping it for %.1fs", self.name, exc, self.backoff
+                "L2 backend %s failed (%s); skipping it for %.1fs",
+                self.name,
+                exc,
+                self.backoff,
+                extra=event(
+                    "l2_backend_error", backend=self.label, error=str(exc), backoff_s=self.backoff
+                ),
             )
         self.down_until = now + self.backoff
 
     def succeeded(self) -> None:
         if self.backoff:
-            log.info("L2 backend %s is back", self.name)
+            log.info(
+                "L2 backend %s is back",
+                self.name,
+                extra=event("l2_backend_back", backend=self.label),
+            )
         self.backoff = 0.0
 
 
@@ -90,7 +103,13 @@ class L2Tier:
         flushers: int,
         loaders: int,
     ) -> None:
-        self.backends = [_Health(backend, name) for name, backend in backends]
+        names = [name for name, _ in backends]
+        self.backends = [
+            _Health(backend, name, name if names.count(name) == 1 else f"{name}#{i + 1}")
+            for i, (name, backend) in enumerate(backends)
+        ]
+        self.observe: Callable[[str, str, float, bool], None] | None = None
+        """Set by the metrics: ``(backend label, operation, seconds, succeeded)`` per call."""
         self.l1 = l1
         self.arena = arena
         self._flushers = flushers
@@ -160,11 +179,14 @@ class L2Tier:
                     if not health.usable(now):
                         health.count("stores_skipped")
                         continue
+                    started = trio.current_time()
                     try:
                         (ok,) = await health.backend.store([key], [[memoryview(head), payload]])
                     except BackendError as exc:
+                        self._observed(health, "store", started, False)
                         health.failed(exc, trio.current_time())
                         continue
+                    self._observed(health, "store", started, True)
                     health.succeeded()
                     health.count("stores" if ok else "stores_refused")
                     health.count("store_bytes", entry.nbytes if ok else 0)
@@ -190,11 +212,14 @@ class L2Tier:
 
         async def probe(b: int, s: int) -> None:
             health = usable[b]
+            started = trio.current_time()
             try:
                 count = await health.backend.lookup_and_lock(keys[s])
             except BackendError as exc:
+                self._observed(health, "lookup_and_lock", started, False)
                 health.failed(exc, trio.current_time())
                 return
+            self._observed(health, "lookup_and_lock", started, True)
             locked[(b, s)] = count  # recorded at once: a cancellation must unlock it
             health.succeeded()
 
@@ -244,10 +269,14 @@ class L2Tier:
     async def _unlock(self, health: _Health, keys: list[bytes]) -> None:
         if not keys:
             return
+        started = trio.current_time()
         try:
             await health.backend.unlock(keys)
         except BackendError as exc:
+            self._observed(health, "unlock", started, False)
             health.failed(exc, trio.current_time())
+        else:
+            self._observed(health, "unlock", started, True)
 
     # ----------------------------------------------------------------- loads
 
@@ -276,11 +305,15 @@ class L2Tier:
                 async with self._limiters[id(source)]:
                     head = bytearray(HEADER_SIZE)
                     payload = self.arena.memory(load.entry.offset, load.entry.nbytes)
+                    started = trio.current_time()
                     try:
                         (ok,) = await source.backend.load([load.key], [[memoryview(head), payload]])
                     except BackendError as exc:
+                        self._observed(source, "load", started, False)
                         source.failed(exc, trio.current_time())
                         ok = False
+                    else:
+                        self._observed(source, "load", started, True)
                     if ok:
                         try:
                             await trio.to_thread.run_sync(
@@ -291,7 +324,10 @@ class L2Tier:
                             self.corrupt += 1
                             source.count("corrupt")
                             log.warning(
-                                "L2 backend %s: corrupt object deleted (%s)", source.name, exc
+                                "L2 backend %s: corrupt object deleted (%s)",
+                                source.name,
+                                exc,
+                                extra=event("l2_corrupt", backend=source.label, error=str(exc)),
                             )
                             await self._delete(source, load.key)
                     elif not load.scope.cancel_called:
@@ -309,10 +345,18 @@ class L2Tier:
             load.done.set()
 
     async def _delete(self, health: _Health, key: bytes) -> None:
+        started = trio.current_time()
         try:
             await health.backend.delete([key])
         except BackendError as exc:
+            self._observed(health, "delete", started, False)
             health.failed(exc, trio.current_time())
+        else:
+            self._observed(health, "delete", started, True)
+
+    def _observed(self, health: _Health, op: str, started: float, ok: bool) -> None:
+        if self.observe is not None:
+            self.observe(health.label, op, trio.current_time() - started, ok)
 
     # ----------------------------------------------------------------- stats
 
@@ -326,7 +370,7 @@ class L2Tier:
                 own = {}
             result.append(
                 L2Stats(
-                    name=health.name,
+                    name=health.label,
                     healthy=health.usable(now),
                     counters={k: float(v) for k, v in {**own, **health.counters}.items()},
                 )

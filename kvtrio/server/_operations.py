@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from .._logging import event
 from .._version import __version__
 from ..errors import ErrorCode, RequestError
 from ..protocol import (
@@ -44,7 +45,18 @@ async def hello(session: Session, request: Hello) -> HelloReply:
         )
     session.client_name = request.client_name[:_MAX_NAME]
     session.client_version = request.client_version[:_MAX_NAME]
-    log.info("session %s: client %s %s", session.id, session.client_name, session.client_version)
+    log.info(
+        "session %s: client %s %s",
+        session.id,
+        session.client_name,
+        session.client_version,
+        extra=event(
+            "session_start",
+            session=session.id,
+            client=session.client_name,
+            client_version=session.client_version,
+        ),
+    )
     config = session.state.config
     return HelloReply(
         server_version=__version__,

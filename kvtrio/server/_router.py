@@ -54,28 +54,36 @@ class Router:
         if not parts or len(parts[0]) > MAX_HEADER_SIZE:
             self._drop(identity, "no readable header")
             return
+        now = trio.current_time()
         try:
             header = decode_header(parts[0])
         except HeaderError as exc:
             if exc.request_id is None:
                 self._drop(identity, exc.message)
                 return
-            item = Incoming(exc.request_id, "?", b"", exc)
+            item = Incoming(exc.request_id, "?", b"", exc, now)
         else:
-            item = Incoming(header.request_id, header.kind, parts[-1], _check_frames(parts, state))
+            item = Incoming(
+                header.request_id, header.kind, parts[-1], _check_frames(parts, state), now
+            )
         state.counters.requests += 1
-        now = trio.current_time()
         session = state.sessions.get(identity)
         if session is not None and session.ending:
             session = None  # ended but not cleaned up yet: this message starts a new session
         if state.draining:
             self.answer_now(
-                identity, item.request_id, ErrorCode.SHUTTING_DOWN, "the server is shutting down"
+                identity,
+                item.request_id,
+                ErrorCode.SHUTTING_DOWN,
+                "the server is shutting down",
+                item.kind,
             )
             return
         if session is None:
             if item.error is not None:  # nothing to keep in order with: answer here
-                self.answer_now(identity, item.request_id, item.error.code, item.error.message)
+                self.answer_now(
+                    identity, item.request_id, item.error.code, item.error.message, item.kind
+                )
                 return
             session = self._start_session(identity)
         session.touch(now)
@@ -87,6 +95,7 @@ class Router:
                 item.request_id,
                 ErrorCode.BUSY,
                 f"more than {state.config.session_queue_size} requests queued; retry later",
+                item.kind,
             )
 
     def _start_session(self, identity: bytes) -> Session:
@@ -100,9 +109,14 @@ class Router:
         self._state.counters.frames_dropped += 1
         log.debug("dropped a message from %s: %s", identity.hex(), why)
 
-    def answer_now(self, identity: bytes, request_id: int, code: ErrorCode, message: str) -> None:
-        """Send an error reply without waiting; if the client cannot take it now, count it."""
+    def answer_now(
+        self, identity: bytes, request_id: int, code: ErrorCode, message: str, kind: str = "?"
+    ) -> None:
+        """Send an error reply to a ``kind`` request without waiting; if the client cannot take
+        it now, count it."""
         self._state.counters.error(code)
+        if self._state.observe_request is not None:
+            self._state.observe_request(kind, code, 0.0)
         try:
             sent = self._socket.try_send_multipart(
                 [identity, *encode_error(request_id, code, message)]

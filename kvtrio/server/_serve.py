@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 import trio
 import zmq
 
+from .._logging import event
 from ..config import ServerConfig
 from ..errors import ConfigError
 from ..l2 import Backend, create_backend
@@ -17,7 +18,9 @@ from ..storage import L1Cache, SharedArena, default_shm_dir
 from ..transport import ensure_endpoint_free, open_socket
 from ._cache import CacheService
 from ._cuda import CudaTransfers, RuntimeFactory
+from ._http import bind_http, serve_http
 from ._l2 import L2Tier
+from ._metrics import ServerMetrics
 from ._operations import register_core_operations
 from ._router import Router
 from ._state import ServerState
@@ -34,9 +37,13 @@ _REPLY_LINGER_MS = 1000
 class ServerHandle:
     """What ``serve`` hands to its starter: where it listens, its state, how to stop it."""
 
-    def __init__(self, state: ServerState, stop_scope: trio.CancelScope) -> None:
+    def __init__(
+        self, state: ServerState, stop_scope: trio.CancelScope, http_url: str | None = None
+    ) -> None:
         self.state = state
         self._stop_scope = stop_scope
+        self.http_url = http_url
+        """``http://HOST:PORT`` of the HTTP endpoint, or None if it is off."""
 
     @property
     def endpoint(self) -> str:
@@ -58,12 +65,19 @@ class ServerHandle:
             grace = self.state.config.drain_timeout
         self.state.draining = True
         try:
-            log.info("draining: %d requests in flight, %.1fs grace", self.state.pending, grace)
+            log.info(
+                "draining: %d requests in flight, %.1fs grace",
+                self.state.pending,
+                grace,
+                extra=event("drain", in_flight=self.state.pending, grace_s=grace),
+            )
             with trio.move_on_after(grace) as scope:
                 await self.state.wait_drained()
             if scope.cancelled_caught:
                 log.warning(
-                    "drain timeout: stopping with %d requests unanswered", self.state.pending
+                    "drain timeout: stopping with %d requests unanswered",
+                    self.state.pending,
+                    extra=event("drain_timeout", unanswered=self.state.pending),
                 )
         finally:
             self._stop_scope.cancel()
@@ -102,9 +116,15 @@ async def open_server(
     replaces the CUDA runtime the first CUDA registration creates (tests pass a simulated one).
     """
     ensure_endpoint_free(config.endpoint)
-    if backends is None:
-        backends = [(spec.name, create_backend(spec.name, spec.options)) for spec in config.l2]
-    arena = create_arena(config)
+    http_socket = bind_http(config.http) if config.http else None
+    try:
+        if backends is None:
+            backends = [(spec.name, create_backend(spec.name, spec.options)) for spec in config.l2]
+        arena = create_arena(config)
+    except BaseException:
+        if http_socket is not None:
+            http_socket.close()
+        raise
     try:
         with trio.CancelScope() as stop_scope:
             async with open_socket(
@@ -123,19 +143,28 @@ async def open_server(
                 )
                 cache = CacheService(state, arena, l1, l2, CudaTransfers(arena, cuda_runtime))
                 cache.install()
+                metrics = ServerMetrics(state)
+                metrics.install(l2)
                 async with trio.open_nursery() as root, trio.open_nursery() as sessions:
+                    http_url = None
+                    if http_socket is not None:  # first: /healthz says "starting" until now
+                        http_url = await root.start(serve_http, state, metrics, http_socket)
                     root.start_soon(_preallocate, arena)
                     await root.start(l2.serve)
                     await root.start(cache.serve_reaper)
                     await root.start(cache.cuda.serve)
                     router = Router(state, socket, sessions)
                     await root.start(router.run)
+                    state.serving = True
                     try:
-                        yield ServerHandle(state, stop_scope)
+                        yield ServerHandle(state, stop_scope, http_url)
                     finally:
+                        state.serving = False
                         root.cancel_scope.cancel()
     finally:
         arena.close()
+        if http_socket is not None:
+            http_socket.close()
 
 
 _ARENA_LIMITER = trio.CapacityLimiter(1)

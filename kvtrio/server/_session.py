@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from .._logging import event
 from ..errors import ErrorCode, RequestError
 from ..protocol import Request, SessionStats, decode_request, encode_error, encode_reply
 
@@ -41,6 +42,8 @@ class Incoming:
     kind: str
     body: bytes
     error: RequestError | None = None
+    received: float = 0.0
+    """``trio.current_time()`` when the router read it (request latency starts here)."""
 
 
 class Session:
@@ -216,13 +219,16 @@ class Session:
 
     async def _finish(self, item: Incoming, frames: list[bytes], code: ErrorCode | None) -> None:
         self._active.discard(item)
+        state = self.state
         if code is not None:
             self.errors += 1
-            self.state.counters.error(code)
+            state.counters.error(code)
         try:
             await self._router.reply(self, frames)
         finally:
-            self.state.settled()
+            state.settled()
+            if state.observe_request is not None:
+                state.observe_request(item.kind, code, trio.current_time() - item.received)
 
     async def _close(self) -> None:
         """Answer what is left, run cleanups shielded and bounded, forget the session."""
@@ -243,7 +249,7 @@ class Session:
             code = ErrorCode.SESSION_ENDED
             message = f"the session ended ({self.end_reason}) before answering; retry"
         for item in unanswered:  # exactly one reply each, also now
-            self._router.answer_now(self.identity, item.request_id, code, message)
+            self._router.answer_now(self.identity, item.request_id, code, message, item.kind)
         self.state.settled(len(unanswered))
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + CLEANUP_TIMEOUT
@@ -255,7 +261,20 @@ class Session:
         if scope.cancelled_caught:
             log.error("%s: cleanup did not finish within %ss", self, CLEANUP_TIMEOUT)
         self.state.counters.sessions_ended += 1
-        log.info("session %s ended (%s)", self, self.end_reason or "server stopping")
+        reason = self.end_reason or "server stopping"
+        log.info(
+            "session %s ended (%s)",
+            self,
+            reason,
+            extra=event(
+                "session_end",
+                session=self.id,
+                client=self.client_name,
+                reason=reason,
+                requests=self.requests,
+                errors=self.errors,
+            ),
+        )
 
 
 def decode_request_for(state: ServerState, item: Incoming) -> Request:

@@ -11,7 +11,7 @@ import attrs
 import trio
 
 from .._version import __version__
-from ..config import ServerConfig
+from ..config import ServerConfig, config_summary
 from ..errors import ErrorCode
 from ..protocol import CacheStats, L2Stats, Reply, Request, ServerCounters, StatsReply
 
@@ -68,6 +68,10 @@ class ServerState:
         """Set by the cache service: its part of the ``stats`` reply."""
         self.l2_stats: Callable[[], tuple[L2Stats, ...]] | None = None
         self.draining = False
+        self.serving = False
+        """True once the router takes requests (``/healthz`` answers 200 while not draining)."""
+        self.observe_request: Callable[[str, ErrorCode | None, float], None] | None = None
+        """Set by the metrics: ``(operation, error code or None, seconds)`` per answered request."""
         self.pending = 0
         """Requests accepted by the router that have not been answered (or dropped) yet."""
         self._idle = trio.Event()
@@ -81,6 +85,13 @@ class ServerState:
     ) -> None:
         """Declare the handler of ``request_type`` (one per type; later registrations replace)."""
         self.operations[request_type] = Operation(handler, concurrent)
+
+    @property
+    def phase(self) -> str:
+        """``starting``, ``serving`` or ``draining``."""
+        if self.draining:
+            return "draining"
+        return "serving" if self.serving else "starting"
 
     # ----------------------------------------------------------------- drain accounting
 
@@ -107,6 +118,8 @@ class ServerState:
             server_version=__version__,
             instance_id=self.instance_id,
             uptime_seconds=now - self.started_at,
+            phase=self.phase,
+            config=config_summary(self.config),
             counters=ServerCounters(
                 requests=c.requests,
                 errors=c.errors,

@@ -7,6 +7,7 @@ protocol directly (slot contents do not matter here; byte equality is the e2e te
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -41,6 +42,7 @@ from kvtrio.server import ServerHandle, open_server
 
 from ..conftest import await_async, await_condition
 
+_SERVERS = itertools.count()
 CHUNK = 256
 PROMPT = tuple(range(7000, 7000 + 10 * CHUNK))
 LAYOUT = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")  # 256 KiB chunks
@@ -50,7 +52,12 @@ LAYOUT = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")  # 256 KiB chunk
 async def running(
     config: ServerConfig, backend: Backend
 ) -> AsyncIterator[tuple[ServerHandle, AsyncClient, AsyncClient]]:
-    """A server over ``backend``, a registered worker client and a scheduler client."""
+    """A server over ``backend``, a registered worker client and a scheduler client.
+
+    Each server gets an endpoint of its own: libzmq closes a stopped server's ipc listener
+    asynchronously, so a server started right after on the same path could find it still
+    accepting and refuse to start ("in use by another process")."""
+    config = attrs.evolve(config, endpoint=f"{config.endpoint}.{next(_SERVERS)}")
     async with (
         open_server(config, backends=[("l2", backend)]) as server,
         open_client(server.endpoint) as worker,
@@ -155,6 +162,7 @@ async def test_a_retrieve_reports_exactly_the_chunks_whose_loads_failed(
         await written_to_l2(worker, 10)
     async with running(config, fault) as (_, worker, scheduler):
         await store(worker, "again", 5)  # chunks 0-4 in L1, 5-9 only in L2
+        await written_to_l2(worker, 5)  # (write-behind pins them until then)
         fault.configure(drop_rate=1.0)  # every load from L2 fails
         assert await lookup(scheduler, "r") == LookupReply(10 * CHUNK, 10)
         assert await retrieve(worker, "r") == {"read": [0, 1, 2, 3, 4], "failed": [5, 6, 7, 8, 9]}

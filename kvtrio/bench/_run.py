@@ -1,0 +1,270 @@
+"""``kvtrio bench`` end to end: server, engine processes, the run, the report."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import trio
+from rich.console import Console
+
+if sys.version_info < (3, 11):  # pragma: no cover - exercised by the py310 tox env
+    from exceptiongroup import BaseExceptionGroup
+
+from ..client import Client, SchedulerAdapter
+from ..errors import KvtrioError
+from ..protocol import GetStats, Ping, StatsReply
+from ..transfer import KVLayout
+from ._driver import Driver, engine_blocks
+from ._engine import model_name, worker_main
+from ._options import BenchError, BenchOptions, options_from_args
+from ._report import Progress, print_table, write_plot
+from ._results import BenchResult
+from ._workload import Workload, load_workload
+
+__all__ = ["main", "run_bench"]
+
+
+def main(args: argparse.Namespace) -> int:
+    """``kvtrio bench``: run, print the table, write ``--json`` / ``--plot``. Exit status 1 if
+    any retrieved byte was wrong, 2 for a bench that could not run."""
+    console = Console()
+    try:
+        options = options_from_args(args)
+        result = run_bench(options, console)
+    except BenchError as exc:
+        print(f"kvtrio bench: error: {exc}", file=sys.stderr)
+        return 2
+    print_table(result, console)
+    if options.json is not None:
+        options.json.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    if options.plot is not None:
+        write_plot(result, options.plot)
+    return 1 if result.checksum_failures else 0
+
+
+def run_bench(options: BenchOptions, console: Console | None = None) -> BenchResult:
+    """Run the bench the options describe; :class:`BenchError` if it cannot run or finish."""
+    console = console or Console(quiet=True)
+    options = options.resolved()
+    options.check()
+    workload = load_workload(options)
+    with contextlib.ExitStack() as stack:
+        endpoint = options.server or stack.enter_context(_own_server(options, console))
+        return _run(options, workload, endpoint, console)
+    raise AssertionError("unreachable")  # pragma: no cover  (mypy: ExitStack may swallow)
+
+
+def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Console) -> BenchResult:
+    tenant = f"bench-{uuid.uuid4().hex[:12]}"  # runs against one server do not share chunks
+    scheduler = SchedulerAdapter(
+        endpoint,
+        model_name(options),
+        options.world_size,
+        0,
+        options.block_size,
+        tenant=tenant,
+        timeout=options.timeout,
+    )
+    try:
+        _wait(lambda: scheduler.client.server_info is not None, 15.0, f"no server at {endpoint}")
+        chunk = scheduler.chunk_size
+        if chunk % options.block_size:
+            raise BenchError(
+                f"the server's chunk size {chunk} is not a multiple of --block-size "
+                f"{options.block_size}"
+            )
+        layout = KVLayout(
+            options.layout,
+            options.layers,
+            1,
+            options.block_size,
+            1 if options.layout == "mla" else options.heads_per_rank,
+            options.head_dim,
+            options.dtype,
+        )
+        block_bytes = layout.layer_nbytes * options.layers
+        blocks = engine_blocks(options, workload, chunk, block_bytes)
+        result = BenchResult(
+            mode=workload.mode,
+            workload=workload.describe(),
+            engine=(
+                f"{options.world_size} × {options.layers} layers × {options.heads_per_rank} "
+                f"heads × {options.head_dim} {options.dtype}, {options.layout}, blocks of "
+                f"{options.block_size} tokens, {blocks} blocks per rank"
+            ),
+            endpoint=endpoint,
+            chunk_size=chunk,
+            world_size=options.world_size,
+        )
+        with _workers(options, endpoint, blocks, tenant) as conns:
+            before = _stats(scheduler)
+            driver = Driver(options, workload, scheduler, conns, blocks, chunk, result)
+            total = len(workload.requests)
+            with Progress(console, total, enabled=options.progress) as progress:
+                try:
+                    trio.run(driver.run, progress.update)
+                except BaseExceptionGroup as group:  # trio's nurseries wrap what they raise
+                    raise _first(group, BenchError) or group from None
+            after = _stats(scheduler)
+        if before.cache is not None and after.cache is not None:
+            delta = {
+                name: getattr(after.cache, name) - getattr(before.cache, name)
+                for name in _SERVER_COUNTERS
+            }
+            result.l2_hit_chunks = delta["lookup_l2_chunks"]
+            result.l1_hit_chunks = delta["lookup_hit_chunks"] - delta["lookup_l2_chunks"]
+            result.server = {
+                name: delta[name] for name in _SERVER_COUNTERS if not name.startswith("lookup_")
+            }
+            result.server["lookup_timeouts"] = delta["lookup_timeouts"]
+        return result
+    finally:
+        scheduler.close()
+
+
+_SERVER_COUNTERS = (
+    "lookup_hit_chunks",
+    "lookup_l2_chunks",
+    "lookup_timeouts",
+    "l1_evictions",
+    "store_failures",
+    "write_behind_skipped",
+    "loads_failed",
+)
+
+
+def _first(group: BaseExceptionGroup[BaseException], kind: type[BenchError]) -> BenchError | None:
+    """The first ``kind`` exception in a (nested) exception group."""
+    matched, _ = group.split(kind)
+    while isinstance(matched, BaseExceptionGroup):
+        matched = matched.exceptions[0]  # type: ignore[assignment]
+    return matched
+
+
+def _stats(scheduler: SchedulerAdapter) -> StatsReply:
+    try:
+        return scheduler.client.call(GetStats(), StatsReply)
+    except KvtrioError as exc:
+        raise BenchError(f"stats from the server failed: {exc}") from None
+
+
+def _wait(condition: Any, timeout: float, failure: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise BenchError(failure)
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def _workers(options: BenchOptions, endpoint: str, blocks: int, tenant: str) -> Iterator[list[Any]]:
+    """Start ``world_size`` worker processes; yield their pipes once all are registered; stop
+    them (by their process objects) afterwards."""
+    context = multiprocessing.get_context("spawn")
+    processes, conns = [], []
+    try:
+        for rank in range(options.world_size):
+            ours, theirs = context.Pipe()
+            process = context.Process(
+                target=worker_main,
+                args=(theirs, options, rank, endpoint, blocks, tenant),
+                name=f"kvtrio-bench-worker-{rank}",
+                daemon=True,
+            )
+            process.start()
+            theirs.close()
+            processes.append(process)
+            conns.append(ours)
+        for conn in conns:
+            if not conn.poll(options.timeout + 30):
+                raise BenchError("a worker did not start in time")
+            try:
+                message = conn.recv()
+            except EOFError:
+                raise BenchError("a worker exited while starting") from None
+            if message[0] == "error":
+                raise BenchError(f"worker {message[1]} failed: {message[2]}")
+        yield conns
+    finally:
+        for conn in conns:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                conn.send(("stop",))
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for conn in conns:
+            conn.close()
+
+
+@contextlib.contextmanager
+def _own_server(options: BenchOptions, console: Console) -> Iterator[str]:
+    """A ``kvtrio serve`` child process on an ipc endpoint in a temporary directory (with the
+    disk backend's objects, unless told otherwise), stopped and removed afterwards."""
+    workdir = Path(
+        tempfile.mkdtemp(prefix="kvtrio-bench-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    )
+    endpoint = f"ipc://{workdir}/kvtrio.sock"
+    command = [
+        sys.executable,
+        "-m",
+        "kvtrio",
+        "serve",
+        "--endpoint",
+        endpoint,
+        "--chunk-size",
+        str(options.chunk_size),
+        "--l1-size",
+        options.l1_size,
+        "--log-level",
+        "warning",
+    ]
+    for spec in options.l2:
+        if spec == "disk":
+            spec = f"disk:path={workdir / 'l2'}"
+        command += ["--l2", spec]
+    log_path = workdir / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTRIO_")}
+    with log_path.open("w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        with Client(endpoint, timeout=0.5, heartbeat=False, client_name="kvtrio-bench") as probe:
+
+            def up() -> bool:
+                if server.poll() is not None:
+                    tail = log_path.read_text().strip().splitlines()[-1:] or ["(no output)"]
+                    raise BenchError(f"the server did not start: {tail[0]}")
+                try:
+                    probe.request(Ping())
+                except KvtrioError:
+                    return False
+                return True
+
+            _wait(up, 30.0, "the server did not answer within 30 s")
+        yield endpoint
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(15)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+        if server.returncode not in (0, None, -signal.SIGTERM):
+            console.print(log_path.read_text()[-2000:], highlight=False)
+        shutil.rmtree(workdir, ignore_errors=True)

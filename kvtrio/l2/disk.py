@@ -161,38 +161,48 @@ class DiskBackend:
         return results
 
     async def store(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
+        """Reserve room for each object in order, then write the batch in one worker thread.
+
+        Objects written before a failing one are stored (and visible); the failing one and the
+        rest are not, and BackendError is raised. Cancellation: the write thread runs to its end
+        (each object is temp file + rename, so none is ever torn); reservations not turned into
+        objects are released.
+        """
         await self._ensure_index()
-        results = []
-        for key, parts in zip(keys, buffers, strict=True):
-            size = sum(len(p) for p in parts)
-            if not await self._make_room(size):
-                self.counters["store_refused"] += 1
-                results.append(False)
-                continue
-            self._bytes += size  # reserved now, so concurrent stores do not overshoot
-            try:
-                await trio.to_thread.run_sync(
-                    _write_object,
-                    self._tmp_dir,
-                    self._path(key),
-                    parts,
-                    self.options.fsync,
-                    limiter=self._io,
-                )
-            except OSError as exc:
+        results = [False] * len(keys)
+        todo: list[tuple[int, bytes, Buffers, int]] = []  # (index, key, parts, reserved size)
+        written, error = 0, None
+        try:
+            for i, (key, parts) in enumerate(zip(keys, buffers, strict=True)):
+                size = sum(len(p) for p in parts)
+                if not await self._make_room(size):
+                    self.counters["store_refused"] += 1
+                    continue
+                self._bytes += size  # reserved now, so concurrent stores do not overshoot
+                todo.append((i, key, parts, size))
+            if not todo:
+                return results
+            written, error = await trio.to_thread.run_sync(
+                _write_objects,
+                self._tmp_dir,
+                [(self._path(key), parts) for _, key, parts, _ in todo],
+                self.options.fsync,
+                limiter=self._io,
+            )
+            for i, key, _, size in todo[:written]:
+                if key in self._index:
+                    self._bytes -= self._index.pop(key)
+                self._locks.replaced(key)
+                self._index[key] = size
+                self.counters["stores"] += 1
+                self.counters["store_bytes"] += size
+                results[i] = True
+        finally:
+            for _, _, _, size in todo[written:]:  # reserved, never written
                 self._bytes -= size
-                self.counters["errors"] += 1
-                raise BackendError(f"disk: writing an object failed: {exc.strerror}") from None
-            except BaseException:
-                self._bytes -= size
-                raise
-            if key in self._index:
-                self._bytes -= self._index.pop(key)
-            self._locks.replaced(key)
-            self._index[key] = size
-            self.counters["stores"] += 1
-            self.counters["store_bytes"] += size
-            results.append(True)
+        if error is not None:
+            self.counters["errors"] += 1
+            raise BackendError(f"disk: writing an object failed: {error.strerror}")
         return results
 
     async def delete(self, keys: Sequence[bytes]) -> None:
@@ -277,28 +287,47 @@ def _read_object(path: Path, parts: Buffers) -> bool | None:
 
 
 def _write_object(tmp_dir: Path, path: Path, parts: Buffers, fsync: bool) -> None:
-    """Write ``parts`` to a temporary file and rename it to ``path`` (atomic)."""
+    """Write ``parts`` to a temporary file and rename it to ``path`` (atomic).
+
+    If anything fails (writing, creating the bucket, renaming), the temporary file is removed.
+    """
     temp = tmp_dir / uuid.uuid4().hex
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        pending = [memoryview(p).cast("B") for p in parts if len(p)]
-        while pending:
-            written = os.writev(fd, pending)
-            while pending and written >= len(pending[0]):
-                written -= len(pending[0])
-                pending.pop(0)
-            if pending and written:
-                pending[0] = pending[0][written:]
-        if fsync:
-            os.fsync(fd)
+        try:
+            pending = [memoryview(p).cast("B") for p in parts if len(p)]
+            while pending:
+                written = os.writev(fd, pending)
+                while pending and written >= len(pending[0]):
+                    written -= len(pending[0])
+                    pending.pop(0)
+                if pending and written:
+                    pending[0] = pending[0][written:]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        path.parent.mkdir(exist_ok=True)
+        os.replace(temp, path)
     except BaseException:
-        os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(temp)
         raise
-    os.close(fd)
-    path.parent.mkdir(exist_ok=True)
-    os.replace(temp, path)
+
+
+def _write_objects(
+    tmp_dir: Path, objects: list[tuple[Path, Buffers]], fsync: bool
+) -> tuple[int, OSError | None]:
+    """Write the objects in order with :func:`_write_object`; stop at the first that fails.
+
+    Returns how many were written, and the error that stopped it (None if all were).
+    """
+    for count, (path, parts) in enumerate(objects):
+        try:
+            _write_object(tmp_dir, path, parts, fsync)
+        except OSError as exc:
+            return count, exc
+    return len(objects), None
 
 
 def _unlink_all(paths: list[Path]) -> None:

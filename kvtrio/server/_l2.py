@@ -35,6 +35,10 @@ log = logging.getLogger("kvtrio.l2")
 _BACKOFF_MIN, _BACKOFF_MAX = 0.5, 30.0
 _CPU = trio.CapacityLimiter(2)
 """Checksums of chunks (xxh3, ~7 GB/s) run in worker threads, two at a time."""
+_BATCH_CHUNKS = 32
+_BATCH_BYTES = 64 << 20
+"""A flusher writes at most this many queued chunks (or about this many bytes) per backend call:
+one thread hop for the frames and one store per backend for many small chunks."""
 
 
 @attrs.define(eq=False)
@@ -164,34 +168,69 @@ class L2Tier:
         self._queued += 1
 
     async def _flush(self, receive: trio.MemoryReceiveChannel[tuple[bytes, bytes]]) -> None:
-        async for key, fingerprint in receive:
+        """Write queued chunks to the backends, a batch at a time, until cancelled.
+
+        A batch is the chunk received plus what is already queued (up to ``_BATCH_CHUNKS``
+        chunks or ``_BATCH_BYTES``). Every chunk taken off the queue is unpinned exactly once,
+        also when the store fails or the flusher is cancelled.
+        """
+        async for first in receive:
+            batch = [first]
             self._queued -= 1
             try:
-                entry = self.l1.get(key)
-                if entry is None:  # cannot happen while pinned; be safe
-                    continue
-                payload = self.arena.memory(entry.offset, entry.nbytes)
-                head = await trio.to_thread.run_sync(
-                    header, key, fingerprint, payload, limiter=_CPU
-                )
-                for health in self.backends:
-                    now = trio.current_time()
-                    if not health.usable(now):
-                        health.count("stores_skipped")
-                        continue
-                    started = trio.current_time()
+                nbytes = self._size(first[0])
+                while len(batch) < _BATCH_CHUNKS and nbytes < _BATCH_BYTES:
                     try:
-                        (ok,) = await health.backend.store([key], [[memoryview(head), payload]])
-                    except BackendError as exc:
-                        self._observed(health, "store", started, False)
-                        health.failed(exc, trio.current_time())
-                        continue
-                    self._observed(health, "store", started, True)
-                    health.succeeded()
-                    health.count("stores" if ok else "stores_refused")
-                    health.count("store_bytes", entry.nbytes if ok else 0)
+                        item = receive.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                    batch.append(item)  # (no checkpoint before the finally can see it)
+                    self._queued -= 1
+                    nbytes += self._size(item[0])
+                await self._store_batch(batch)
             finally:
-                self.l1.unpin(key)
+                for key, _ in batch:
+                    self.l1.unpin(key)
+
+    def _size(self, key: bytes) -> int:
+        entry = self.l1.get(key)
+        return 0 if entry is None else entry.nbytes
+
+    async def _store_batch(self, batch: Sequence[tuple[bytes, bytes]]) -> None:
+        """Frame the (pinned) chunks in one worker thread and store them with one call per
+        usable backend; count per key. Cancellation: the running store is cancelled."""
+        keys: list[bytes] = []
+        fingerprints: list[bytes] = []
+        payloads: list[memoryview] = []
+        for key, fingerprint in batch:
+            entry = self.l1.get(key)
+            if entry is None:  # cannot happen while pinned; be safe
+                continue
+            keys.append(key)
+            fingerprints.append(fingerprint)
+            payloads.append(self.arena.memory(entry.offset, entry.nbytes))
+        if not keys:
+            return
+        heads = await trio.to_thread.run_sync(_headers, keys, fingerprints, payloads, limiter=_CPU)
+        buffers = [
+            [memoryview(head), payload] for head, payload in zip(heads, payloads, strict=True)
+        ]
+        for health in self.backends:
+            if not health.usable(trio.current_time()):
+                health.count("stores_skipped", len(keys))
+                continue
+            started = trio.current_time()
+            try:
+                results = await health.backend.store(keys, buffers)
+            except BackendError as exc:
+                self._observed(health, "store", started, False)
+                health.failed(exc, trio.current_time())
+                continue
+            self._observed(health, "store", started, True)
+            health.succeeded()
+            for ok, payload in zip(results, payloads, strict=True):
+                health.count("stores" if ok else "stores_refused")
+                health.count("store_bytes", payload.nbytes if ok else 0)
 
     # ----------------------------------------------------------------- lookup
 
@@ -380,3 +419,10 @@ class L2Tier:
     @property
     def queued(self) -> int:
         return self._queued
+
+
+def _headers(
+    keys: Sequence[bytes], fingerprints: Sequence[bytes], payloads: Sequence[memoryview]
+) -> list[bytes]:
+    """The frame headers of a batch of chunks (in a worker thread)."""
+    return [header(k, f, p) for k, f, p in zip(keys, fingerprints, payloads, strict=True)]

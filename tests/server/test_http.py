@@ -146,13 +146,14 @@ async def test_metrics_count_requests_hits_misses_l1_and_l2(config: ServerConfig
     assert value(samples, "kvtrio_l2_bytes_total", backend="memory", direction="stored") == (
         4 * CHUNK_BYTES
     )
-    assert (
-        value(samples, "kvtrio_l2_operations_total", backend="memory", op="store", outcome="ok")
-        == 4
+    # One store operation per write-behind batch: the 4 chunks take 1 to 4 backend calls.
+    stores = value(
+        samples, "kvtrio_l2_operations_total", backend="memory", op="store", outcome="ok"
     )
+    assert 1 <= stores <= 4
     assert (
         value(samples, "kvtrio_l2_operation_duration_seconds_count", backend="memory", op="store")
-        == 4
+        == stores
     )
     assert (
         value(

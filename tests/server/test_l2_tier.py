@@ -8,7 +8,7 @@ protocol directly (slot contents do not matter here; byte equality is the e2e te
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import trio
 
 from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import ServerConfig
-from kvtrio.l2 import Backend
+from kvtrio.l2 import Backend, Buffers
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
@@ -252,3 +252,26 @@ async def test_a_damaged_object_on_disk_is_a_miss_deleted_and_counted(
             assert counters["unreadable"] == 1  # the size caught it
         assert not path.exists()
         assert (await lookup(scheduler, "r2", 1)).hit_chunks == 0
+
+
+class _CountingBackend(MemoryBackend):
+    """A real memory backend that counts its store calls (to see the write-behind batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store_calls = 0
+
+    async def store(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
+        self.store_calls += 1
+        return await super().store(keys, buffers)
+
+
+async def test_chunks_queued_at_once_are_written_in_batches(config: ServerConfig) -> None:
+    counting = _CountingBackend()
+    async with running(config, counting) as (_, worker, _scheduler):
+        await store(worker, "a", 10)  # ten chunks committed (and queued) in one go
+        await written_to_l2(worker, 10)
+        state = await cache(worker)
+        assert (state.write_behind_skipped, state.write_behind_queued, state.l1_pins) == (0, 0, 0)
+        assert counting.statistics()["objects"] == 10
+        assert counting.store_calls < 10

@@ -1,0 +1,137 @@
+"""Write-behind of small chunks to the disk backend: one chunk per backend call vs batches.
+
+    python bench/writebehind.py [--repeats 5] [--chunks 2048] [--chunk-kib 32]
+
+The server's L2 tier (two flushers, a queue of 256) over a ``disk`` backend in a temporary
+directory, fed committed L1 chunks of 32 KiB (the chunk size of ``kvtrio bench --trace``'s default
+model). Two measurements per variant, interleaved over ``--repeats`` rounds, medians:
+
+- **drain**: ``--chunks`` chunks offered as fast as the queue takes them (never skipped); chunks/s
+  until all are written.
+- **offered load**: ``--rate`` chunks/s offered for one second in 10 ms bursts, whatever the
+  queue holds; how many were skipped (the "not written to L2 (queue full)" of ``kvtrio bench``).
+
+The baseline is the same code with batches of one chunk (``_BATCH_CHUNKS = 1``): one frame
+header hop and one ``store([key])`` per chunk, as before batching.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+import kvtrio.server._l2 as l2_module
+from kvtrio.l2.disk import DiskBackend, DiskOptions
+from kvtrio.server._l2 import L2Tier
+from kvtrio.storage import Entry, L1Cache, SharedArena
+
+QUEUE = 256
+FINGERPRINT = b"f" * 16
+
+
+def l1_with_chunks(count: int, size: int) -> tuple[SharedArena, L1Cache, list[bytes]]:
+    arena = SharedArena.create(count * size + (1 << 20), directory=tempfile.gettempdir())
+    l1 = L1Cache(arena.size)
+    keys = []
+    for i in range(count):
+        key = i.to_bytes(4, "big") * 8
+        entry = l1.reserve(key, size)
+        assert isinstance(entry, Entry), entry
+        arena.memory(entry.offset, size)[:] = os.urandom(size)
+        l1.commit(key)
+        keys.append(key)
+    return arena, l1, keys
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` every 0.5 ms (the tier's counters have no event to wait on)."""
+    while not condition():  # noqa: ASYNC110
+        await trio.sleep(0.0005)
+
+
+def stored(tier: L2Tier) -> int:
+    return int(tier.stats()[0].counters.get("stores", 0))
+
+
+async def run(
+    arena: SharedArena, l1: L1Cache, keys: list[bytes], batch: int, rate: int, where: str | None
+) -> tuple[float, int, int]:
+    """(drain chunks/s, skipped, offered) for one variant in a fresh disk directory."""
+    l2_module._BATCH_CHUNKS = batch  # type: ignore[attr-defined,unused-ignore]
+    with tempfile.TemporaryDirectory(prefix="kvtrio-wb-", dir=where) as directory:
+        disk = DiskBackend(DiskOptions(path=str(Path(directory) / "l2")))
+        tier = L2Tier([("disk", disk)], l1, arena, queue_size=QUEUE, flushers=2, loaders=4)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(tier.serve)
+            await disk.lookup_and_lock([])  # (the directory scan is not measured)
+
+            started = time.perf_counter()
+            for key in keys:  # drain: never skip
+                await until(lambda: tier.queued < QUEUE)
+                tier.write_behind(key, FINGERPRINT)
+            await until(lambda: stored(tier) >= len(keys))
+            drain = len(keys) / (time.perf_counter() - started)
+
+            before, offered = tier.skipped_stores, 0
+            per_burst = max(1, rate // 100)
+            deadline = trio.current_time() + 1.0
+            index = 0
+            while trio.current_time() < deadline:
+                for _ in range(per_burst):
+                    tier.write_behind(keys[index % len(keys)], FINGERPRINT)
+                    index += 1
+                    offered += 1
+                await trio.sleep(0.01)
+            skipped = tier.skipped_stores - before
+            drained = len(keys) + offered - skipped
+            await until(lambda: not tier.queued and stored(tier) >= drained)
+            nursery.cancel_scope.cancel()
+    return drain, skipped, offered
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chunks", type=int, default=2048)
+    parser.add_argument("--chunk-kib", type=int, default=32)
+    parser.add_argument("--rate", type=int, default=2000, help="offered chunks/s")
+    parser.add_argument("--dir", default=None, help="where the disk backend writes (a tmp dir)")
+    args = parser.parse_args()
+    batched = getattr(l2_module, "_BATCH_CHUNKS", 1)  # (1: code from before batching)
+    variants = {"batch=1 (baseline)": 1, f"batch≤{batched}": batched}
+    arena, l1, keys = l1_with_chunks(args.chunks, args.chunk_kib << 10)
+    results: dict[str, list[tuple[float, int, int]]] = {name: [] for name in variants}
+    try:
+        for _ in range(args.repeats):
+            for name, batch in variants.items():
+                results[name].append(trio.run(run, arena, l1, keys, batch, args.rate, args.dir))
+    finally:
+        arena.close()
+    print(
+        f"{args.chunks} chunks of {args.chunk_kib} KiB, disk backend in {args.dir or 'tmp'}, "
+        f"queue {QUEUE}, 2 flushers, medians of {args.repeats}"
+    )
+    print(f"{'variant':<20} {'drain chunks/s':>15} {'skipped at ' + str(args.rate) + '/s':>22}")
+    medians = {}
+    for name, rows in results.items():
+        drain = statistics.median(r[0] for r in rows)
+        skipped = statistics.median(r[1] / r[2] for r in rows)
+        offered = statistics.median(r[2] for r in rows)
+        medians[name] = (drain, skipped)
+        print(f"{name:<20} {drain:>15.0f} {skipped:>14.0%} of {offered:<6.0f}")
+    (base_drain, base_skipped), (new_drain, new_skipped) = medians.values()
+    print(
+        f"batched / baseline: drain ×{new_drain / base_drain:.2f}, "
+        f"skipped {new_skipped:.0%} vs {base_skipped:.0%} of the offered chunks"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -42,6 +42,9 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-python3}
 wheelhouse=${WHEELHOUSE:-$root/wheelhouse}
 venv=${VENV:-$root/.gpu-venv}
+# A first build takes one to three minutes; past this, something is wrong (the other steps'
+# children have their own limits in gpu_check.py).
+build_timeout=${BUILD_TIMEOUT:-420}
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 if [[ -n ${OUT:-} ]]; then
     mkdir -p "$OUT"
@@ -80,9 +83,11 @@ run() {
     local seconds
     seconds=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
     if [[ $status -ne 0 ]]; then
-        printf '%s\tFAILED\t%s\texit %s: see the message above\n' "$name" "$seconds" "$status" \
+        local why="exit $status"
+        [[ $status -eq 124 ]] && why="timed out"
+        printf '%s\tFAILED\t%s\t%s: see the message above\n' "$name" "$seconds" "$why" \
             >>"$state/steps.tsv"
-        echo "gpu-check: FAILED at step '$name' (exit $status); the run stops here" >&2
+        echo "gpu-check: FAILED at step '$name' ($why); the run stops here" >&2
         finish
     fi
     printf '%s\tok\t%s\t\n' "$name" "$seconds" >>"$state/steps.tsv"
@@ -129,7 +134,7 @@ export PATH=$venv/bin:$PATH  # ninja for torch's extension build
 run install install
 run imports "$venv_python" "$helper" imports --state "$state"
 cd "$root"
-run build "$venv_python" "$helper" build --state "$state" "${dry_run[@]}"
+run build timeout "$build_timeout" "$venv_python" "$helper" build --state "$state" "${dry_run[@]}"
 run tests "$venv_python" "$helper" tests --state "$state" "${dry_run[@]}"
 run bench-extension "$venv_python" "$helper" bench --kernels extension --state "$state" \
     "${dry_run[@]}"

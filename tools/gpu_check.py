@@ -77,7 +77,7 @@ BENCH_ROW = re.compile(
     r"(?P<d2h>[\d.]+); retrieve (?P<retrieve>[\d.]+) GB/s = (?P<retrieve_ratio>[\d.]+) × raw h2d "
     r"(?P<h2d>[\d.]+)$"
 )
-TIMEOUTS = {"build": 600.0, "tests": 600.0, "bench": 180.0, "command": 30.0}
+TIMEOUTS = {"tests": 420.0, "bench": 180.0, "command": 30.0}
 
 
 class StepFailed(Exception):

@@ -183,3 +183,9 @@ def test_junit_reports_are_counted(tmp_path: Path) -> None:
         "failed": {"a::bad": "assert 1 == 2", "a::err": "fixture broke"},
         "skipped": {"a::skip": "no CUDA GPU"},
     }
+
+
+def test_hung_tests_fail_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(gpu_check.TIMEOUTS, "tests", 0.01)
+    with pytest.raises(gpu_check.StepFailed, match="did not finish in 0 s"):
+        gpu_check.run_tests(tmp_path, dry_run=True)

@@ -58,6 +58,8 @@ mkdir -p "$state"
 helper=$root/tools/gpu_check.py
 if [[ ${#dry_run[@]} -gt 0 ]]; then
     export CUDA_VISIBLE_DEVICES=""  # hide any GPU: the dry run checks the no-GPU paths
+else
+    unset KVTRIO_NO_EXT  # the run tests the compiled kernels and the fallback, each on purpose
 fi
 
 finish() {

@@ -1,5 +1,8 @@
 """The offline GPU kit (tools/gpu-check.sh and tools/gpu_check.py), checked without a GPU.
 
+Any GPU is hidden from the child processes (``CUDA_VISIBLE_DEVICES=""``), so these behave the
+same on a GPU machine.
+
 The whole dry run (wheelhouse, offline install, every step) is the ``gpu-kit`` tox env; these are
 the cheap parts of it: the GPU test selection and its skipping logic, the loud failures, and the
 summary.
@@ -61,6 +64,7 @@ def test_the_selection_is_every_gpu_test_and_all_skip_here(tmp_path: Path) -> No
 def test_a_dry_run_fails_if_a_selected_test_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(gpu_check, "GPU_TESTS", [
         "tests/transfer/test_transfer_engines.py", "-k", "test_bad_block_ids and cpu",
     ])  # fmt: skip
@@ -186,6 +190,29 @@ def test_junit_reports_are_counted(tmp_path: Path) -> None:
 
 
 def test_hung_tests_fail_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setitem(gpu_check.TIMEOUTS, "tests", 0.01)
     with pytest.raises(gpu_check.StepFailed, match="did not finish in 0 s"):
         gpu_check.run_tests(tmp_path, dry_run=True)
+
+
+def test_the_gpu_run_refuses_skipped_tests_and_a_refusing_bench(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the real run does with a machine without a GPU: both steps fail, loudly."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(gpu_check, "GPU_TESTS", ["tests/e2e/test_cuda_e2e.py"])
+    with pytest.raises(gpu_check.StepFailed, match=r"3 GPU tests skipped on the GPU, e\.g\."):
+        gpu_check.run_tests(tmp_path, dry_run=False)
+    assert json.loads((tmp_path / "tests.json").read_text())["passed"] == 0
+    with pytest.raises(gpu_check.StepFailed, match=r"--kernels torch failed: .*needs a CUDA GPU"):
+        gpu_check.bench(tmp_path, dry_run=False, kernels="torch")
+
+
+def test_the_wheelhouse_script_wants_a_python_version() -> None:
+    script = ROOT / "tools" / "gpu-wheelhouse.sh"
+    for args in ([], ["3"], ["3.12", "extra"], ["python3.12"]):
+        result = subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
+                                timeout=30, check=False)  # fmt: skip
+        assert result.returncode == 2, args
+        assert "usage" in result.stderr

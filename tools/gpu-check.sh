@@ -64,6 +64,11 @@ fi
 
 finish() {
     local status=0
+    if ! command -v "$venv_python" >/dev/null; then  # no Python at all: the bare step list
+        echo "gpu-check: FAILED; no Python to write the summary with. Steps:" >&2
+        cat "$state/steps.tsv" >&2
+        exit 1
+    fi
     if [[ -n $report ]]; then
         "$venv_python" "$helper" summary --state "$state" "${dry_run[@]}" --out "$report" \
             || status=$?

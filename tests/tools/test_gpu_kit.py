@@ -216,3 +216,12 @@ def test_the_wheelhouse_script_wants_a_python_version() -> None:
                                 timeout=30, check=False)  # fmt: skip
         assert result.returncode == 2, args
         assert "usage" in result.stderr
+
+
+def test_a_missing_python_is_named(tmp_path: Path) -> None:
+    env = {**NO_GPU, "PYTHON": str(tmp_path / "python3.12"), "OUT": str(tmp_path / "out")}
+    result = subprocess.run(["bash", str(CHECK), "--dry-run"], env=env, capture_output=True,
+                            text=True, timeout=60, check=False)  # fmt: skip
+    assert result.returncode == 1
+    assert f"no Python: {tmp_path / 'python3.12'} (set PYTHON)" in result.stderr
+    assert "preflight\tFAILED" in result.stderr

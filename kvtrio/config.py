@@ -19,6 +19,7 @@ from attrs import field, frozen
 from cattrs.v import format_exception
 
 from .errors import ConfigError
+from .storage._policies import DEFAULT_EVICTION, EVICTION_POLICIES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -162,6 +163,14 @@ class ServerConfig:
         default=ByteSize(4 << 30),
         validator=_positive,
         metadata={"help": "Capacity of the host-memory tier (e.g. 4GiB)."},
+    )
+    eviction: str = field(
+        default=DEFAULT_EVICTION,
+        validator=_one_of(*EVICTION_POLICIES),
+        metadata={
+            "help": f"L1 eviction policy: {', '.join(EVICTION_POLICIES)} (lru: plain LRU, "
+            "blind to prefixes, for comparison)."
+        },
     )
     lookup_timeout: float = field(
         default=0.5,

@@ -4,9 +4,9 @@ policy classes, without a server, and report the hit ratio by capacity.
 Conventions (those of issue 16's table): requests are replayed one at a time; capacity counts
 chunks; a request's hits are its leading chunks present in the cache, counted over its *full*
 chunks; then every chunk of its prompt (the last, partial one of a trace request included) is
-stored, or touched if present, in reversed prompt order (``order="reversed"``), or in prompt
-order with the request's hits pinned meanwhile, as the server does (``order="server"``). The
-hit ratio is hit chunks over full chunks.
+stored, or touched if present, in reversed prompt order (``order="reversed"``); or, as the
+server does (``order="server"``), only the full chunks, in prompt order, with the request's
+hits pinned meanwhile. The hit ratio is hit chunks over full chunks.
 
 Beside the policies: plain LFU (frequencies kept across evictions, ties to the least recent) and
 the offline optimum (Belady: evict the chunk whose next use in the reversed-order access stream
@@ -23,9 +23,10 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import attrs
+from rich.console import Console
 
 from ..storage import EVICTION_POLICIES, Entry, EvictionPolicy, L1Cache
-from ._options import BenchOptions
+from ._options import BenchError, BenchOptions
 from ._workload import TRACE_BLOCK_TOKENS, ChatWorkload
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "evaluate",
     "format_table",
     "simulate_lfu",
+    "simulate_main",
     "simulate_optimum",
     "simulate_policy",
     "trace_requests",
@@ -111,10 +113,10 @@ def simulate_policy(
         if order == "reversed":
             for index in range(len(keys) - 1, -1, -1):
                 _store(l1, keys[index], keys[index - 1] if index else None)
-        else:
+        else:  # the server stores full chunks only, in prompt order, the hits pinned
             for key in keys[:hit]:
                 l1.pin(key)
-            for index in range(hit, len(keys)):
+            for index in range(hit, request.full):
                 _store(l1, keys[index], keys[index - 1] if index else None)
             for key in keys[:hit]:
                 l1.unpin(key)
@@ -232,3 +234,30 @@ def format_table(rows: Sequence[Row], baseline: str = "lru") -> str:
         label = f"{row.capacity:,}" if row.capacity else "unbounded"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def simulate_main(options: BenchOptions, console: Console) -> int:
+    """``kvtrio bench --simulate``: the table for the options' workload (a trace's 512-token
+    blocks are its chunks; the chat workload is cut into ``--chunk-size`` chunks, with
+    ``--concurrency`` conversations taking turns)."""
+    options.check()
+    try:
+        capacities = [int(c) for c in options.capacities.split(",")]
+        if options.trace is not None:
+            requests = trace_requests(options.trace, options.limit)
+            what = f"{options.trace.name}, chunks of {TRACE_BLOCK_TOKENS} tokens"
+        else:
+            requests = chat_requests(options, options.chunk_size, options.concurrency)
+            what = f"chat workload, chunks of {options.chunk_size} tokens"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"cannot simulate: {exc}") from None
+    chunks = sum(len(r.keys) for r in requests)
+    console.print(
+        f"eviction evaluator: {len(requests)} requests of {what} ({chunks:,} chunks), "
+        f"order {options.sim_order}; hit ratio (chunks) by L1 capacity in chunks",
+        highlight=False,
+    )
+    rows, seconds = evaluate(requests, capacities, order=options.sim_order)
+    console.print(format_table(rows), highlight=False, markup=False, soft_wrap=True)
+    console.print(f"({seconds:.1f} s)", highlight=False)
+    return 0

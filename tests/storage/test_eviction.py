@@ -124,3 +124,14 @@ def test_registry_names_and_errors() -> None:
     with pytest.raises(ValueError, match=r"unknown eviction policy 'nope'.*lru"):
         make_policy("nope")
     assert make_policy("lru") is not make_policy("lru")
+
+
+def test_the_server_option_names_a_policy() -> None:
+    from kvtrio.config import load_config
+    from kvtrio.errors import ConfigError
+
+    assert load_config(environ={}).eviction == DEFAULT_EVICTION
+    assert load_config({"eviction": "lru"}, environ={}).eviction == "lru"
+    assert load_config(environ={"KVTRIO_EVICTION": "s3fifo"}).eviction == "s3fifo"
+    with pytest.raises(ConfigError, match="eviction"):
+        load_config({"eviction": "fifo"}, environ={})

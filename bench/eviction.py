@@ -14,7 +14,14 @@ import argparse
 from pathlib import Path
 
 from kvtrio.bench._options import BenchOptions
-from kvtrio.bench._simulate import chat_requests, evaluate, format_table, trace_requests
+from kvtrio.bench._simulate import (
+    chat_requests,
+    evaluate,
+    format_table,
+    reuse_distances,
+    simulate_hinted_lru,
+    trace_requests,
+)
 from kvtrio.storage import EVICTION_POLICIES
 
 TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
@@ -35,6 +42,11 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(EVICTION_POLICIES))
     parser.add_argument("--order", choices=("reversed", "server"), default="reversed")
     parser.add_argument("--limit", type=int, default=0, help="trace: first N requests only")
+    parser.add_argument(
+        "--why",
+        action="store_true",
+        help="also: reuse distances, and LRU with an oracle hint of which chunks are reused",
+    )
     args = parser.parse_args()
     if args.chat:
         options = BenchOptions(
@@ -54,8 +66,22 @@ def main() -> None:
     chunks = sum(len(r.keys) for r in requests)
     print(f"{title}: {len(requests)} requests, {chunks:,} chunks, order {args.order}\n")
     rows, seconds = evaluate(requests, capacities, args.policies.split(","), args.order)
+    if args.why:
+        for row in rows:
+            row.ratios["LRU+hint"] = simulate_hinted_lru(requests, row.capacity)
     print(format_table(rows))
     print(f"\n({seconds:.1f} s)")
+    if args.why:
+        distances = reuse_distances(requests)
+        quantiles = ", ".join(
+            f"{q:.0%}: {distances[int(q * (len(distances) - 1))]:,}"
+            for q in (0.1, 0.25, 0.5, 0.75, 0.9)
+        )
+        print(f"\nchunks stored between a hit chunk's uses ({len(distances):,} hits): {quantiles}")
+        for capacity in capacities:
+            if capacity:
+                within = sum(d <= capacity for d in distances) / len(distances)
+                print(f"  hits within {capacity:,} chunks of their last use: {within:.1%}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import json
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -34,6 +34,8 @@ __all__ = [
     "chat_requests",
     "evaluate",
     "format_table",
+    "reuse_distances",
+    "simulate_hinted_lru",
     "simulate_lfu",
     "simulate_main",
     "simulate_optimum",
@@ -168,6 +170,49 @@ def simulate_optimum(requests: Sequence[SimRequest], capacity: int) -> float:
             position += 1
             _shrink(cache, heap, capacity)
     return hits / total if total else 0.0
+
+
+def simulate_hinted_lru(requests: Sequence[SimRequest], capacity: int) -> float:
+    """LRU told, for each chunk it stores, whether any later request asks for it again (an
+    oracle *hint*, not a time): chunks never asked again are not kept. What a perfect "this
+    prompt will (not) be continued" hint from the engine would be worth."""
+    last: dict[bytes, int] = {}
+    for index, request in enumerate(requests):
+        for key in request.keys:
+            last[key] = index
+    cache: OrderedDict[bytes, None] = OrderedDict()
+    hits = total = 0
+    for index, request in enumerate(requests):
+        hit = 0
+        while hit < request.full and request.keys[hit] in cache:
+            hit += 1
+        hits, total = hits + hit, total + request.full
+        for key in reversed(request.keys):
+            if last[key] <= index:
+                cache.pop(key, None)
+                continue
+            cache[key] = None
+            cache.move_to_end(key)
+            if capacity and len(cache) > capacity:
+                cache.popitem(last=False)
+    return hits / total if total else 0.0
+
+
+def reuse_distances(requests: Sequence[SimRequest]) -> list[int]:
+    """For every prefix hit of an unbounded cache: chunks stored since that chunk's last use
+    (a chunk can only hit in an LRU cache at least that large). Sorted."""
+    stored = 0
+    last: dict[bytes, int] = {}
+    out = []
+    for request in requests:
+        for key in request.keys[: request.full]:
+            if key not in last:
+                break
+            out.append(stored - last[key])
+        for key in request.keys:
+            last[key] = stored
+        stored += len(request.keys)
+    return sorted(out)
 
 
 def _prefix_hits(cache: dict[bytes, tuple[int, int]], request: SimRequest) -> int:

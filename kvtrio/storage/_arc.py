@@ -46,11 +46,23 @@ class ARC(PrefixPolicy):
         return self._t1
 
     def _hit(self, node: Node) -> None:
-        if node.home is self._t1 or node.home is self._t2:
-            node.home = self._t2
-            if node.queue is not None:
-                node.queue.unlink(node)
-                self._t2.append(node)
+        t1, t2 = self._t1, self._t2
+        queue = node.queue
+        if queue is t2:
+            t2.move_to_back(node)
+        elif queue is t1:
+            t1.unlink(node)
+            t2.append(node)
+        elif node.home is t1:  # held
+            node.home = t2
+
+    def touch(self, key: bytes) -> None:  # the lookup path: no extra call
+        node = self._nodes.get(key)
+        if node is not None:
+            if node.queue is self._t2:
+                self._t2.move_to_back(node)
+            else:
+                self._hit(node)
 
     def _evicted(self, node: Node) -> None:
         if self._orphan(node):

@@ -65,6 +65,23 @@ class NodeList:
         ref.prev = node
         self.count += 1
 
+    def move_to_back(self, node: Node) -> None:
+        """Make ``node`` (which must be in this list) the newest."""
+        after = node.next
+        if after is None:
+            return
+        before = node.prev
+        if before is None:
+            self._head = after
+        else:
+            before.next = after
+        after.prev = before
+        tail = self._tail
+        assert tail is not None
+        tail.next = node
+        node.prev, node.next = tail, None
+        self._tail = node
+
     def unlink(self, node: Node) -> None:
         """Remove ``node`` (which must be in this list)."""
         if node.prev is None:

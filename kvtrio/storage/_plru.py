@@ -23,8 +23,7 @@ class PrefixLRU(PrefixPolicy):
 
     def _hit(self, node: Node) -> None:
         if node.queue is self._queue:
-            node.queue.unlink(node)
-            self._queue.append(node)
+            self._queue.move_to_back(node)
 
     def _choose(self) -> Node | None:
         return self._queue.front()

@@ -7,8 +7,9 @@ store path) and follows two rules:
 - **Orphans go first.** When a chunk is evicted or dropped, the chunks stored after it (its
   *kids*, then theirs in turn as they go) can never hit again: they move to an orphan list that
   is evicted before anything else, whatever their history.
-- **Tail before head.** Chunks of one prompt usually arrive head first; a chunk added right after
-  its parent is linked just *before* it, so the prompt leaves tail first (with plain LRU the
+- **Tail before head.** Chunks of one prompt usually arrive head first (and, with several
+  ranks, interleaved with the other ranks' chunks); a chunk whose parent sits in the queue it
+  joins is linked just *before* the parent, so the prompt leaves tail first (with plain LRU the
   head, oldest, would go first and leave the rest unreachable).
 
 Subclasses decide where a new or released node goes and which node :meth:`_choose` gives up
@@ -35,7 +36,6 @@ class PrefixPolicy:
     def __init__(self) -> None:
         self._nodes: dict[bytes, Node] = {}
         self._victim: bytes | None = None
-        self._last: Node | None = None  # the node added last, for tail-first linking
         self._orphans = NodeList("orphans")
         self._evictable = 0
 
@@ -60,7 +60,6 @@ class PrefixPolicy:
             self.touch(key)
             return
         self._evictable += 1
-        self._last = node
 
     def hold(self, key: bytes) -> None:
         """``key`` is pinned: out of the eviction order until the next :meth:`add`, history kept."""
@@ -77,8 +76,6 @@ class PrefixPolicy:
             return
         if node.queue is not None:
             self._unlink(node)
-        if self._last is node:
-            self._last = None
         self._orphan_kids(node)
         if evicted:
             self._evicted(node)
@@ -120,11 +117,12 @@ class PrefixPolicy:
         """An evicted node (already unlinked and forgotten); e.g. remember it as a ghost."""
 
     def _place(self, node: Node, queue: NodeList) -> None:
-        """Link ``node`` into ``queue``: just before its parent if the parent was the last node
-        added and sits in the same queue (tail first), at the back otherwise."""
-        last = self._last
-        if last is not None and last.queue is queue and node.parent == last.key:
-            queue.insert_before(node, last)
+        """Link ``node`` into ``queue``: just before its parent if the parent sits in the same
+        queue (a chunk is never worth more than its parent: every hit on it hits the parent),
+        at the back otherwise."""
+        parent = self._nodes.get(node.parent) if node.parent is not None else None
+        if parent is not None and parent.queue is queue:
+            queue.insert_before(node, parent)
         else:
             queue.append(node)
 

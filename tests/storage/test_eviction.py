@@ -135,3 +135,19 @@ def test_the_server_option_names_a_policy() -> None:
     assert load_config(environ={"KVTRIO_EVICTION": "s3fifo"}).eviction == "s3fifo"
     with pytest.raises(ConfigError, match="eviction"):
         load_config({"eviction": "fifo"}, environ={})
+
+
+@pytest.mark.parametrize("name", PREFIX_AWARE)
+def test_ranks_committing_interleaved_still_leave_tail_first(name: str) -> None:
+    """With two ranks, chunks (and released pins) arrive interleaved: a0 b0 a1 b1 ..."""
+    l1 = L1Cache(40, policy=make_policy(name), alignment=1)
+    prompts = [(prompt(f"a{p}-", 12), prompt(f"b{p}-", 12)) for p in range(6)]
+    for rank_a, rank_b in prompts:
+        for index in range(12):
+            for keys in (rank_a, rank_b):
+                parent = keys[index - 1] if index else None
+                if isinstance(l1.reserve(keys[index], 1, parent=parent), Entry):
+                    l1.commit(keys[index])
+    stored = sum(l1.get(k) is not None for pair in prompts for keys in pair for k in keys)
+    assert stored == 40
+    assert sum(l1.prefix(keys) for pair in prompts for keys in pair) == stored

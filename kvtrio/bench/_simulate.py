@@ -5,8 +5,9 @@ Conventions (those of issue 16's table): requests are replayed one at a time; ca
 chunks; a request's hits are its leading chunks present in the cache, counted over its *full*
 chunks; then every chunk of its prompt (the last, partial one of a trace request included) is
 stored, or touched if present, in reversed prompt order (``order="reversed"``); or, as the
-server does (``order="server"``), only the full chunks, in prompt order, with the request's
-hits pinned meanwhile. The hit ratio is hit chunks over full chunks.
+server does (``order="server"``), only the full chunks, in prompt order, all of a store's slots
+reserved before any is committed, with the request's hits pinned meanwhile. The hit ratio is
+hit chunks over full chunks.
 
 Beside the policies: plain LFU (frequencies kept across evictions, ties to the least recent) and
 the offline optimum (Belady: evict the chunk whose next use in the reversed-order access stream
@@ -115,11 +116,16 @@ def simulate_policy(
         if order == "reversed":
             for index in range(len(keys) - 1, -1, -1):
                 _store(l1, keys[index], keys[index - 1] if index else None)
-        else:  # the server stores full chunks only, in prompt order, the hits pinned
+        else:  # as the server: full chunks only, all reserved before any is committed
             for key in keys[:hit]:
                 l1.pin(key)
-            for index in range(hit, request.full):
-                _store(l1, keys[index], keys[index - 1] if index else None)
+            written = [
+                key
+                for index, key in enumerate(keys[hit : request.full], start=hit)
+                if isinstance(l1.reserve(key, 1, parent=keys[index - 1] if index else None), Entry)
+            ]
+            for key in written:
+                l1.commit(key)
             for key in keys[:hit]:
                 l1.unpin(key)
     return hits / total if total else 0.0

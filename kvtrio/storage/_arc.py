@@ -5,7 +5,9 @@ remember keys recently evicted from each. A store of a key found in B1 means T1 
 the target size ``p`` of T1 grows; one found in B2 shrinks it. The victim comes from T1 while
 T1 is above its target, from T2 otherwise. So a scan of one-off prompts cannot flush the reused
 chunks out of T2, and a workload that lives on recency (growing conversations) lets T1 take the
-room. The cache size ``c`` is the number of keys the policy tracks. On top, the prefix rules of
+room. The cache size ``c`` is the most keys the policy has tracked at once (not the current
+count: while a large store's chunks are being written they are not tracked, and a ``c`` that
+dipped would trim the ghost lists for good). On top, the prefix rules of
 :mod:`._prefix`: orphans go at once, a prompt's tail before its head.
 """
 
@@ -29,10 +31,11 @@ class ARC(PrefixPolicy):
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
         self._p = 0.0
+        self._size = 1  # c: the high-water mark of len(self._nodes)
 
     def _admit(self, node: Node) -> None:
         b1, b2 = self._b1, self._b2
-        size = len(self._nodes)
+        size = self._size = max(self._size, len(self._nodes))
         if b1.pop(node.key, 0) is None:
             self._p = min(float(size), self._p + max(len(b2) / max(len(b1), 1), 1.0))
             self._place(node, self._t2)
@@ -69,7 +72,7 @@ class ARC(PrefixPolicy):
             return
         ghosts = self._b1 if node.home is self._t1 else self._b2
         ghosts[node.key] = None
-        limit = max(len(self._nodes), 1)
+        limit = self._size
         while len(self._b1) + len(self._b2) > limit:
             (self._b1 if len(self._b1) >= len(self._b2) else self._b2).popitem(last=False)
 

@@ -127,7 +127,7 @@ def test_registry_names_and_errors() -> None:
 
 
 def test_the_server_option_names_a_policy() -> None:
-    from kvtrio.config import load_config
+    from kvtrio.config import config_summary, load_config
     from kvtrio.errors import ConfigError
 
     assert load_config(environ={}).eviction == DEFAULT_EVICTION
@@ -135,6 +135,7 @@ def test_the_server_option_names_a_policy() -> None:
     assert load_config(environ={"KVTRIO_EVICTION": "s3fifo"}).eviction == "s3fifo"
     with pytest.raises(ConfigError, match="eviction"):
         load_config({"eviction": "fifo"}, environ={})
+    assert config_summary(load_config({"eviction": "lru"}, environ={}))["eviction"] == "lru"
 
 
 @pytest.mark.parametrize("name", PREFIX_AWARE)

@@ -19,6 +19,7 @@ from attrs import field, frozen
 from cattrs.v import format_exception
 
 from .errors import ConfigError
+from .storage._policies import DEFAULT_EVICTION, EVICTION_POLICIES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -163,6 +164,14 @@ class ServerConfig:
         validator=_positive,
         metadata={"help": "Capacity of the host-memory tier (e.g. 4GiB)."},
     )
+    eviction: str = field(
+        default=DEFAULT_EVICTION,
+        validator=_one_of(*EVICTION_POLICIES),
+        metadata={
+            "help": f"L1 eviction policy: {', '.join(EVICTION_POLICIES)} (lru: plain LRU, "
+            "blind to prefixes, for comparison)."
+        },
+    )
     lookup_timeout: float = field(
         default=0.5,
         validator=_positive,
@@ -260,6 +269,7 @@ def config_summary(config: ServerConfig) -> dict[str, Any]:
         "endpoint": config.endpoint,
         "chunk_size": config.chunk_size,
         "l1_size": config.l1_size,
+        "eviction": config.eviction,
         "l2": [spec.name for spec in config.l2],
         "lookup_timeout": config.lookup_timeout,
         "retrieve_timeout": config.retrieve_timeout,

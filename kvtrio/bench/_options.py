@@ -8,6 +8,7 @@ from pathlib import Path
 import attrs
 
 from ..config import parse_size
+from ..storage import EVICTION_POLICIES
 from ..transfer import LAYOUT_KINDS
 
 __all__ = ["DTYPES", "BenchError", "BenchOptions", "add_arguments", "options_from_args"]
@@ -42,6 +43,8 @@ class BenchOptions:
     l1_size: str = "1GiB"
     l2: tuple[str, ...] = ("disk",)
     """Backends of our own server; ``disk`` without a path gets a temporary directory."""
+    eviction: str = ""
+    """L1 eviction policy of our own server; empty: the server's default."""
     # the built-in workload
     conversations: int = 48
     system_prompts: int = 4
@@ -60,6 +63,11 @@ class BenchOptions:
     """Replay the trace's timestamps this many times faster; 0: as fast as possible."""
     limit: int = 0
     """Replay only the first ``limit`` requests of the trace (0: all)."""
+    # offline eviction evaluator (no server)
+    simulate: bool = False
+    capacities: str = "2000,8000,20000,0"
+    """Capacities to simulate, in chunks (0: unbounded)."""
+    sim_order: str = "reversed"
     # output
     json: Path | None = None
     plot: Path | None = None
@@ -125,6 +133,13 @@ class BenchOptions:
             parse_size(self.l1_size)
         except ValueError as exc:
             raise BenchError(f"--l1-size: {exc}") from None
+        if self.eviction and self.eviction not in EVICTION_POLICIES:
+            raise BenchError(f"--eviction: one of {', '.join(EVICTION_POLICIES)}")
+        try:
+            if any(int(c) < 0 for c in self.capacities.split(",")):
+                raise ValueError
+        except ValueError:
+            raise BenchError("--capacities: comma-separated chunk counts (0: unbounded)") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -141,6 +156,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunk-size", type=int, default=d.chunk_size, help="[default: %(default)s]"
     )
     where.add_argument("--l1-size", default=d.l1_size, help="[default: %(default)s]")
+    where.add_argument(
+        "--eviction",
+        default=d.eviction,
+        choices=list(EVICTION_POLICIES),
+        help="L1 eviction policy of the started server [default: the server's]",
+    )
     where.add_argument(
         "--l2",
         action="append",
@@ -180,6 +201,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="new conversations per second, Poisson [default: as fast as --concurrency allows]",
     )
     chat.add_argument("--seed", type=int, default=d.seed)
+    sim = parser.add_argument_group("offline eviction evaluator")
+    sim.add_argument(
+        "--simulate",
+        action="store_true",
+        help="no server: replay the workload's chunk keys through every eviction policy, LFU "
+        "and the offline optimum; print the hit ratio by L1 capacity",
+    )
+    sim.add_argument(
+        "--capacities",
+        default=d.capacities,
+        help="L1 capacities to simulate, in chunks; 0: unbounded [default: %(default)s]",
+    )
+    sim.add_argument(
+        "--sim-order",
+        choices=("reversed", "server"),
+        default=d.sim_order,
+        help="store a prompt's chunks in reversed order (issue 16's conventions) or as the "
+        "server does [default: %(default)s]",
+    )
     trace = parser.add_argument_group("trace replay (Mooncake format, hash mode)")
     trace.add_argument("--trace", type=Path, metavar="FILE.jsonl")
     trace.add_argument(

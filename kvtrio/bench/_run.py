@@ -33,6 +33,7 @@ from ._engine import model_name, worker_main
 from ._options import BenchError, BenchOptions, options_from_args
 from ._report import Progress, print_table, write_plot
 from ._results import BenchResult
+from ._simulate import simulate_main
 from ._workload import Workload, load_workload
 
 __all__ = ["main", "run_bench"]
@@ -44,6 +45,8 @@ def main(args: argparse.Namespace) -> int:
     console = Console()
     try:
         options = options_from_args(args)
+        if options.simulate:
+            return simulate_main(options.resolved(), console)
         result = run_bench(options, console)
     except BenchError as exc:
         print(f"kvtrio bench: error: {exc}", file=sys.stderr)
@@ -234,6 +237,8 @@ def _own_server(options: BenchOptions, console: Console) -> Iterator[str]:
         "--log-level",
         "warning",
     ]
+    if options.eviction:
+        command += ["--eviction", options.eviction]
     for spec in options.l2:
         if spec == "disk":
             spec = f"disk:path={workdir / 'l2'}"

@@ -278,7 +278,8 @@ class CacheService:
         slots = []
         for index in chunks:
             object_key = registration.space + chain.hashes[index]
-            outcome = self.l1.reserve(object_key, registration.chunk_bytes)
+            parent = registration.space + chain.hashes[index - 1] if index else None
+            outcome = self.l1.reserve(object_key, registration.chunk_bytes, parent=parent)
             if isinstance(outcome, Entry):
                 self.leases.add(LeaseKind.WRITE, key, session.id, object_key, 1, expires)
                 slots.append(Slot(index, "write", outcome.offset, outcome.nbytes))

@@ -14,7 +14,7 @@ from .._logging import event
 from ..config import ServerConfig
 from ..errors import ConfigError
 from ..l2 import Backend, create_backend
-from ..storage import L1Cache, SharedArena, default_shm_dir
+from ..storage import L1Cache, SharedArena, default_shm_dir, make_policy
 from ..transport import ensure_endpoint_free, open_socket
 from ._cache import CacheService
 from ._cuda import CudaTransfers, RuntimeFactory
@@ -132,7 +132,7 @@ async def open_server(
             ) as socket:
                 state = ServerState(config, socket.bind(config.endpoint))
                 register_core_operations(state)
-                l1 = L1Cache(arena.size)
+                l1 = L1Cache(arena.size, policy=make_policy(config.eviction))
                 l2 = L2Tier(
                     backends,
                     l1,

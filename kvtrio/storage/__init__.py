@@ -9,6 +9,7 @@ from ._arena import SharedArena, default_shm_dir, reclaim_stale_arenas
 from ._eviction import LRU, EvictionPolicy
 from ._l1 import Entry, EntryState, L1Cache, L1Stats, Reservation
 from ._leases import Lease, LeaseKind, LeaseTable
+from ._policies import DEFAULT_EVICTION, EVICTION_POLICIES, make_policy
 from .keys import (
     HASH_SCHEME_TOKENS,
     KEY_SIZE,
@@ -20,6 +21,8 @@ from .keys import (
 )
 
 __all__ = [
+    "DEFAULT_EVICTION",
+    "EVICTION_POLICIES",
     "HASH_SCHEME_TOKENS",
     "KEY_SIZE",
     "LRU",
@@ -38,6 +41,7 @@ __all__ = [
     "SharedArena",
     "block_hash_scheme",
     "default_shm_dir",
+    "make_policy",
     "namespace",
     "object_key",
     "reclaim_stale_arenas",

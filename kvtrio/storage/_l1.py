@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import attrs
 
 from ._allocator import ExtentAllocator
-from ._eviction import LRU, EvictionPolicy
+from ._eviction import EvictionPolicy
+from ._policies import DEFAULT_EVICTION, make_policy
 
 __all__ = ["Entry", "EntryState", "L1Cache", "L1Stats", "Reservation"]
 
@@ -31,6 +32,7 @@ class Entry:
     nbytes: int
     state: EntryState
     pins: int = 0
+    parent: bytes | None = None  # the chunk before this one in its prompt, if known
 
 
 class Reservation(enum.Enum):
@@ -61,7 +63,9 @@ class L1Cache:
         self, capacity: int, *, policy: EvictionPolicy | None = None, alignment: int = 4096
     ) -> None:
         self._allocator = ExtentAllocator(capacity, alignment)
-        self._policy: EvictionPolicy = policy if policy is not None else LRU()
+        self._policy: EvictionPolicy = (
+            policy if policy is not None else make_policy(DEFAULT_EVICTION)
+        )
         self._entries: dict[bytes, Entry] = {}
         self._pins = 0
         self._pinned_entries = 0
@@ -83,7 +87,8 @@ class L1Cache:
         return entry if entry is not None and entry.state is EntryState.READY else None
 
     def prefix(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys``, from the first, are ready; they count as used (LRU)."""
+        """How many of ``keys``, from the first, are ready; they count as used, the last first
+        (so that a recency order keeps a prompt's head longest)."""
         entries = self._entries
         ready = EntryState.READY
         count = 0
@@ -92,8 +97,9 @@ class L1Cache:
             if entry is None or entry.state is not ready:
                 break
             count += 1
-        for key in keys[:count]:
-            self._policy.touch(key)
+        touch = self._policy.touch
+        for index in range(count - 1, -1, -1):
+            touch(keys[index])
         return count
 
     # ----------------------------------------------------------------- pins
@@ -107,7 +113,7 @@ class L1Cache:
         if entry is None:
             raise KeyError(key)
         if entry.pins == 0:
-            self._unevictable(entry)
+            self._unevictable(entry, held=True)
             self._pinned_entries += 1
         entry.pins += count
         self._pins += count
@@ -126,8 +132,13 @@ class L1Cache:
 
     # ----------------------------------------------------------------- writing
 
-    def reserve(self, key: bytes, nbytes: int) -> Entry | Reservation:
+    def reserve(
+        self, key: bytes, nbytes: int, *, parent: bytes | None = None
+    ) -> Entry | Reservation:
         """A slot of ``nbytes`` for writing ``key``, evicting as needed; or why there is none.
+
+        ``parent`` is the chunk before ``key`` in its prompt (None for the first), for the
+        eviction policy.
 
         The entry is in state WRITING (invisible to :meth:`get`/:meth:`prefix`) until
         :meth:`commit`, or gone after :meth:`abort`.
@@ -142,7 +153,7 @@ class L1Cache:
         if offset is None:
             self.store_failures += 1
             return Reservation.NO_SPACE
-        entry = Entry(key, offset, nbytes, EntryState.WRITING)
+        entry = Entry(key, offset, nbytes, EntryState.WRITING, parent=parent)
         self._entries[key] = entry
         self._writing += 1
         return entry
@@ -217,11 +228,14 @@ class L1Cache:
         return None
 
     def _evictable(self, entry: Entry) -> None:
-        self._policy.add(entry.key)
+        self._policy.add(entry.key, entry.parent)
         self._evictable_bytes += self._allocator.round(entry.nbytes)
 
-    def _unevictable(self, entry: Entry) -> None:
-        self._policy.discard(entry.key)
+    def _unevictable(self, entry: Entry, *, held: bool = False) -> None:
+        if held:
+            self._policy.hold(entry.key)
+        else:
+            self._policy.discard(entry.key)
         self._evictable_bytes -= self._allocator.round(entry.nbytes)
 
     def _drop(self, entry: Entry) -> None:

@@ -18,7 +18,7 @@ import cattrs
 from attrs import field, frozen
 from cattrs.v import format_exception
 
-from .errors import ConfigError
+from .errors import ConfigError, KvtrioError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -118,8 +118,12 @@ def _http_address(instance: object, attribute: attrs.Attribute[Any], value: str)
 
 
 def _endpoint(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
-    if not value.startswith(("tcp://", "ipc://")) or value in ("tcp://", "ipc://"):
-        raise ValueError(f"{attribute.name}: must be tcp://HOST:PORT or ipc://PATH, got {value!r}")
+    from .transport import check_endpoint  # the one parser of endpoints (issue 15)
+
+    try:
+        check_endpoint(value, bind=True)
+    except KvtrioError as exc:
+        raise ValueError(f"{attribute.name}: {exc}") from None
 
 
 @frozen

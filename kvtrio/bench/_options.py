@@ -8,12 +8,16 @@ from pathlib import Path
 import attrs
 
 from ..config import parse_size
+from ..errors import KvtrioError
 from ..transfer import LAYOUT_KINDS
+from ..transport import check_endpoint
 
 __all__ = ["DTYPES", "BenchError", "BenchOptions", "add_arguments", "options_from_args"]
 
 DTYPES = ("float16", "float32", "int8", "uint8")
 """KV dtypes the simulated engine can hold (numpy has no bfloat16 or fp8)."""
+MIN_L1_SIZE = 1 << 20
+"""Smallest ``--l1-size``: a bare number is bytes, and a few bytes of L1 is always a mistake."""
 
 
 class BenchError(Exception):
@@ -122,9 +126,18 @@ class BenchOptions:
         if self.trace is not None and not self.trace.is_file():
             raise BenchError(f"--trace {self.trace}: no such file")
         try:
-            parse_size(self.l1_size)
+            l1_size = parse_size(self.l1_size)
         except ValueError as exc:
             raise BenchError(f"--l1-size: {exc}") from None
+        if l1_size < MIN_L1_SIZE:
+            raise BenchError(
+                f"--l1-size {self.l1_size}: too small (at least 1MiB; give units, e.g. 64MiB)"
+            )
+        if self.server:
+            try:
+                check_endpoint(self.server)
+            except KvtrioError as exc:
+                raise BenchError(f"--server: {exc}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

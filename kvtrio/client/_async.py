@@ -23,7 +23,7 @@ from ..errors import (
     ServerUnavailable,
 )
 from ..protocol import HelloReply, Ping, Reply, Request, encode_request
-from ..transport import Monitor, Socket, open_monitor, open_socket
+from ..transport import Monitor, Socket, check_endpoint, open_monitor, open_socket
 from ._common import (
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_TIMEOUT,
@@ -213,8 +213,10 @@ async def open_client(
 
     Connecting happens in the background (and again after every disconnection); requests made
     before the connection is up wait for it, within their timeout. With ``heartbeat``, an idle
-    client pings the server so its session stays alive.
+    client pings the server so its session stays alive. A malformed ``endpoint`` raises
+    :class:`~kvtrio.errors.TransportError` before anything is opened.
     """
+    endpoint = check_endpoint(endpoint)
     async with (
         open_socket(zmq.DEALER, options=dealer_options()) as socket,
         open_monitor(socket, MONITOR_EVENTS) as monitor,

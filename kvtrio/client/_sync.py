@@ -34,11 +34,12 @@ from ..errors import (
     ServerUnavailable,
     TransportError,
 )
-from ..protocol import HelloReply, Ping, Pong, Reply, Request, encode_request
+from ..protocol import Goodbye, HelloReply, Ping, Pong, Reply, Request, encode_request
 from ..transport import check_endpoint
 from ._common import (
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_TIMEOUT,
+    GOODBYE_TIMEOUT,
     MONITOR_EVENTS,
     dealer_options,
     hello_request,
@@ -51,6 +52,7 @@ __all__ = ["Client"]
 log = logging.getLogger("kvtrio.client")
 
 _Rep = TypeVar("_Rep", bound=Reply)
+
 ServerChange = Callable[[HelloReply], None]
 
 
@@ -162,10 +164,15 @@ class Client:
         return reply
 
     def close(self) -> None:
-        """Stop the I/O thread; requests still pending fail with :class:`ClientClosed`.
+        """Say goodbye (the server ends the session now, not at its heartbeat timeout; at most
+        ``GOODBYE_TIMEOUT``), stop the I/O thread; requests still pending fail with
+        :class:`ClientClosed`.
 
         Idempotent; must not be called from the I/O thread (an ``on_server_change`` callback).
         """
+        if self.state == "connected" and not self._closing:
+            with contextlib.suppress(KvtrioError):  # an older server: unknown_operation
+                self.request(Goodbye(), timeout=GOODBYE_TIMEOUT, fail_fast=True)
         with self._lock:
             if self._closing:
                 return

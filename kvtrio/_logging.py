@@ -6,15 +6,15 @@ Code anywhere in kvtrio logs through the standard library and marks notable even
     log.info("session %s ended (%s)", sid, reason, extra=event("session_end", session=sid))
 
 :func:`configure_logging` (called by the ``kvtrio`` command) renders every record, ours and
-libraries', as one line: ``text`` for people (the message, then ``key=value`` fields) or ``json``
-for log pipelines (``timestamp``, ``level``, ``logger``, ``event``, ``message`` and the fields).
+libraries', as one line: ``text`` for people (the message alone: the fields would only repeat
+it) or ``json`` for log pipelines (``timestamp``, ``level``, ``logger``, ``event``, ``message``
+and the fields).
 structlog's ``ProcessorFormatter`` does the rendering; it is imported only here, so the layers
 that merely log do not depend on it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from collections.abc import MutableMapping
@@ -41,18 +41,10 @@ def _text(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> str
     logger = event_dict.pop("logger", "")
     message = event_dict.pop("message", "")
     exception = event_dict.pop("exception", None)
-    fields = " ".join(f"{key}={_scalar(value)}" for key, value in event_dict.items())
     line = f"{timestamp} {level} {logger}: {message}"
-    if fields:
-        line += f"  [{fields}]"
     if exception:
         line += "\n" + str(exception).rstrip("\n")
     return line
-
-
-def _scalar(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return json.dumps(text) if (not text or " " in text or '"' in text) else text
 
 
 def configure_logging(level: str, fmt: str, stream: TextIO | None = None) -> None:

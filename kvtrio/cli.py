@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn, cast
 
 import attrs
 import trio
@@ -23,7 +23,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - exercised by the py310 tox 
 
 from ._logging import configure_logging, event
 from ._version import __version__
-from .config import ServerConfig, field_help, load_config
+from .config import ByteSize, ServerConfig, field_help, format_size, load_config
 from .errors import ConfigError, KvtrioError
 
 __all__ = ["main"]
@@ -31,6 +31,38 @@ __all__ = ["main"]
 log = logging.getLogger("kvtrio")
 
 DEFAULT_ENDPOINT = attrs.fields(ServerConfig).endpoint.default
+
+_METAVARS = {
+    "endpoint": "ENDPOINT",
+    "chunk_size": "TOKENS",
+    "http": "[HOST:]PORT",
+    "shm_dir": "DIR",
+    "log_level": "LEVEL",
+    "log_format": "FORMAT",
+}
+_SHOWN_DEFAULTS = {"shm_dir": "/dev/shm, else the temporary directory", "http": "not served"}
+
+
+def _metavar(field: attrs.Attribute[Any]) -> str:
+    """What a flag takes: sizes take units, durations seconds, counts a number."""
+    if field.name in _METAVARS:
+        return _METAVARS[field.name]
+    if field.type in (ByteSize, "ByteSize"):
+        return "SIZE"
+    if field.type in (float, "float"):
+        return "SECONDS"
+    return "N"
+
+
+def _shown_default(field: attrs.Attribute[Any]) -> str:
+    """A default as a person reads it: ``4GiB`` not 4294967296, ``off`` not a blank."""
+    if field.name in _SHOWN_DEFAULTS:
+        return _SHOWN_DEFAULTS[field.name]
+    if field.type in (ByteSize, "ByteSize"):
+        return format_size(cast(int, field.default))
+    if field.type in (float, "float"):
+        return f"{field.default:g}s"
+    return str(field.default) if field.default != "" else "none"
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -48,7 +80,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--config", type=Path, metavar="FILE", help="TOML file of settings")
     for name, text in field_help().items():
-        default = attrs.fields_dict(ServerConfig)[name].default
+        field = attrs.fields_dict(ServerConfig)[name]
         if name == "l2":
             serve.add_argument(
                 "--l2",
@@ -63,8 +95,8 @@ def _build_parser() -> argparse.ArgumentParser:
             "--" + name.replace("_", "-"),
             dest=name,
             default=argparse.SUPPRESS,
-            metavar=name.split("_")[-1].upper(),
-            help=f"{text} [default: {default}]",
+            metavar=_metavar(field),
+            help=f"{text} [default: {_shown_default(field)}]",
         )
 
     commands.add_parser(
@@ -75,11 +107,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser(
         "status",
-        help="print a server's status (what GET /status shows) as JSON",
-        description="Print the status document of a server, over the ZeroMQ stats operation: "
-        "the same JSON as GET /status on its HTTP port, for servers that run without HTTP.",
+        help="print a short summary of a server's state (--json: the whole status document)",
+        description="Print a server's state over the ZeroMQ stats operation, for servers that "
+        "run without HTTP too: a short summary in sections, or with --json the same document "
+        "as GET /status on its HTTP port.",
     )
     status.add_argument("endpoint", nargs="?", default=DEFAULT_ENDPOINT, help="server endpoint")
+    status.add_argument("--json", action="store_true", help="print the whole document as JSON")
     status.add_argument("--timeout", type=float, default=2.0, help="seconds to wait [default: 2]")
 
     bench = commands.add_parser(
@@ -159,17 +193,16 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 async def _run_server(config: ServerConfig) -> None:
-    from .server import serve
+    from .server import describe_storage, serve, storage_summary
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             handle = await nursery.start(serve, config)
             log.info(
-                "kvtrio %s serving on %s (chunk size %d, L1 %.1f GiB, instance %s)",
+                "kvtrio %s serving on %s (chunk size %d tokens, instance %s)",
                 __version__,
                 handle.endpoint,
                 config.chunk_size,
-                config.l1_size / (1 << 30),
                 handle.instance_id,
                 extra=event(
                     "serving",
@@ -177,6 +210,12 @@ async def _run_server(config: ServerConfig) -> None:
                     version=__version__,
                     instance=handle.instance_id,
                 ),
+            )
+            storage = storage_summary(config)
+            log.info(
+                "data: %s",
+                describe_storage(storage),
+                extra=event("storage", **storage),
             )
             draining = False
             async for signum in signals:
@@ -217,6 +256,8 @@ def _backends() -> None:
         if info.error is not None:
             print(f"    unavailable: {info.error}")
         for option, default, text in info.options:
+            if default.isdigit() and (option == "capacity" or option.endswith("_size")):
+                default = format_size(int(default))
             shown = f" [default: {default}]" if default else ""
             print(f"    {option:<14} {text}{shown}")
         print()
@@ -230,13 +271,14 @@ def _status(args: argparse.Namespace) -> None:
 
     from .client import Client
     from .protocol import GetStats, StatsReply
-    from .server import status_document
+    from .server import status_document, status_summary
 
     with Client(
         args.endpoint, timeout=args.timeout, client_name="kvtrio-status", heartbeat=False
     ) as client:
         stats = client.call(GetStats(), StatsReply, fail_fast=True)
-    print(json.dumps(status_document(stats), indent=2))
+    document = status_document(stats)
+    print(json.dumps(document, indent=2) if args.json else status_summary(document))
 
 
 # --------------------------------------------------------------------------- ping

@@ -18,7 +18,7 @@ import cattrs
 from attrs import field, frozen
 from cattrs.v import format_exception
 
-from .errors import ConfigError
+from .errors import ConfigError, KvtrioError
 from .storage._policies import DEFAULT_EVICTION, EVICTION_POLICIES
 
 if sys.version_info >= (3, 11):
@@ -33,6 +33,7 @@ __all__ = [
     "ServerConfig",
     "config_summary",
     "field_help",
+    "format_size",
     "load_config",
     "parse_backend_spec",
     "parse_http_address",
@@ -65,6 +66,17 @@ def parse_size(text: str | int) -> int:
     unit = (unit or "").lower().rstrip("b")
     scale = 1024 ** "bkmgt".index(unit[0]) if unit.endswith("i") else _SIZE_UNITS[unit]
     return int(float(number) * scale)
+
+
+def format_size(size: int) -> str:
+    """A byte size for people, in the spelling :func:`parse_size` reads back: ``4294967296`` →
+    ``4GiB``, ``1536`` → ``1.5KiB``, ``100`` → ``100B`` (at most one decimal; rounded)."""
+    for power, unit in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
+        scale = 1024**power
+        if size >= scale:
+            value = round(size / scale, 1)
+            return f"{value:g}{unit}"
+    return f"{size}B"
 
 
 # Validators raise "NAME: problem" so that load_config can say where a bad value came from.
@@ -119,8 +131,12 @@ def _http_address(instance: object, attribute: attrs.Attribute[Any], value: str)
 
 
 def _endpoint(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
-    if not value.startswith(("tcp://", "ipc://")) or value in ("tcp://", "ipc://"):
-        raise ValueError(f"{attribute.name}: must be tcp://HOST:PORT or ipc://PATH, got {value!r}")
+    from .transport import check_endpoint  # the one parser of endpoints (issue 15)
+
+    try:
+        check_endpoint(value, bind=True)
+    except KvtrioError as exc:
+        raise ValueError(f"{attribute.name}: {exc}") from None
 
 
 @frozen
@@ -233,7 +249,7 @@ class ServerConfig:
     )
     shm_dir: str = field(
         default="",
-        metadata={"help": "Directory of the shared-memory L1 file (default /dev/shm)."},
+        metadata={"help": "Directory of the shared-memory L1 file."},
     )
     l2: tuple[BackendSpec, ...] = field(
         default=(BackendSpec("disk"),),

@@ -52,7 +52,7 @@ def test_sizes(text: str | int, size: int) -> None:
         ({"chunk_size": "abc"}, {}, "chunk_size = 'abc' (from --chunk-size): expected an integer"),
         ({}, {"KVTRIO_LOOKUP_TIMEOUT": "-1"}, "from environment variable KVTRIO_LOOKUP_TIMEOUT"),
         ({"l1_size": "4XB"}, {}, "is not a size"),
-        ({"endpoint": "http://x"}, {}, "must be tcp://HOST:PORT or ipc://PATH"),
+        ({"endpoint": "http://x"}, {}, "over tcp:// or ipc://, not http://"),
         ({"log_level": "loud"}, {}, "must be one of debug, info, warning, error"),
         ({"chunk_size": 1 << 21}, {}, "must be at most 1048576"),
         (

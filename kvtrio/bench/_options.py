@@ -8,13 +8,17 @@ from pathlib import Path
 import attrs
 
 from ..config import parse_size
+from ..errors import KvtrioError
 from ..storage import EVICTION_POLICIES
 from ..transfer import LAYOUT_KINDS
+from ..transport import check_endpoint
 
 __all__ = ["DTYPES", "BenchError", "BenchOptions", "add_arguments", "options_from_args"]
 
 DTYPES = ("float16", "float32", "int8", "uint8")
 """KV dtypes the simulated engine can hold (numpy has no bfloat16 or fp8)."""
+MIN_L1_SIZE = 1 << 20
+"""Smallest ``--l1-size``: a bare number is bytes, and a few bytes of L1 is always a mistake."""
 
 
 class BenchError(Exception):
@@ -130,7 +134,7 @@ class BenchOptions:
         if self.trace is not None and not self.trace.is_file():
             raise BenchError(f"--trace {self.trace}: no such file")
         try:
-            parse_size(self.l1_size)
+            l1_size = parse_size(self.l1_size)
         except ValueError as exc:
             raise BenchError(f"--l1-size: {exc}") from None
         if self.eviction and self.eviction not in EVICTION_POLICIES:
@@ -140,6 +144,15 @@ class BenchOptions:
                 raise ValueError
         except ValueError:
             raise BenchError("--capacities: comma-separated chunk counts (0: unbounded)") from None
+        if l1_size < MIN_L1_SIZE:
+            raise BenchError(
+                f"--l1-size {self.l1_size}: too small (at least 1MiB; give units, e.g. 64MiB)"
+            )
+        if self.server:
+            try:
+                check_endpoint(self.server)
+            except KvtrioError as exc:
+                raise BenchError(f"--server: {exc}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

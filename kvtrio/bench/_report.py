@@ -80,11 +80,14 @@ def print_table(result: BenchResult, console: Console) -> None:
     """The end table (one row per figure)."""
     s = result.summary()
     console.print(f"[bold]kvtrio bench[/bold]: {s['workload']}", highlight=False)
-    console.print(
-        f"engine: {s['engine']}; chunks of {s['chunk_size']} tokens; server {s['endpoint']}",
-        highlight=False,
-        style="dim",
-    )
+    settings = result.settings or f"chunks of {s['chunk_size']} tokens"
+    console.print(f"engine: {s['engine']}; {settings}", highlight=False, style="dim")
+    if result.interrupted:
+        console.print(
+            f"[bold yellow]interrupted[/bold yellow]: {len(result.requests)} of "
+            f"{result.planned} requests done; the figures below are of those",
+            highlight=False,
+        )
     table = Table(show_header=True)
     table.add_column("measure")
     table.add_column("value", justify="right")
@@ -169,7 +172,15 @@ def write_plot(result: BenchResult, path: Path) -> None:
     ):
         if values:
             xs = np.sort(np.asarray(values)) * 1e3
-            cdf.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=f"{name} ({len(xs)})")
+            p50, p99 = np.percentile(xs, 50), np.percentile(xs, 99)
+            (line,) = cdf.plot(
+                xs,
+                np.arange(1, len(xs) + 1) / len(xs),
+                label=f"{name} ({len(xs)}): p50 {p50:.2f} ms, p99 {p99:.2f} ms",
+            )
+            cdf.plot([p50, p99], [0.5, 0.99], "o", color=line.get_color(), markersize=4)
+    for level in (0.5, 0.99):
+        cdf.axhline(level, color="grey", linewidth=0.6, linestyle=":")
     cdf.set_xscale("log")
     cdf.set_xlabel("latency (ms)")
     cdf.set_ylabel("fraction of operations")
@@ -190,12 +201,16 @@ def write_plot(result: BenchResult, path: Path) -> None:
         ]
         ratio.plot(times, recent, label=f"last {window} requests", alpha=0.6)
     ratio.set_ylim(0, 1)
-    ratio.set_xlabel("time (s)")
+    sped_up = f", trace replayed {result.speed:g}× faster" if result.speed else ""
+    ratio.set_xlabel(f"time since the start (s{sped_up})")
     ratio.set_ylabel("hit ratio (tokens)")
     ratio.set_title("hit ratio over time")
     ratio.grid(True, alpha=0.3)
     ratio.legend()
-    figure.suptitle(f"kvtrio bench: {result.workload}", fontsize=10)
+    title = f"kvtrio bench: {result.workload}\n{result.settings}"
+    if result.interrupted:
+        title += f" (interrupted: {len(result.requests)} of {result.planned} requests)"
+    figure.suptitle(title, fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -56,6 +56,13 @@ class BenchResult:
     l2_hit_chunks: int | None = None
     server: dict[str, int] = attrs.field(factory=dict)
     """Changes of the server's counters over the run (evictions, skipped L2 writes, ...)."""
+    settings: str = ""
+    """The server's settings as a title line: chunk size, L1, L2."""
+    speed: float = 0.0
+    """How many times faster than its timestamps a trace was replayed (0: as fast as possible)."""
+    planned: int = 0
+    """Requests the workload has; more than ``len(requests)`` when the run was interrupted."""
+    interrupted: bool = False
 
     @property
     def prompt_tokens(self) -> int:

@@ -25,6 +25,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - exercised by the py310 tox 
     from exceptiongroup import BaseExceptionGroup
 
 from ..client import Client, SchedulerAdapter
+from ..config import format_size, parse_size
 from ..errors import KvtrioError
 from ..protocol import GetStats, Ping, StatsReply
 from ..transfer import KVLayout
@@ -43,6 +44,9 @@ def main(args: argparse.Namespace) -> int:
     """``kvtrio bench``: run, print the table, write ``--json`` / ``--plot``. Exit status 1 if
     any retrieved byte was wrong, 2 for a bench that could not run."""
     console = Console()
+    # A timeout's SIGTERM ends the run like Ctrl-C: trio turns SIGINT into KeyboardInterrupt
+    # at a safe point, and the partial results are still printed.
+    previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     try:
         options = options_from_args(args)
         if options.simulate:
@@ -51,11 +55,20 @@ def main(args: argparse.Namespace) -> int:
     except BenchError as exc:
         print(f"kvtrio bench: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kvtrio bench: interrupted before the workload started", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print_table(result, console)
     if options.json is not None:
         options.json.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+        console.print(f"wrote {options.json}", highlight=False)
     if options.plot is not None:
         write_plot(result, options.plot)
+        console.print(f"wrote {options.plot}", highlight=False)
+    if result.interrupted:
+        return 130
     return 1 if result.checksum_failures else 0
 
 
@@ -104,14 +117,13 @@ def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Cons
         result = BenchResult(
             mode=workload.mode,
             workload=workload.describe(),
-            engine=(
-                f"{options.world_size} × {options.layers} layers × {options.heads_per_rank} "
-                f"heads × {options.head_dim} {options.dtype}, {options.layout}, blocks of "
-                f"{options.block_size} tokens, {blocks} blocks per rank"
-            ),
+            engine=_describe_engine(options, blocks),
             endpoint=endpoint,
             chunk_size=chunk,
             world_size=options.world_size,
+            settings=_describe_settings(options, chunk),
+            speed=options.speed if options.trace is not None else 0.0,
+            planned=len(workload.requests),
         )
         with _workers(options, endpoint, blocks, tenant) as conns:
             before = _stats(scheduler)
@@ -120,9 +132,19 @@ def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Cons
             with Progress(console, total, enabled=options.progress) as progress:
                 try:
                     trio.run(driver.run, progress.update)
+                except KeyboardInterrupt:  # Ctrl-C or SIGTERM: report what was measured
+                    result.interrupted = True
                 except BaseExceptionGroup as group:  # trio's nurseries wrap what they raise
-                    raise _first(group, BenchError) or group from None
-            after = _stats(scheduler)
+                    if group.subgroup(KeyboardInterrupt) is not None:
+                        result.interrupted = True
+                    else:
+                        raise _first(group, BenchError) or group from None
+            try:
+                after = _stats(scheduler)
+            except BenchError:
+                if not result.interrupted:
+                    raise
+                after = before  # the server went down with the interruption: no deltas
         if before.cache is not None and after.cache is not None:
             delta = {
                 name: getattr(after.cache, name) - getattr(before.cache, name)
@@ -137,6 +159,25 @@ def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Cons
         return result
     finally:
         scheduler.close()
+
+
+def _describe_engine(options: BenchOptions, blocks: int) -> str:
+    heads = 1 if options.layout == "mla" else options.heads_per_rank
+    kind = "latent head" if options.layout == "mla" else "KV head"
+    return (
+        f"{options.world_size} rank{'s' * (options.world_size != 1)} × {options.layers} layers "
+        f"× {heads} {kind}{'s' * (heads != 1)} per rank ({options.heads} in all) × "
+        f"{options.head_dim} {options.dtype}, {options.layout}, blocks of "
+        f"{options.block_size} tokens, {blocks} blocks per rank"
+    )
+
+
+def _describe_settings(options: BenchOptions, chunk: int) -> str:
+    if options.server:
+        return f"chunks of {chunk} tokens; server {options.server}"
+    l2 = ", ".join(spec.partition(":")[0] for spec in options.l2) or "none"
+    l1 = format_size(parse_size(options.l1_size))
+    return f"chunks of {chunk} tokens, L1 {l1}, L2 {l2}"
 
 
 _SERVER_COUNTERS = (
@@ -246,7 +287,10 @@ def _own_server(options: BenchOptions, console: Console) -> Iterator[str]:
     log_path = workdir / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVTRIO_")}
     with log_path.open("w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # Its own session: a Ctrl-C meant for the bench must not drain the server under it.
+        server = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     try:
         with Client(endpoint, timeout=0.5, heartbeat=False, client_name="kvtrio-bench") as probe:
 

@@ -22,11 +22,12 @@ from ..errors import (
     ServerError,
     ServerUnavailable,
 )
-from ..protocol import HelloReply, Ping, Reply, Request, encode_request
-from ..transport import Monitor, Socket, open_monitor, open_socket
+from ..protocol import Goodbye, HelloReply, Ping, Reply, Request, encode_request
+from ..transport import Monitor, Socket, check_endpoint, open_monitor, open_socket
 from ._common import (
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_TIMEOUT,
+    GOODBYE_TIMEOUT,
     MONITOR_EVENTS,
     dealer_options,
     hello_request,
@@ -213,8 +214,10 @@ async def open_client(
 
     Connecting happens in the background (and again after every disconnection); requests made
     before the connection is up wait for it, within their timeout. With ``heartbeat``, an idle
-    client pings the server so its session stays alive.
+    client pings the server so its session stays alive. A malformed ``endpoint`` raises
+    :class:`~kvtrio.errors.TransportError` before anything is opened.
     """
+    endpoint = check_endpoint(endpoint)
     async with (
         open_socket(zmq.DEALER, options=dealer_options()) as socket,
         open_monitor(socket, MONITOR_EVENTS) as monitor,
@@ -229,5 +232,10 @@ async def open_client(
         try:
             yield client
         finally:
+            if client.connected and not client._closed:
+                with trio.move_on_after(GOODBYE_TIMEOUT) as goodbye:
+                    goodbye.shield = True  # also when the block was cancelled: bounded
+                    with suppress(KvtrioError):
+                        await client.request(Goodbye(), timeout=GOODBYE_TIMEOUT)
             client._close()
             nursery.cancel_scope.cancel()

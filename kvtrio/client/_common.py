@@ -23,6 +23,7 @@ from ..protocol import (
 __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_TIMEOUT",
+    "GOODBYE_TIMEOUT",
     "MONITOR_EVENTS",
     "dealer_options",
     "hello_request",
@@ -32,6 +33,8 @@ __all__ = [
 
 DEFAULT_TIMEOUT = 10.0
 """Seconds a request waits for its reply unless told otherwise."""
+GOODBYE_TIMEOUT = 0.5
+"""Seconds a closing client waits for the server to acknowledge its ``goodbye``."""
 DEFAULT_HEARTBEAT_INTERVAL = 2.0
 """Seconds between heartbeats until the server's ``hello`` says how long it waits (then a
 quarter of its heartbeat timeout)."""

@@ -32,11 +32,14 @@ from ..errors import (
     ProtocolError,
     RequestTimeout,
     ServerUnavailable,
+    TransportError,
 )
-from ..protocol import HelloReply, Ping, Pong, Reply, Request, encode_request
+from ..protocol import Goodbye, HelloReply, Ping, Pong, Reply, Request, encode_request
+from ..transport import check_endpoint
 from ._common import (
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_TIMEOUT,
+    GOODBYE_TIMEOUT,
     MONITOR_EVENTS,
     dealer_options,
     hello_request,
@@ -49,6 +52,7 @@ __all__ = ["Client"]
 log = logging.getLogger("kvtrio.client")
 
 _Rep = TypeVar("_Rep", bound=Reply)
+
 ServerChange = Callable[[HelloReply], None]
 
 
@@ -72,7 +76,8 @@ class Client:
     ``on_server_change`` is called (in the I/O thread; it must not block, but may submit
     requests) each time the client meets a server instance it has not seen before: on the first
     connection and after the server restarted. The server's ``hello`` answer is in
-    :attr:`server_info`.
+    :attr:`server_info`. A malformed ``endpoint`` raises :class:`~kvtrio.errors.TransportError`
+    here, at construction.
     """
 
     def __init__(
@@ -84,7 +89,7 @@ class Client:
         on_server_change: ServerChange | None = None,
         heartbeat: bool = True,
     ) -> None:
-        self.endpoint = endpoint
+        self.endpoint = check_endpoint(endpoint)
         self.timeout = timeout
         self.client_name = client_name
         self.server_info: HelloReply | None = None
@@ -105,8 +110,14 @@ class Client:
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._thread = threading.Thread(target=self._run, name="kvtrio-client-io", daemon=True)
         self._started = threading.Event()
+        self._start_errors: list[zmq.ZMQError] = []
         self._thread.start()
         self._started.wait()
+        if self._start_errors:  # the thread has ended; nothing left to clean up
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            error = self._start_errors[0].strerror
+            raise TransportError(f"cannot connect to {endpoint}: {error}")
 
     # ----------------------------------------------------------------- any thread
 
@@ -153,10 +164,15 @@ class Client:
         return reply
 
     def close(self) -> None:
-        """Stop the I/O thread; requests still pending fail with :class:`ClientClosed`.
+        """Say goodbye (the server ends the session now, not at its heartbeat timeout; at most
+        ``GOODBYE_TIMEOUT``), stop the I/O thread; requests still pending fail with
+        :class:`ClientClosed`.
 
         Idempotent; must not be called from the I/O thread (an ``on_server_change`` callback).
         """
+        if self.state == "connected" and not self._closing:
+            with contextlib.suppress(KvtrioError):  # an older server: unknown_operation
+                self.request(Goodbye(), timeout=GOODBYE_TIMEOUT, fail_fast=True)
         with self._lock:
             if self._closing:
                 return
@@ -193,9 +209,14 @@ class Client:
         monitor_endpoint = f"inproc://kvtrio-client-monitor-{uuid.uuid4().hex}"  # never reused
         dealer.monitor(monitor_endpoint, MONITOR_EVENTS)
         monitor.connect(monitor_endpoint)
-        dealer.connect(self.endpoint)
         try:
-            self._started.set()
+            try:
+                dealer.connect(self.endpoint)
+            except zmq.ZMQError as exc:  # check_endpoint let through what libzmq refuses
+                self._start_errors.append(exc)
+                return
+            finally:
+                self._started.set()
             _IOLoop(self, dealer, monitor).run()
         except BaseException:  # pragma: no cover - a bug; never leave futures hanging
             log.exception("kvtrio client I/O thread failed")

@@ -281,7 +281,9 @@ class KvtrioConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Register this rank's KV cache with kvtrio (layers that share one tensor count once).
 
-        Raises ``ValueError`` for KV tensors kvtrio cannot copy (GPU tensors, for now)."""
+        CPU caches are copied through kvtrio's shared-memory L1, CUDA caches by the server over
+        CUDA IPC (``docs/gpu.md``). Raises ``ValueError`` for KV tensors kvtrio cannot copy (CPU
+        caches packed by attention kernels its layouts do not describe)."""
         assert self._worker is not None
         distinct: dict[tuple[int, tuple[int, ...]], tuple[str, torch.Tensor]] = {}
         for name, tensor in kv_caches.items():

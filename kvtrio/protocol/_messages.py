@@ -24,6 +24,7 @@ __all__ = [
     "ErrorReply",
     "GetChunkSize",
     "GetStats",
+    "Goodbye",
     "Header",
     "Hello",
     "HelloReply",
@@ -94,6 +95,16 @@ class Ping(Request):
     """Liveness check and heartbeat: any request counts as a heartbeat, ping is the cheapest."""
 
     op: ClassVar[str] = "ping"
+    reply_type: ClassVar[type[Reply]] = Pong
+
+
+@frozen
+class Goodbye(Request):
+    """The client is closing: the server answers, then ends the session at once (releasing what
+    it held) instead of at the heartbeat timeout. Servers before it answer ``unknown_operation``.
+    """
+
+    op: ClassVar[str] = "goodbye"
     reply_type: ClassVar[type[Reply]] = Pong
 
 
@@ -271,5 +282,12 @@ class Probe(Request):
     block_ids: tuple[int, ...]
 
 
-CORE_REQUEST_TYPES: tuple[type[Request], ...] = (Ping, Hello, GetChunkSize, GetStats, Probe)
+CORE_REQUEST_TYPES: tuple[type[Request], ...] = (
+    Ping,
+    Hello,
+    GetChunkSize,
+    GetStats,
+    Probe,
+    Goodbye,
+)
 """Operation name → request class: the tagged union of requests."""

@@ -4,7 +4,7 @@ from ._metrics import ServerMetrics
 from ._serve import ServerHandle, open_server, serve
 from ._session import Session
 from ._state import Operation, ServerState
-from ._status import status_document
+from ._status import describe_storage, status_document, status_summary, storage_summary
 
 __all__ = [
     "Operation",
@@ -12,7 +12,10 @@ __all__ = [
     "ServerMetrics",
     "ServerState",
     "Session",
+    "describe_storage",
     "open_server",
     "serve",
     "status_document",
+    "status_summary",
+    "storage_summary",
 ]

@@ -12,6 +12,7 @@ from ..protocol import (
     ChunkSize,
     GetChunkSize,
     GetStats,
+    Goodbye,
     Hello,
     HelloReply,
     Ping,
@@ -82,8 +83,14 @@ async def stats(session: Session, request: GetStats) -> StatsReply:
     return session.state.stats()
 
 
+async def goodbye(session: Session, request: Goodbye) -> Pong:
+    """The session ends right after this reply (see ``Session._handle``)."""
+    return Pong(session.state.instance_id)
+
+
 def register_core_operations(state: ServerState) -> None:
     state.register(Ping, ping)
+    state.register(Goodbye, goodbye)
     state.register(Hello, hello)
     state.register(GetChunkSize, get_chunk_size)
     state.register(GetStats, stats)

@@ -12,7 +12,14 @@ import trio
 
 from .._logging import event
 from ..errors import ErrorCode, RequestError
-from ..protocol import Request, SessionStats, decode_request, encode_error, encode_reply
+from ..protocol import (
+    Goodbye,
+    Request,
+    SessionStats,
+    decode_request,
+    encode_error,
+    encode_reply,
+)
 
 if TYPE_CHECKING:
     from ._router import Router
@@ -216,6 +223,8 @@ class Session:
             message = f"the server failed while handling {item.kind!r} (see its log)"
             frames = encode_error(item.request_id, code, message)
         await self._finish(item, frames, code)
+        if type(request) is Goodbye:  # answered: end now, not at the heartbeat timeout
+            self.end("goodbye")
 
     async def _finish(self, item: Incoming, frames: list[bytes], code: ErrorCode | None) -> None:
         self._active.discard(item)

@@ -14,6 +14,7 @@ from .._version import __version__
 from ..config import ServerConfig, config_summary
 from ..errors import ErrorCode
 from ..protocol import CacheStats, L2Stats, Reply, Request, ServerCounters, StatsReply
+from ._status import storage_summary
 
 if TYPE_CHECKING:
     from ._session import Session
@@ -119,7 +120,7 @@ class ServerState:
             instance_id=self.instance_id,
             uptime_seconds=now - self.started_at,
             phase=self.phase,
-            config=config_summary(self.config),
+            config={**config_summary(self.config), "storage": storage_summary(self.config)},
             counters=ServerCounters(
                 requests=c.requests,
                 errors=c.errors,

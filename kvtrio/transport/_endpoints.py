@@ -1,14 +1,85 @@
-"""Checks on ``ipc://`` endpoints: is a live listener behind the path?"""
+"""Endpoint checks: is an endpoint well-formed, and is a live listener behind an ``ipc://`` path?
+
+kvtrio accepts exactly two spellings, ``tcp://HOST:PORT`` and ``ipc://PATH``, everywhere (flags,
+TOML, environment, ``Client``). Anything else is refused at once with one line, and a line that
+looks like an address in another spelling (``127.0.0.1:5577``, ``localhost:5577``, ``5577``,
+``http://host:5577``) gets a "did you mean tcp://…?" hint: libzmq would otherwise fail in a
+background thread (a hang) or, for a port above 65535, bind a different port without a word.
+"""
 
 from __future__ import annotations
 
 import errno
 import os
+import re
 import socket
 
 from ..errors import TransportError
 
-__all__ = ["ensure_endpoint_free", "ipc_path", "is_listening"]
+__all__ = ["check_endpoint", "ensure_endpoint_free", "ipc_path", "is_listening"]
+
+_IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
+_HOST = r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)"
+_HOST_PORT_RE = re.compile(rf"^(?P<host>{_HOST}|\*)?:(?P<port>[^:\]]*)$")
+_SCHEME_RE = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$")
+
+
+def check_endpoint(endpoint: str, *, bind: bool = False) -> str:
+    """Return ``endpoint`` if it is ``tcp://HOST:PORT`` or ``ipc://PATH``; raise otherwise.
+
+    Ports are 1–65535 (``bind`` also takes 0, "any free port", and ``*`` as the host). Raises
+    :class:`TransportError` with a one-line message, with a hint where the text looks like a
+    host and port in another spelling. Pure: no I/O, no name resolution.
+    """
+    text = endpoint.strip()
+    if not text:
+        raise TransportError("no endpoint given (expected tcp://HOST:PORT or ipc://PATH)")
+    match = _SCHEME_RE.match(text)
+    if match is None:
+        raise TransportError(_unknown_form(endpoint, text))
+    scheme, rest = match.group("scheme").lower(), match.group("rest")
+    if scheme == "ipc":
+        if not rest:
+            raise TransportError(f"{endpoint!r} names no path (expected ipc://PATH)")
+        if len(os.fsencode(rest)) > _IPC_PATH_MAX:
+            raise TransportError(
+                f"{endpoint!r}: the path is longer than {_IPC_PATH_MAX} bytes, the limit of a "
+                "Unix socket; use a shorter one"
+            )
+        return f"ipc://{rest}"
+    if scheme != "tcp":
+        hint = _tcp_hint(rest.split("/", 1)[0])
+        raise TransportError(
+            f"{endpoint!r}: kvtrio speaks ZeroMQ over tcp:// or ipc://, not {scheme}://"
+            + (f"; did you mean {hint}?" if hint else "")
+        )
+    address = _HOST_PORT_RE.match(rest)
+    if address is None or not address.group("host"):
+        raise TransportError(f"{endpoint!r} is not tcp://HOST:PORT (e.g. tcp://127.0.0.1:5577)")
+    host, port = address.group("host"), address.group("port")
+    if host == "*" and not bind:
+        raise TransportError(f"{endpoint!r}: '*' is for listening; connect to a host name or IP")
+    lowest = 0 if bind else 1
+    if not port.isdigit() or not lowest <= int(port) <= 65535:
+        raise TransportError(f"{endpoint!r}: the port must be a number from {lowest} to 65535")
+    return f"tcp://{rest}"
+
+
+def _unknown_form(endpoint: str, text: str) -> str:
+    hint = _tcp_hint(text)
+    if hint:
+        return f"{endpoint!r} has no transport; did you mean {hint}?"
+    return f"{endpoint!r} is not an endpoint (expected tcp://HOST:PORT or ipc://PATH)"
+
+
+def _tcp_hint(text: str) -> str | None:
+    """``tcp://HOST:PORT`` for ``HOST:PORT``, ``:PORT`` or ``PORT``; None if it is neither."""
+    if text.isdigit():
+        return f"tcp://127.0.0.1:{text}"
+    address = _HOST_PORT_RE.match(text)
+    if address is None or not address.group("port").isdigit():
+        return None
+    return f"tcp://{address.group('host') or '127.0.0.1'}:{address.group('port')}"
 
 
 def ipc_path(endpoint: str) -> str | None:

@@ -69,7 +69,7 @@ def test_python_dash_m_and_version() -> None:
             "from environment variable KVTRIO_HEARTBEAT_TIMEOUT",
         ),
         (["--config", "/nonexistent.toml"], {}, "cannot read config file"),
-        (["--endpoint", "udp://x"], {}, "must be tcp://HOST:PORT or ipc://PATH"),
+        (["--endpoint", "udp://x"], {}, "over tcp:// or ipc://, not udp://"),
     ],
 )
 def test_bad_settings_are_one_line_errors(

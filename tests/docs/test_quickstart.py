@@ -66,6 +66,7 @@ def test_the_quickstart_commands_run_as_written(tmp_path: Path) -> None:
     assert output.count("checksum failures") == 3  # three bench tables
     assert "serving\n" in run.stdout  # /healthz
     assert re.search(r'^kvtrio_lookup_hit_chunks_total\{tier="l1"\} [1-9]', run.stdout, re.M)
-    assert '"phase": "serving"' in run.stdout
+    assert '"phase": "serving"' in run.stdout  # kvtrio status --json
+    assert "phase: serving" in run.stdout  # kvtrio status, the summary
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert '"checksum_failures": 0' in (tmp_path / "bench.json").read_text()

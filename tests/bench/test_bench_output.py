@@ -1,0 +1,74 @@
+"""What ``kvtrio bench`` prints: the engine's shape as the flags say it, the settings, the files
+it wrote, and the partial table of an interrupted run."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvtrio.bench import BenchError, BenchOptions, run_bench
+from kvtrio.client import Client
+from kvtrio.protocol import GetStats, StatsReply
+
+from ..conftest import ServerProcess, wait_for
+from .test_bench import KVTRIO
+
+SMALL = ("--world-size", "2", "--layers", "2", "--heads", "2", "--head-dim", "16")
+SHORT = ("--conversations", "2", "--turns", "2", "--system-tokens", "300", "--no-progress")
+
+
+def test_output_names_heads_settings_and_the_files_written(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    plot, out = tmp_path / "bench.png", tmp_path / "bench.json"
+    files = ("--plot", str(plot), "--json", str(out))
+    run = subprocess.run(
+        [KVTRIO, "bench", *SMALL, *SHORT, "--l1-size", "64MiB", "--l2", "none", *files],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    text = " ".join(run.stdout.split())
+    assert "2 ranks × 2 layers × 1 KV head per rank (2 in all)" in text
+    assert "chunks of 256 tokens, L1 64MiB, L2 none" in text
+    assert f"wrote {out}" in text
+    assert f"wrote {plot}" in text
+    assert plot.stat().st_size > 0
+
+
+def test_a_bare_number_is_too_small_an_l1() -> None:
+    with pytest.raises(BenchError, match="too small"):
+        run_bench(BenchOptions(l1_size="1"))
+
+
+def test_sigterm_prints_the_partial_table(
+    server_process: Callable[..., ServerProcess],
+) -> None:
+    server = server_process()
+    # Paced arrivals: 40 conversations at 2 per second take 20 s; the test stops it early.
+    command = [KVTRIO, "bench", *SMALL, "--no-progress", "--server", server.endpoint]
+    command += ["--conversations", "40", "--turns", "1", "--rate", "2", "--concurrency", "1"]
+    bench = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with Client(server.endpoint) as client:
+
+            def some_lookups() -> bool:
+                stats = client.call(GetStats(), StatsReply)
+                return stats.cache is not None and stats.cache.lookups >= 2
+
+            wait_for(some_lookups, what="the bench to make lookups")
+        bench.send_signal(signal.SIGTERM)
+        stdout, stderr = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.communicate()
+    assert bench.returncode == 130, stdout + stderr
+    assert "interrupted: " in stdout
+    assert "of 40 requests done" in stdout
+    assert "checksum failures" in stdout  # the table of what was measured
+    assert "Traceback" not in stderr

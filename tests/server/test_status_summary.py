@@ -1,0 +1,34 @@
+"""Where the data goes, as the status and the start-up line tell it (no server needed)."""
+
+from __future__ import annotations
+
+from kvtrio.config import BackendSpec, ServerConfig
+from kvtrio.server import describe_storage, storage_summary
+
+
+def test_defaults_are_filled_in_and_passwords_masked() -> None:
+    config = ServerConfig(
+        l1_size=1 << 30,
+        shm_dir="/tmp",
+        l2=(
+            BackendSpec("disk"),
+            BackendSpec("memory", {"capacity": "8MiB"}),
+            BackendSpec("nonexistent-backend", {"path": "/x", "secret": "s3cr3t"}),
+        ),
+    )
+    storage = storage_summary(config)
+    assert storage["l1"] == {"bytes": 1 << 30, "directory": "/tmp"}
+    disk, memory, unknown = storage["l2"]
+    assert disk["path"].endswith("/.cache/kvtrio/l2")
+    assert not disk["path"].startswith("~")
+    assert disk["capacity_bytes"] == 32 << 30
+    assert memory == {"name": "memory", "capacity_bytes": 8 << 20}
+    assert unknown == {"name": "nonexistent-backend", "path": "/x"}  # never other options
+    line = describe_storage(storage)
+    assert line.startswith("L1 1GiB of shared memory in /tmp (committed now); L2 disk /")
+    assert "(up to 32GiB), then memory (up to 8MiB), then nonexistent-backend /x" in line
+
+
+def test_urls_lose_their_password() -> None:
+    config = ServerConfig(l2=(BackendSpec("x", {"url": "redis://me:pw@cache:6379/0"}),))
+    assert storage_summary(config)["l2"][0]["url"] == "redis://me:***@cache:6379/0"

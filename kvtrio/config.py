@@ -251,6 +251,45 @@ class ServerConfig:
         validator=_one_of(*LOG_FORMATS),
         metadata={"help": "Log lines as text, or json (one object per line)."},
     )
+    # Security (docs/security.md).
+    insecure: bool = field(
+        default=False,
+        metadata={
+            "help": "Serve tcp:// without CURVE authentication (anyone who can reach the port "
+            "reads and writes the cache; one tenant only)."
+        },
+    )
+    curve_secret_key: str = field(
+        default="",
+        metadata={
+            "help": "The server's CURVE secret key file (kvtrio keygen); default: the key dir's "
+            "server.key_secret, created on first start."
+        },
+    )
+    curve_allowed_keys: str = field(
+        default="",
+        metadata={
+            "help": "Directory of allowed client *.key files, or a file of 'PUBLIC_KEY "
+            "TENANT,...' lines; default: the key dir's clients/."
+        },
+    )
+    ipc_group: str = field(
+        default="",
+        metadata={
+            "help": "Group that may connect to an ipc:// endpoint too (socket 0660; default "
+            "0600: this user only)."
+        },
+    )
+    max_sessions: int = field(
+        default=1024,
+        validator=_positive,
+        metadata={"help": "Client sessions the server holds at once; beyond it: busy."},
+    )
+    max_sessions_per_key: int = field(
+        default=256,
+        validator=_positive,
+        metadata={"help": "Sessions one client key (principal) may hold at once; beyond it: busy."},
+    )
 
 
 def config_summary(config: ServerConfig) -> dict[str, Any]:
@@ -272,6 +311,9 @@ def config_summary(config: ServerConfig) -> dict[str, Any]:
         "http": config.http,
         "log_level": config.log_level,
         "log_format": config.log_format,
+        "insecure": config.insecure,
+        "max_sessions": config.max_sessions,
+        "max_sessions_per_key": config.max_sessions_per_key,
     }
 
 

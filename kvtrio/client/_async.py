@@ -28,6 +28,7 @@ from ._common import (
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_TIMEOUT,
     MONITOR_EVENTS,
+    curve_options,
     dealer_options,
     hello_request,
     read_reply_header,
@@ -208,15 +209,19 @@ async def open_client(
     timeout: float = DEFAULT_TIMEOUT,
     client_name: str = "kvtrio-async-client",
     heartbeat: bool = True,
+    server_key: str | None = None,
+    client_key: str | None = None,
 ) -> AsyncIterator[AsyncClient]:
     """Connect to a kvtrio server for the duration of the block.
 
     Connecting happens in the background (and again after every disconnection); requests made
     before the connection is up wait for it, within their timeout. With ``heartbeat``, an idle
-    client pings the server so its session stays alive.
+    client pings the server so its session stays alive. ``server_key`` / ``client_key``: CURVE
+    credentials for ``tcp://`` (see :func:`~kvtrio.client._common.curve_options`).
     """
+    options = {**dealer_options(), **curve_options(endpoint, server_key, client_key)}
     async with (
-        open_socket(zmq.DEALER, options=dealer_options()) as socket,
+        open_socket(zmq.DEALER, options=options) as socket,
         open_monitor(socket, MONITOR_EVENTS) as monitor,
         trio.open_nursery() as nursery,
     ):

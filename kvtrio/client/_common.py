@@ -19,11 +19,13 @@ from ..protocol import (
     decode_reply,
     decode_reply_header,
 )
+from ..transport import curve_client_options, resolve_client_credentials
 
 __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_TIMEOUT",
     "MONITOR_EVENTS",
+    "curve_options",
     "dealer_options",
     "hello_request",
     "read_reply_header",
@@ -61,6 +63,21 @@ def dealer_options() -> dict[int, Any]:
         zmq.SNDHWM: 100_000,
         zmq.RCVHWM: 100_000,
     }
+
+
+def curve_options(
+    endpoint: str, server_key: str | None = None, client_key: str | None = None
+) -> dict[int, Any]:
+    """CURVE options for a client of ``endpoint`` (see ``docs/security.md``).
+
+    For ``tcp://``: ``server_key`` (Z85 or key file) and ``client_key`` (``.key_secret`` file),
+    else ``KVTRIO_SERVER_KEY`` / ``KVTRIO_CLIENT_KEY``, else the default keys of this user (the
+    ones a server started by this user created); none of these: a plain connection. ``ipc://``
+    is protected by file permissions and takes no keys. :class:`ConfigError` for bad key files.
+    """
+    if not endpoint.startswith("tcp://"):
+        return {}
+    return curve_client_options(resolve_client_credentials(server_key, client_key))
 
 
 def hello_request(client_name: str) -> Hello:

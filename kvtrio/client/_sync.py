@@ -38,6 +38,7 @@ from ._common import (
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_TIMEOUT,
     MONITOR_EVENTS,
+    curve_options,
     dealer_options,
     hello_request,
     read_reply_header,
@@ -83,8 +84,11 @@ class Client:
         client_name: str = "kvtrio-client",
         on_server_change: ServerChange | None = None,
         heartbeat: bool = True,
+        server_key: str | None = None,
+        client_key: str | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self._options = {**dealer_options(), **curve_options(endpoint, server_key, client_key)}
         self.timeout = timeout
         self.client_name = client_name
         self.server_info: HelloReply | None = None
@@ -186,7 +190,7 @@ class Client:
     def _run(self) -> None:
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        for option, value in dealer_options().items():
+        for option, value in self._options.items():
             dealer.setsockopt(option, value)
         monitor = self._context.socket(zmq.PAIR)
         monitor.setsockopt(zmq.LINGER, 0)

@@ -46,6 +46,7 @@ from kvtrio.protocol import (
     encode_reply,
     encode_request,
 )
+from kvtrio.transport import ensure_default_keys
 
 REQUEST = Probe(tokens=tuple(range(1000, 1256)), block_ids=tuple(range(64)))
 REQUEST_FRAMES = encode_request(1, REQUEST)
@@ -204,8 +205,9 @@ def main() -> None:
         return
 
     workdir = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))
-    # The CURVE rows' keys: created by the first server, found by this process's client.
+    # The CURVE row's keys, where the server and this process's client both find them.
     os.environ["KVTRIO_KEY_DIR"] = str(workdir / "keys")
+    ensure_default_keys(workdir / "keys")
     port = iter(range(25_555, 26_000))
 
     def endpoint(name: str) -> str:
@@ -249,7 +251,8 @@ def main() -> None:
                 stderr=subprocess.DEVNULL,
             )
             try:
-                with Client(ep, heartbeat=False) as client:
+                plain = ep.startswith("tcp://") and kind != "tcp-curve"
+                with Client(ep, heartbeat=False, server_key="none" if plain else None) as client:
                     deadline = time.monotonic() + 15
                     while client.server_info is None and time.monotonic() < deadline:
                         time.sleep(0.01)

@@ -41,6 +41,8 @@ __all__ = [
     "write_keypair",
 ]
 
+NO_KEY = "none"
+"""As a client's server key: connect without CURVE."""
 ANY_TENANT = "*"
 """In a ``tenants`` list: the key may use every tenant."""
 
@@ -256,10 +258,13 @@ def resolve_client_credentials(
     ``server_key`` (Z85 public key or key file) and ``client_key`` (a ``.key_secret`` file) come
     from the caller, else ``KVTRIO_SERVER_KEY`` / ``KVTRIO_CLIENT_KEY``, else the default key
     directory's ``server.key`` and ``client.key_secret`` if both exist. Giving one without the
-    other is a :class:`ConfigError`.
+    other is a :class:`ConfigError`. ``server_key="none"``: a plain connection (to an
+    ``--insecure`` server) even where default keys exist.
     """
     env = os.environ if environ is None else environ
     server_key = server_key or env.get("KVTRIO_SERVER_KEY") or None
+    if server_key == NO_KEY:
+        return None
     client_key = client_key or env.get("KVTRIO_CLIENT_KEY") or None
     if server_key is None and client_key is None:
         directory = default_key_dir(env)

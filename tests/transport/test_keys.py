@@ -99,6 +99,8 @@ def test_default_keys_are_created_once_even_by_racing_processes(tmp_path: Path) 
     assert credentials is not None
     assert credentials.server_public == server.public
     assert resolve_client_credentials(environ={"KVTRIO_KEY_DIR": str(tmp_path / "none")}) is None
+    environ = {"KVTRIO_KEY_DIR": str(directory), "KVTRIO_SERVER_KEY": "none"}
+    assert resolve_client_credentials(environ=environ) is None  # plain, to an --insecure server
     with pytest.raises(ConfigError, match="needs both"):
         resolve_client_credentials(server_key=server.public.decode(), environ={})
 

@@ -79,6 +79,11 @@ def _not_negative(instance: object, attribute: attrs.Attribute[Any], value: floa
         raise ValueError(f"{attribute.name}: must not be negative, got {value}")
 
 
+def _share(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"{attribute.name}: must be in (0, 1], got {value}")
+
+
 def _at_most(limit: int) -> Any:
     def check(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
         if value > limit:
@@ -285,6 +290,26 @@ class ServerConfig:
         validator=_positive,
         metadata={"help": "Client sessions the server holds at once; beyond it: busy."},
     )
+    max_leases_per_session: int = field(
+        default=65536,
+        validator=_positive,
+        metadata={
+            "help": "Pins and reservations one client session may hold; beyond: quota_exceeded."
+        },
+    )
+    lease_share: float = field(
+        default=0.9,
+        validator=_share,
+        metadata={
+            "help": "Share of L1 that pins and reservations together may take (the rest stays "
+            "evictable, so stores keep working)."
+        },
+    )
+    lease_share_per_key: float = field(
+        default=0.5,
+        validator=_share,
+        metadata={"help": "Share of L1 one CURVE client key's pins and reservations may take."},
+    )
     max_sessions_per_key: int = field(
         default=256,
         validator=_positive,
@@ -314,6 +339,9 @@ def config_summary(config: ServerConfig) -> dict[str, Any]:
         "insecure": config.insecure,
         "max_sessions": config.max_sessions,
         "max_sessions_per_key": config.max_sessions_per_key,
+        "max_leases_per_session": config.max_leases_per_session,
+        "lease_share": config.lease_share,
+        "lease_share_per_key": config.lease_share_per_key,
     }
 
 

@@ -184,7 +184,7 @@ async def test_without_authentication_there_is_exactly_one_tenant(
     with caplog.at_level(logging.INFO, logger="kvtrio.server"):
         async with (
             open_server(tcp_config(insecure=True)) as server,
-            open_client(server.endpoint) as client,
+            open_client(server.endpoint, server_key="none") as client,
         ):
             assert not server.state.auth.curve
             await client.request(EndSession("r", "m", ""))

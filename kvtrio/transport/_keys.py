@@ -257,7 +257,8 @@ def resolve_client_credentials(
 
     ``server_key`` (Z85 public key or key file) and ``client_key`` (a ``.key_secret`` file) come
     from the caller, else ``KVTRIO_SERVER_KEY`` / ``KVTRIO_CLIENT_KEY``, else the default key
-    directory's ``server.key`` and ``client.key_secret`` if both exist. Giving one without the
+    directory's ``server.key`` and ``client.key_secret`` (created if missing, as the server
+    does on its first start). Giving one without the
     other is a :class:`ConfigError`. ``server_key="none"``: a plain connection (to an
     ``--insecure`` server) even where default keys exist.
     """
@@ -267,10 +268,15 @@ def resolve_client_credentials(
         return None
     client_key = client_key or env.get("KVTRIO_CLIENT_KEY") or None
     if server_key is None and client_key is None:
+        # The default keys; created here if this client comes first (a server started at the
+        # same moment finds and uses them: whoever comes first creates them, once).
         directory = default_key_dir(env)
         server_file, client_file = directory / "server.key", directory / "client.key_secret"
         if not (server_file.exists() and client_file.exists()):
-            return None
+            try:
+                ensure_default_keys(directory)
+            except OSError:
+                return None  # nowhere to keep keys: a plain connection, which CURVE refuses
         server_key, client_key = str(server_file), str(client_file)
     if server_key is None or client_key is None:
         raise ConfigError(

@@ -77,9 +77,11 @@ async def test_default_tcp_server_uses_curve_and_a_same_user_client_finds_the_ke
 
 async def test_unauthenticated_connect_is_refused(key_dir: Path, short_dir: Path) -> None:
     async with open_server(tcp_config()) as server:
-        os.environ["KVTRIO_KEY_DIR"] = str(short_dir / "elsewhere")  # finds no keys: plain
-        async with open_client(server.endpoint, timeout=0.5) as plain:
+        async with open_client(server.endpoint, timeout=0.5, server_key="none") as plain:
             assert await refused(plain)
+        os.environ["KVTRIO_KEY_DIR"] = str(short_dir / "elsewhere")  # default keys of its own
+        async with open_client(server.endpoint, timeout=0.5) as stranger:
+            assert await refused(stranger)
         assert server.state.counters.requests == 0
         assert server.state.sessions == {}
 

@@ -98,7 +98,11 @@ def test_default_keys_are_created_once_even_by_racing_processes(tmp_path: Path) 
     credentials = resolve_client_credentials(environ={"KVTRIO_KEY_DIR": str(directory)})
     assert credentials is not None
     assert credentials.server_public == server.public
-    assert resolve_client_credentials(environ={"KVTRIO_KEY_DIR": str(tmp_path / "none")}) is None
+    # A client that comes first creates the default keys; the server then uses the same.
+    first = resolve_client_credentials(environ={"KVTRIO_KEY_DIR": str(tmp_path / "fresh")})
+    assert first is not None
+    assert first.server_public == load_keypair(tmp_path / "fresh" / "server.key_secret").public
+    assert set(load_allowed_keys(tmp_path / "fresh" / "clients")) == {first.public}
     environ = {"KVTRIO_KEY_DIR": str(directory), "KVTRIO_SERVER_KEY": "none"}
     assert resolve_client_credentials(environ=environ) is None  # plain, to an --insecure server
     with pytest.raises(ConfigError, match="needs both"):

@@ -30,6 +30,7 @@ from ._common import (
     MONITOR_EVENTS,
     curve_options,
     dealer_options,
+    handshake_failure,
     hello_request,
     read_reply_header,
     reply_or_error,
@@ -65,6 +66,8 @@ class AsyncClient:
     def __init__(self, socket: Socket, endpoint: str, timeout: float, client_name: str) -> None:
         self._socket = socket
         self.endpoint = endpoint
+        self.handshake_error: str | None = None
+        """Why the last handshake failed (CURVE), if it did."""
         self.timeout = timeout
         self.client_name = client_name
         self._ids = itertools.count(1)
@@ -104,7 +107,8 @@ class AsyncClient:
             self._calls.pop(request_id, None)
         if call.result is None:
             if not call.sent:
-                raise ServerUnavailable(f"could not reach {self.endpoint} within {timeout}s")
+                why = f": {self.handshake_error}" if self.handshake_error else ""
+                raise ServerUnavailable(f"could not reach {self.endpoint} within {timeout}s{why}")
             raise RequestTimeout(
                 f"no reply to {request.op!r} from {self.endpoint} within {timeout}s"
             )
@@ -153,6 +157,11 @@ class AsyncClient:
     async def _follow_connection(self, monitor: Monitor, nursery: trio.Nursery) -> None:
         while True:
             event = await monitor.receive()
+            failure = handshake_failure(event)
+            if failure is not None and failure != self.handshake_error:
+                log.warning("%s: %s", self.endpoint, failure)
+            if failure is not None or event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshake_error = failure  # kept through the disconnections that follow
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected = True
                 self._up.set()

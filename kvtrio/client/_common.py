@@ -27,6 +27,7 @@ __all__ = [
     "MONITOR_EVENTS",
     "curve_options",
     "dealer_options",
+    "handshake_failure",
     "hello_request",
     "read_reply_header",
     "reply_or_error",
@@ -43,8 +44,27 @@ MONITOR_EVENTS = (
     | zmq.EVENT_DISCONNECTED
     | zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_CLOSED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
-"""Connection events the clients follow: connected (handshake done) / gone / retrying."""
+"""Connection events the clients follow: connected (handshake done) / gone / retrying /
+refused at the handshake (CURVE)."""
+
+
+def handshake_failure(event: int) -> str | None:
+    """What a failed handshake event means for the user, or None for other events."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (
+            "the server refused this client's CURVE key (it is not among the server's allowed "
+            "keys; see docs/security.md)"
+        )
+    if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+        return (
+            "the handshake with the server failed (a wrong server key, or CURVE on one side "
+            "only, e.g. a plain client of a CURVE server; see docs/security.md)"
+        )
+    return None
 
 
 def dealer_options() -> dict[int, Any]:

@@ -16,9 +16,9 @@ import pytest
 import trio
 import zmq
 
-from kvtrio.client import AsyncClient, open_client
+from kvtrio.client import AsyncClient, Client, open_client
 from kvtrio.config import ServerConfig
-from kvtrio.errors import Forbidden, KvtrioError, RequestTimeout, ServerBusy
+from kvtrio.errors import Forbidden, KvtrioError, RequestTimeout, ServerBusy, ServerUnavailable
 from kvtrio.protocol import EndSession, GetStats, Lookup, Ping, Pong, Released, StatsReply
 from kvtrio.server import ServerHandle, open_server
 from kvtrio.server._auth import is_loopback
@@ -97,7 +97,41 @@ async def test_wrong_client_key_is_refused(key_dir: Path, short_dir: Path) -> No
         ) as intruder:
             assert await refused(intruder)
         assert server.state.auth.handshakes_refused >= 1
+
+        def sync_ping() -> str:  # the synchronous client says why, too
+            with Client(
+                server.endpoint,
+                timeout=2,
+                heartbeat=False,
+                server_key=str(key_dir / "server.key"),
+                client_key=str(short_dir / "other" / "intruder.key_secret"),
+            ) as client:
+                for _ in range(50):  # until the handshake has failed at least once
+                    try:
+                        client.call(Ping(), Pong, fail_fast=True)
+                    except ServerUnavailable as exc:
+                        if "CURVE" in str(exc):
+                            return str(exc)
+            return "no reason given"
+
+        assert "refused this client's CURVE key" in await trio.to_thread.run_sync(sync_ping)
         assert server.state.counters.requests == 0
+
+
+async def test_a_plain_client_is_told_why_it_cannot_reach_a_curve_server(key_dir: Path) -> None:
+    async with (
+        open_server(tcp_config()) as server,
+        open_client(server.endpoint, server_key="none") as plain,
+    ):
+        message = "no reason given"
+        for _ in range(50):
+            try:
+                await plain.call(Ping(), Pong, timeout=0.3)
+            except ServerUnavailable as exc:
+                message = str(exc)
+                if "handshake" in message:
+                    break
+        assert "handshake with the server failed" in message
 
 
 async def test_a_client_expecting_another_server_key_does_not_talk(

@@ -313,7 +313,7 @@ class ServerConfig:
     max_sessions_per_key: int = field(
         default=256,
         validator=_positive,
-        metadata={"help": "Sessions one client key (principal) may hold at once; beyond it: busy."},
+        metadata={"help": "Sessions one CURVE client key may hold at once; beyond it: busy."},
     )
 
 

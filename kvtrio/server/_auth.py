@@ -128,7 +128,8 @@ class ServerAuth:
         """Why a new session of ``principal`` may not start now (``sessions`` live), or None."""
         if sessions >= self.max_sessions:
             return f"the server holds its maximum of {self.max_sessions} sessions; retry later"
-        if self.sessions_by_user[principal.user_id] >= self.max_sessions_per_key:
+        user = principal.user_id  # "" (ipc, --insecure): one principal, the global limit only
+        if user and self.sessions_by_user[user] >= self.max_sessions_per_key:
             return (
                 f"{principal.name} holds its maximum of {self.max_sessions_per_key} sessions; "
                 "end some, or retry later"

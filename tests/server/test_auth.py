@@ -326,3 +326,15 @@ async def test_stats_never_reveal_a_routing_id_and_a_takeover_gets_nothing(
                 frames = await raw.recv_multipart()
             assert decode_reply_header(frames[0]).kind == "error"
             assert b"another client" in frames[1]
+
+
+async def test_local_ipc_clients_are_held_to_the_global_session_limit_only(endpoint: str) -> None:
+    config = ServerConfig(endpoint=endpoint, l1_size=16 << 20, l2=(), max_sessions_per_key=1)
+    async with (
+        open_server(config) as server,
+        open_client(server.endpoint) as first,
+        open_client(server.endpoint) as second,
+    ):
+        await first.call(Ping(), Pong)
+        await second.call(Ping(), Pong)
+        assert server.state.counters.sessions_refused == 0

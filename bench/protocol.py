@@ -12,6 +12,8 @@ these machines are shared and noisy):
   in its own process);
 * kvtrio: ``kvtrio serve`` and the synchronous client, ``probe`` operation (decoded, validated,
   answered; no cache work), sequentially and with 64 requests in flight;
+* the same over tcp on loopback with CURVE (the default for tcp) and with ``--insecure``: what
+  authentication and encryption cost (keys in a temporary directory);
 * with ``--baseline-src DIR`` (e.g. ``git archive main | tar -x -C DIR``), the same against the
   server of that source tree, in the same rounds: what a change costs on the request path.
 """
@@ -44,6 +46,7 @@ from kvtrio.protocol import (
     encode_reply,
     encode_request,
 )
+from kvtrio.transport import ensure_default_keys
 
 REQUEST = Probe(tokens=tuple(range(1000, 1256)), block_ids=tuple(range(64)))
 REQUEST_FRAMES = encode_request(1, REQUEST)
@@ -202,6 +205,9 @@ def main() -> None:
         return
 
     workdir = Path(tempfile.mkdtemp(prefix="kvb-", dir="/tmp"))
+    # The CURVE row's keys, where the server and this process's client both find them.
+    os.environ["KVTRIO_KEY_DIR"] = str(workdir / "keys")
+    ensure_default_keys(workdir / "keys")
     port = iter(range(25_555, 26_000))
 
     def endpoint(name: str) -> str:
@@ -224,22 +230,29 @@ def main() -> None:
             finally:
                 proc.kill()
                 proc.wait()
-        servers = [("kvtrio", None)]
+        extra = shlex.split(args.server_args)
+        servers: list[tuple[str, Path | None, str, list[str]]] = [
+            ("kvtrio", None, endpoint(f"kvtrio{round_}"), extra),
+            # tcp on loopback, the same server with CURVE (the default) and without.
+            ("tcp-plain", None, f"tcp://127.0.0.1:{next(port)}", [*extra, "--insecure"]),
+            ("tcp-curve", None, f"tcp://127.0.0.1:{next(port)}", extra),
+        ]
         if args.baseline_src is not None:
-            servers.append(("baseline", args.baseline_src))
-        for kind, source in servers:
-            ep = endpoint(f"{kind}{round_}")
+            servers.append(("baseline", args.baseline_src, endpoint(f"baseline{round_}"), []))
+        for kind, source, ep, server_args in servers:
             env = {**os.environ, "KVTRIO_LOG_LEVEL": "warning"}
             if source is not None:
                 env["PYTHONPATH"] = str(source.resolve())
+            if args.transport == "tcp" and kind == "kvtrio" and "--insecure" not in extra:
+                server_args = [*server_args, "--insecure"]  # "kvtrio" stays the plain row
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtrio", "serve", "--endpoint", ep]
-                + (shlex.split(args.server_args) if source is None else []),
+                [sys.executable, "-m", "kvtrio", "serve", "--endpoint", ep, *server_args],
                 env=env,
                 stderr=subprocess.DEVNULL,
             )
             try:
-                with Client(ep, heartbeat=False) as client:
+                plain = ep.startswith("tcp://") and kind != "tcp-curve"
+                with Client(ep, heartbeat=False, server_key="none" if plain else None) as client:
                     deadline = time.monotonic() + 15
                     while client.server_info is None and time.monotonic() < deadline:
                         time.sleep(0.01)
@@ -266,6 +279,8 @@ def main() -> None:
         ("raw pyzmq REQ/REP", "rep"),
         ("raw pyzmq DEALER/ROUTER", "router"),
         ("kvtrio (sync client)", "kvtrio"),
+        ("kvtrio tcp, no auth", "tcp-plain"),
+        ("kvtrio tcp, CURVE", "tcp-curve"),
     ]
     if args.baseline_src is not None:
         rows.append(("kvtrio baseline server", "baseline"))
@@ -283,6 +298,12 @@ def main() -> None:
     print(
         f"kvtrio / raw 64-in-flight throughput: {rps / med('router', 'win_rps'):.2f}  "
         f"(kvtrio {rps:,.0f} req/s, target ≥ 30,000)"
+    )
+    curve_p50, plain_p50 = med("tcp-curve", "p50"), med("tcp-plain", "p50")
+    print(
+        f"CURVE / plain tcp:                    p50 {curve_p50 / plain_p50:.3f}×  "
+        f"({(curve_p50 - plain_p50) * 1e6:+.1f} µs), 64-in-flight throughput "
+        f"{med('tcp-curve', 'win_rps') / med('tcp-plain', 'win_rps'):.3f}×"
     )
     if args.baseline_src is not None:
         base_p50, base_rps = med("baseline", "p50"), med("baseline", "win_rps")

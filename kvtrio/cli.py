@@ -1,4 +1,4 @@
-"""The ``kvtrio`` command: ``serve``, ``bench``, ``status``, ``backends``, ``ping``.
+"""The ``kvtrio`` command: ``serve``, ``bench``, ``status``, ``backends``, ``ping``, ``keygen``.
 
 Every expected failure (bad setting, address in use, server unreachable) ends the command with a
 one-line message on stderr and a non-zero exit status, never a traceback.
@@ -91,6 +91,16 @@ def _build_parser() -> argparse.ArgumentParser:
                 help=f"{text} [default: disk]",
             )
             continue
+        if field.type in (bool, "bool"):  # --insecure: a switch
+            serve.add_argument(
+                "--" + name.replace("_", "-"),
+                dest=name,
+                action="store_const",
+                const=True,
+                default=argparse.SUPPRESS,
+                help=text,
+            )
+            continue
         serve.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
@@ -132,7 +142,39 @@ def _build_parser() -> argparse.ArgumentParser:
     ping = commands.add_parser("ping", help="check that a server answers")
     ping.add_argument("endpoint", nargs="?", default=DEFAULT_ENDPOINT, help="server endpoint")
     ping.add_argument("--timeout", type=float, default=2.0, help="seconds to wait [default: 2]")
+    for client_command in (ping, status):
+        _add_key_arguments(client_command)
+
+    keygen = commands.add_parser(
+        "keygen",
+        help="write a CURVE key pair (NAME.key, NAME.key_secret)",
+        description="Write a CURVE key pair for a server or a client (docs/security.md). Give "
+        "a client's NAME.key to the server (its --curve-allowed-keys directory); keep "
+        "NAME.key_secret with the client.",
+    )
+    keygen.add_argument("name", help="file name of the pair, e.g. engine-a or server")
+    keygen.add_argument("--dir", type=Path, default=Path("."), help="where to write [default: .]")
+    keygen.add_argument(
+        "--tenants",
+        default=None,
+        help="tenants a client key may use: NAME,NAME or * (required in an allowed-keys dir)",
+    )
     return parser
+
+
+def _add_key_arguments(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--server-key",
+        default=None,
+        help="the server's CURVE public key or key file [default: KVTRIO_SERVER_KEY, then "
+        "this user's default keys]",
+    )
+    command.add_argument(
+        "--client-key",
+        default=None,
+        help="this client's .key_secret file [default: KVTRIO_CLIENT_KEY, then this user's "
+        "default keys]",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -143,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             _serve(args)
         elif args.command == "ping":
             _ping(args)
+        elif args.command == "keygen":
+            _keygen(args)
         elif args.command == "backends":
             _backends()
         elif args.command == "status":
@@ -245,6 +289,19 @@ async def _drain_then_stop(handle: object, scope: trio.CancelScope) -> None:
         scope.cancel()
 
 
+# --------------------------------------------------------------------------- keygen
+
+
+def _keygen(args: argparse.Namespace) -> None:
+    from .transport import write_keypair
+
+    if (args.dir / f"{args.name}.key_secret").exists():
+        _fail(f"{args.dir / args.name}.key_secret exists; not overwriting it", status=1)
+    pair = write_keypair(args.dir, args.name, args.tenants)
+    print(f"wrote {args.dir / args.name}.key (public) and {args.name}.key_secret (keep private)")
+    print(f"public key: {pair.public.decode()}")
+
+
 # --------------------------------------------------------------------------- backends
 
 
@@ -274,7 +331,12 @@ def _status(args: argparse.Namespace) -> None:
     from .server import status_document, status_summary
 
     with Client(
-        args.endpoint, timeout=args.timeout, client_name="kvtrio-status", heartbeat=False
+        args.endpoint,
+        timeout=args.timeout,
+        client_name="kvtrio-status",
+        heartbeat=False,
+        server_key=args.server_key,
+        client_key=args.client_key,
     ) as client:
         stats = client.call(GetStats(), StatsReply, fail_fast=True)
     document = status_document(stats)
@@ -289,7 +351,12 @@ def _ping(args: argparse.Namespace) -> None:
     from .protocol import Ping, Pong
 
     with Client(
-        args.endpoint, timeout=args.timeout, client_name="kvtrio-ping", heartbeat=False
+        args.endpoint,
+        timeout=args.timeout,
+        client_name="kvtrio-ping",
+        heartbeat=False,
+        server_key=args.server_key,
+        client_key=args.client_key,
     ) as client:
         started = time.perf_counter()
         pong = client.call(Ping(), Pong, fail_fast=True)

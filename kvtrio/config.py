@@ -92,6 +92,11 @@ def _not_negative(instance: object, attribute: attrs.Attribute[Any], value: floa
         raise ValueError(f"{attribute.name}: must not be negative, got {value}")
 
 
+def _share(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"{attribute.name}: must be in (0, 1], got {value}")
+
+
 def _at_most(limit: int) -> Any:
     def check(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
         if value > limit:
@@ -276,6 +281,65 @@ class ServerConfig:
         validator=_one_of(*LOG_FORMATS),
         metadata={"help": "Log lines as text, or json (one object per line)."},
     )
+    # Security (docs/security.md).
+    insecure: bool = field(
+        default=False,
+        metadata={
+            "help": "Serve tcp:// without CURVE authentication (anyone who can reach the port "
+            "reads and writes the cache; one tenant only)."
+        },
+    )
+    curve_secret_key: str = field(
+        default="",
+        metadata={
+            "help": "The server's CURVE secret key file (kvtrio keygen); default: the key dir's "
+            "server.key_secret, created on first start."
+        },
+    )
+    curve_allowed_keys: str = field(
+        default="",
+        metadata={
+            "help": "Directory of allowed client *.key files, or a file of 'PUBLIC_KEY "
+            "TENANT,...' lines; default: the key dir's clients/."
+        },
+    )
+    ipc_group: str = field(
+        default="",
+        metadata={
+            "help": "Group that may connect to an ipc:// endpoint too (socket 0660; default "
+            "0600: this user only)."
+        },
+    )
+    max_sessions: int = field(
+        default=1024,
+        validator=_positive,
+        metadata={"help": "Client sessions the server holds at once; beyond it: busy."},
+    )
+    max_leases_per_session: int = field(
+        default=65536,
+        validator=_positive,
+        metadata={
+            "help": "Pins and reservations one client session may hold; beyond: quota_exceeded."
+        },
+    )
+    lease_share: float = field(
+        default=0.9,
+        validator=_share,
+        metadata={
+            "help": "Share of L1 that pins and reservations together may take (the rest stays "
+            "evictable, so stores keep working)."
+        },
+    )
+    lease_share_per_key: float = field(
+        default=0.5,
+        validator=_share,
+        metadata={"help": "Share of L1 one CURVE client key's pins and reservations may take."},
+    )
+    max_sessions_per_key: int = field(
+        default=256,
+        validator=_positive,
+        metadata={"help": "Sessions one CURVE client key may hold at once; beyond it: busy."},
+    )
 
 
 def config_summary(config: ServerConfig) -> dict[str, Any]:
@@ -298,6 +362,12 @@ def config_summary(config: ServerConfig) -> dict[str, Any]:
         "http": config.http,
         "log_level": config.log_level,
         "log_format": config.log_format,
+        "insecure": config.insecure,
+        "max_sessions": config.max_sessions,
+        "max_sessions_per_key": config.max_sessions_per_key,
+        "max_leases_per_session": config.max_leases_per_session,
+        "lease_share": config.lease_share,
+        "lease_share_per_key": config.lease_share_per_key,
     }
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "ConfigError",
     "ConnectionLost",
     "ErrorCode",
+    "Forbidden",
     "Incompatible",
     "InternalServerError",
     "KvtrioError",
@@ -28,6 +29,7 @@ __all__ = [
     "NotRegistered",
     "PeerUnreachable",
     "ProtocolError",
+    "QuotaExceeded",
     "RequestError",
     "RequestTimeout",
     "ServerBusy",
@@ -69,6 +71,12 @@ class ErrorCode(str, enum.Enum):
     INCOMPATIBLE = "incompatible"
     """The registration or lookup conflicts with how the model is already registered (KV
     format, hash scheme, world size); the message says what differs."""
+    FORBIDDEN = "forbidden"
+    """The client's credentials do not allow the request (e.g. it names a tenant its key may
+    not use, or a connection without authentication names a tenant)."""
+    QUOTA_EXCEEDED = "quota_exceeded"
+    """The request would take the client (or its tenant) beyond a limit of the server: pins,
+    reservations, loads in flight, readers. Release what it holds, or retry later."""
     INTERNAL = "internal"
     """The server failed while handling a valid request (a bug; the server logged it)."""
 
@@ -203,6 +211,14 @@ class NotRegistered(ServerError):
 
 class Incompatible(ServerError):
     code = ErrorCode.INCOMPATIBLE
+
+
+class Forbidden(ServerError):
+    code = ErrorCode.FORBIDDEN
+
+
+class QuotaExceeded(ServerError):
+    code = ErrorCode.QUOTA_EXCEEDED
 
 
 class InternalServerError(ServerError):

@@ -68,6 +68,19 @@ async def await_async(
     pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_key_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The suite's servers and clients use default CURVE keys of their own, never the user's
+    (``~/.config/kvtrio/keys``); server processes inherit the setting."""
+    previous = os.environ.get("KVTRIO_KEY_DIR")
+    os.environ["KVTRIO_KEY_DIR"] = str(tmp_path_factory.mktemp("kvtrio-keys") / "keys")
+    yield
+    if previous is None:
+        del os.environ["KVTRIO_KEY_DIR"]
+    else:
+        os.environ["KVTRIO_KEY_DIR"] = previous
+
+
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
     """A short temporary directory (ipc:// paths must stay under ~100 bytes)."""

@@ -90,3 +90,12 @@ def test_every_setting_has_help() -> None:
     helps = field_help()
     assert set(helps) == {a.name for a in attrs.fields(ServerConfig)}
     assert all(helps.values())
+
+
+def test_security_settings_are_validated() -> None:
+    config = load_config({"insecure": "yes", "lease_share": "0.5", "max_sessions": "8"})
+    assert (config.insecure, config.lease_share, config.max_sessions) == (True, 0.5, 8)
+    with pytest.raises(ConfigError, match="lease_share"):
+        load_config({"lease_share": "1.5"})
+    with pytest.raises(ConfigError, match="max_sessions_per_key"):
+        load_config({"max_sessions_per_key": "0"})

@@ -29,7 +29,9 @@ from ._common import (
     DEFAULT_TIMEOUT,
     GOODBYE_TIMEOUT,
     MONITOR_EVENTS,
+    curve_options,
     dealer_options,
+    handshake_failure,
     hello_request,
     read_reply_header,
     reply_or_error,
@@ -65,6 +67,8 @@ class AsyncClient:
     def __init__(self, socket: Socket, endpoint: str, timeout: float, client_name: str) -> None:
         self._socket = socket
         self.endpoint = endpoint
+        self.handshake_error: str | None = None
+        """Why the last handshake failed (CURVE), if it did."""
         self.timeout = timeout
         self.client_name = client_name
         self._ids = itertools.count(1)
@@ -104,7 +108,8 @@ class AsyncClient:
             self._calls.pop(request_id, None)
         if call.result is None:
             if not call.sent:
-                raise ServerUnavailable(f"could not reach {self.endpoint} within {timeout}s")
+                why = f": {self.handshake_error}" if self.handshake_error else ""
+                raise ServerUnavailable(f"could not reach {self.endpoint} within {timeout}s{why}")
             raise RequestTimeout(
                 f"no reply to {request.op!r} from {self.endpoint} within {timeout}s"
             )
@@ -153,6 +158,11 @@ class AsyncClient:
     async def _follow_connection(self, monitor: Monitor, nursery: trio.Nursery) -> None:
         while True:
             event = await monitor.receive()
+            failure = handshake_failure(event)
+            if failure is not None and failure != self.handshake_error:
+                log.warning("%s: %s", self.endpoint, failure)
+            if failure is not None or event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshake_error = failure  # kept through the disconnections that follow
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected = True
                 self._up.set()
@@ -209,17 +219,22 @@ async def open_client(
     timeout: float = DEFAULT_TIMEOUT,
     client_name: str = "kvtrio-async-client",
     heartbeat: bool = True,
+    server_key: str | None = None,
+    client_key: str | None = None,
 ) -> AsyncIterator[AsyncClient]:
     """Connect to a kvtrio server for the duration of the block.
 
     Connecting happens in the background (and again after every disconnection); requests made
     before the connection is up wait for it, within their timeout. With ``heartbeat``, an idle
     client pings the server so its session stays alive. A malformed ``endpoint`` raises
-    :class:`~kvtrio.errors.TransportError` before anything is opened.
+    :class:`~kvtrio.errors.TransportError` before anything is opened. ``server_key`` /
+    ``client_key``: CURVE credentials for ``tcp://`` (see
+    :func:`~kvtrio.client._common.curve_options`).
     """
     endpoint = check_endpoint(endpoint)
+    options = {**dealer_options(), **curve_options(endpoint, server_key, client_key)}
     async with (
-        open_socket(zmq.DEALER, options=dealer_options()) as socket,
+        open_socket(zmq.DEALER, options=options) as socket,
         open_monitor(socket, MONITOR_EVENTS) as monitor,
         trio.open_nursery() as nursery,
     ):

@@ -19,13 +19,16 @@ from ..protocol import (
     decode_reply,
     decode_reply_header,
 )
+from ..transport import curve_client_options, resolve_client_credentials
 
 __all__ = [
     "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_TIMEOUT",
     "GOODBYE_TIMEOUT",
     "MONITOR_EVENTS",
+    "curve_options",
     "dealer_options",
+    "handshake_failure",
     "hello_request",
     "read_reply_header",
     "reply_or_error",
@@ -44,8 +47,27 @@ MONITOR_EVENTS = (
     | zmq.EVENT_DISCONNECTED
     | zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_CLOSED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
-"""Connection events the clients follow: connected (handshake done) / gone / retrying."""
+"""Connection events the clients follow: connected (handshake done) / gone / retrying /
+refused at the handshake (CURVE)."""
+
+
+def handshake_failure(event: int) -> str | None:
+    """What a failed handshake event means for the user, or None for other events."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (
+            "the server refused this client's CURVE key (it is not among the server's allowed "
+            "keys; see docs/security.md)"
+        )
+    if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+        return (
+            "the handshake with the server failed (a wrong server key, or CURVE on one side "
+            "only, e.g. a plain client of a CURVE server; see docs/security.md)"
+        )
+    return None
 
 
 def dealer_options() -> dict[int, Any]:
@@ -64,6 +86,21 @@ def dealer_options() -> dict[int, Any]:
         zmq.SNDHWM: 100_000,
         zmq.RCVHWM: 100_000,
     }
+
+
+def curve_options(
+    endpoint: str, server_key: str | None = None, client_key: str | None = None
+) -> dict[int, Any]:
+    """CURVE options for a client of ``endpoint`` (see ``docs/security.md``).
+
+    For ``tcp://``: ``server_key`` (Z85 or key file) and ``client_key`` (``.key_secret`` file),
+    else ``KVTRIO_SERVER_KEY`` / ``KVTRIO_CLIENT_KEY``, else the default keys of this user (the
+    ones a server started by this user created); none of these: a plain connection. ``ipc://``
+    is protected by file permissions and takes no keys. :class:`ConfigError` for bad key files.
+    """
+    if not endpoint.startswith("tcp://"):
+        return {}
+    return curve_client_options(resolve_client_credentials(server_key, client_key))
 
 
 def hello_request(client_name: str) -> Hello:

@@ -46,6 +46,8 @@ class SchedulerAdapter:
         tenant: str = "",
         timeout: float = 5.0,
         client: Client | None = None,
+        server_key: str | None = None,
+        client_key: str | None = None,
     ) -> None:
         self.model_name = model_name
         self.world_size = world_size
@@ -57,7 +59,13 @@ class SchedulerAdapter:
         self.client = (
             client
             if client is not None
-            else Client(server_url, timeout=timeout, client_name=f"kvtrio-scheduler/{model_name}")
+            else Client(
+                server_url,
+                timeout=timeout,
+                client_name=f"kvtrio-scheduler/{model_name}",
+                server_key=server_key,
+                client_key=client_key,
+            )
         )
         self._lookups: dict[str, Future[Reply]] = {}
         self._lock = threading.Lock()

@@ -41,7 +41,9 @@ from ._common import (
     DEFAULT_TIMEOUT,
     GOODBYE_TIMEOUT,
     MONITOR_EVENTS,
+    curve_options,
     dealer_options,
+    handshake_failure,
     hello_request,
     read_reply_header,
     reply_or_error,
@@ -88,11 +90,16 @@ class Client:
         client_name: str = "kvtrio-client",
         on_server_change: ServerChange | None = None,
         heartbeat: bool = True,
+        server_key: str | None = None,
+        client_key: str | None = None,
     ) -> None:
         self.endpoint = check_endpoint(endpoint)
+        self._options = {**dealer_options(), **curve_options(self.endpoint, server_key, client_key)}
         self.timeout = timeout
         self.client_name = client_name
         self.server_info: HelloReply | None = None
+        self.handshake_error: str | None = None
+        """Why the last handshake failed (CURVE), if it did."""
         self.state = "connecting"
         """``connecting`` (never connected yet), ``connected`` or ``disconnected``."""
         self.in_flight = 0
@@ -202,7 +209,7 @@ class Client:
     def _run(self) -> None:
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        for option, value in dealer_options().items():
+        for option, value in self._options.items():
             dealer.setsockopt(option, value)
         monitor = self._context.socket(zmq.PAIR)
         monitor.setsockopt(zmq.LINGER, 0)
@@ -314,7 +321,12 @@ class _IOLoop:
             if call.future.cancelled():
                 continue
             if call.fail_fast and self.client.state == "disconnected":
-                _settle_error(call, ServerUnavailable(_unreachable(self.client.endpoint)))
+                _settle_error(
+                    call,
+                    ServerUnavailable(
+                        _unreachable(self.client.endpoint, self.client.handshake_error)
+                    ),
+                )
                 continue
             self.calls[request_id] = call
             heapq.heappush(self.deadlines, (call.deadline, request_id))
@@ -410,6 +422,11 @@ class _IOLoop:
                 event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))["event"]
             except zmq.Again:
                 return
+            failure = handshake_failure(event)
+            if failure is not None and failure != client.handshake_error:
+                log.warning("%s: %s", client.endpoint, failure)
+            if failure is not None or event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                client.handshake_error = failure  # kept through the disconnections that follow
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 client.state = "connected"
                 self.internal(hello_request(client.client_name), self.on_hello)
@@ -425,12 +442,20 @@ class _IOLoop:
                         self.pop(request_id)
                         _settle_error(call, ConnectionLost(f"connection to {client.endpoint} lost"))
 
+    def unreachable(self) -> str:
+        return _unreachable(self.client.endpoint, self.client.handshake_error)
+
     def fail_unsent_fail_fast(self) -> None:
         """Requests that may not wait for a connection fail once the server is known down."""
         for request_id, call in list(self.calls.items()):
             if call.fail_fast and not call.sent:
                 self.pop(request_id)
-                _settle_error(call, ServerUnavailable(_unreachable(self.client.endpoint)))
+                _settle_error(
+                    call,
+                    ServerUnavailable(
+                        _unreachable(self.client.endpoint, self.client.handshake_error)
+                    ),
+                )
 
     def on_hello(self, reply: Reply) -> None:
         assert isinstance(reply, HelloReply)
@@ -464,5 +489,7 @@ def _settle_error(call: _Call, error: BaseException) -> None:
         call.future.set_exception(error)
 
 
-def _unreachable(endpoint: str) -> str:
+def _unreachable(endpoint: str, handshake_error: str | None = None) -> str:
+    if handshake_error is not None:
+        return f"cannot reach {endpoint}: {handshake_error}"
     return f"cannot reach {endpoint} (no connection; is the server running?)"

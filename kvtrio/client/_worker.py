@@ -112,6 +112,8 @@ class WorkerAdapter:
         instance_id: str | None = None,
         timeout: float = 5.0,
         cuda_runtime: CudaRuntime | None = None,
+        server_key: str | None = None,
+        client_key: str | None = None,
     ) -> None:
         self.model_name = model_name
         self.world_size = world_size
@@ -141,6 +143,8 @@ class WorkerAdapter:
             timeout=timeout,
             client_name=f"kvtrio-worker/{model_name}/{kv_rank}",
             on_server_change=self._on_server_change,
+            server_key=server_key,
+            client_key=client_key,
         )
 
     # ----------------------------------------------------------------- registration

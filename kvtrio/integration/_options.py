@@ -75,6 +75,22 @@ class ConnectorOptions:
         converter=_to_str,
         metadata={"help": "a namespace: engines with different tenants never share chunks"},
     )
+    server_key: str = attrs.field(
+        default="",
+        converter=_to_str,
+        metadata={
+            "help": "the server's CURVE public key or key file, for tcp:// (default: "
+            "KVTRIO_SERVER_KEY, then this user's default keys; docs/security.md)"
+        },
+    )
+    client_key: str = attrs.field(
+        default="",
+        converter=_to_str,
+        metadata={
+            "help": "this engine's CURVE .key_secret file (default: KVTRIO_CLIENT_KEY, then "
+            "this user's default keys)"
+        },
+    )
     load: bool = attrs.field(
         default=True, converter=_to_bool, metadata={"help": "load hits from kvtrio"}
     )

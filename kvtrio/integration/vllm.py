@@ -109,6 +109,8 @@ class KvtrioConnector(KVConnectorBase_V1):
             "block_size": self.block_size,
             "tenant": self.options.tenant,
             "timeout": self.options.timeout,
+            "server_key": self.options.server_key or None,
+            "client_key": self.options.client_key or None,
         }
         self._scheduler: SchedulerAdapter | None = None
         self._worker: WorkerAdapter | None = None

@@ -91,6 +91,7 @@ class DiskBackend:
         self._indexed = True
 
     def _scan(self) -> list[tuple[bytes, int]]:
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # cached KV: this user only
         self._objects_dir.mkdir(parents=True, exist_ok=True)
         self._tmp_dir.mkdir(parents=True, exist_ok=True)
         for leftover in self._tmp_dir.iterdir():  # writes interrupted by a crash

@@ -49,6 +49,7 @@ from ..storage import (
 from ._cuda import CudaTransfers
 from ._l2 import L2Tier
 from ._prefetch import Prefetcher
+from ._quotas import Quotas, scrub
 from ._registry import Registration, Registry, request_key
 from ._session import Session
 from ._state import ServerState
@@ -81,6 +82,7 @@ class CacheService:
         self.lookup_l2_chunks = 0
         self.lookup_timeouts = 0
         self.leases = LeaseTable()
+        self.quotas = Quotas(state, self.leases, l1)
         self.registry = Registry(state.config.chunk_size)
         self._watched: set[str] = set()  # sessions whose end releases their leases
         self.prefetch = Prefetcher(l1, l2, state.config, self._pin_for_lookup)
@@ -215,9 +217,14 @@ class CacheService:
         hashes = list(chain.hashes)
         # A new lookup of the request replaces the previous one: its pins and its loads.
         self._end_lookup(key)
+        self.quotas.readers(request.num_readers, model.world_size)
         hit = len(hashes)
         for space in model.spaces:
             hit = self.l1.prefix([space + h for h in hashes[:hit]])
+        if hit:
+            pinned = [space + h for space in model.spaces for h in hashes[:hit]]
+            self.quotas.admit(session, len(pinned), self._chunk_bytes(model.spaces))
+            self.quotas.admit_pins(pinned, self._chunk_bytes(model.spaces))
         readers = request.num_readers or (
             model.world_size if model.profile.shared_across_ranks else 1
         )
@@ -274,8 +281,10 @@ class CacheService:
         key, chain, chunks = self._chunks(registration, request)
         if registration.cuda is not None:
             blocks = self._block_ids(registration, request, chunks, store=True)
+        self.quotas.admit(session, len(chunks), registration.chunk_bytes)
         expires = trio.current_time() + self.config.reservation_ttl
         slots = []
+        reserved = []
         for index in chunks:
             object_key = registration.space + chain.hashes[index]
             parent = registration.space + chain.hashes[index - 1] if index else None
@@ -283,6 +292,7 @@ class CacheService:
             if isinstance(outcome, Entry):
                 self.leases.add(LeaseKind.WRITE, key, session.id, object_key, 1, expires)
                 slots.append(Slot(index, "write", outcome.offset, outcome.nbytes))
+                reserved.append(outcome)
             elif outcome is Reservation.PRESENT:
                 slots.append(Slot(index, "present"))
             elif outcome is Reservation.IN_PROGRESS:
@@ -291,6 +301,7 @@ class CacheService:
                 slots.append(Slot(index, "failed"))
         if registration.cuda is not None:
             return self._cuda_store(session, registration, request, key, chain, blocks, slots)
+        await scrub(self.arena, reserved)  # an unwritten slot never shows a previous chunk
         return StoreReply(tuple(slots), self.config.reservation_ttl)
 
     async def commit(self, session: Session, request: Commit) -> CommitReply:
@@ -331,6 +342,9 @@ class CacheService:
             with trio.move_on_after(self.config.retrieve_timeout):
                 for load in pending:
                     await load.done.wait()
+        self.quotas.admit(session, len(chunks), registration.chunk_bytes)
+        reading = [registration.space + chain.hashes[i] for i in chunks]
+        self.quotas.admit_pins(reading, registration.chunk_bytes)
         expires = trio.current_time() + self.config.pin_ttl
         slots = []
         for index in chunks:

@@ -39,6 +39,14 @@ class Router:
         """Receive and route messages until cancelled."""
         task_status.started()
         socket = self._socket
+        if self._state.auth.curve:  # each message with the user id of its connection
+            while True:
+                await socket.wait_readable()
+                for _ in range(_BATCH):
+                    message = socket.try_recv_authenticated()
+                    if message is None:
+                        break
+                    self.route(*message)
         while True:
             self.route(await socket.recv_multipart())
             for _ in range(_BATCH - 1):
@@ -47,8 +55,11 @@ class Router:
                     break
                 self.route(frames)
 
-    def route(self, frames: list[bytes]) -> None:
-        """Hand one message to its session, or answer/drop it here. Never waits."""
+    def route(self, frames: list[bytes], user: str = "") -> None:
+        """Hand one message to its session, or answer/drop it here. Never waits.
+
+        ``user`` is the ZAP user id of the connection it came from (CURVE only).
+        """
         state = self._state
         identity, parts = frames[0], frames[1:]
         if not parts or len(parts[0]) > MAX_HEADER_SIZE:
@@ -79,13 +90,26 @@ class Router:
                 item.kind,
             )
             return
+        if session is not None and session.principal.user_id != user:
+            # Another key's connection took over this routing id: it gets nothing of the session.
+            self.answer_now(
+                identity,
+                item.request_id,
+                ErrorCode.FORBIDDEN,
+                "this routing id belongs to another client's session",
+                item.kind,
+            )
+            return
         if session is None:
             if item.error is not None:  # nothing to keep in order with: answer here
                 self.answer_now(
                     identity, item.request_id, item.error.code, item.error.message, item.kind
                 )
                 return
-            session = self._start_session(identity)
+            started = self._start_session(identity, user, item)
+            if started is None:
+                return
+            session = started
         session.touch(now)
         if session.offer(item):
             state.accepted()
@@ -98,11 +122,26 @@ class Router:
                 item.kind,
             )
 
-    def _start_session(self, identity: bytes) -> Session:
-        session = Session(identity, self._state, self)
+    def _start_session(self, identity: bytes, user: str, item: Incoming) -> Session | None:
+        """Start the session of a new client, or refuse ``item`` (and return None) if its key
+        is unknown or it would exceed a session limit."""
+        auth = self._state.auth
+        principal = auth.principal(user)
+        if principal is None:
+            self.answer_now(
+                identity, item.request_id, ErrorCode.FORBIDDEN, "unknown client key", item.kind
+            )
+            return None
+        refusal = auth.session_refusal(principal, len(self._state.sessions))
+        if refusal is not None:
+            self._state.counters.sessions_refused += 1
+            self.answer_now(identity, item.request_id, ErrorCode.BUSY, refusal, item.kind)
+            return None
+        session = Session(identity, self._state, self, principal)
+        auth.sessions_by_user[principal.user_id] += 1
         self._state.sessions[identity] = session
         self._state.counters.sessions_started += 1
-        self._sessions.start_soon(session.run, name=f"kvtrio session {identity.hex()}")
+        self._sessions.start_soon(session.run, name=f"kvtrio session {session.id}")
         return session
 
     def _drop(self, identity: bytes, why: str) -> None:

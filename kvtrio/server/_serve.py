@@ -15,7 +15,8 @@ from ..config import ServerConfig
 from ..errors import ConfigError
 from ..l2 import Backend, create_backend
 from ..storage import L1Cache, SharedArena, default_shm_dir, make_policy
-from ..transport import ensure_endpoint_free, open_socket
+from ..transport import ensure_endpoint_free, open_socket, serve_zap
+from ._auth import ServerAuth, configure_auth
 from ._cache import CacheService
 from ._cuda import CudaTransfers, RuntimeFactory
 from ._http import bind_http, serve_http
@@ -87,9 +88,10 @@ class ServerHandle:
         self._stop_scope.cancel()
 
 
-def _router_options(config: ServerConfig) -> dict[int, int]:
+def _router_options(config: ServerConfig, auth: ServerAuth) -> dict[int, int | bytes]:
     hard_limit = max(2 * config.max_message_size, config.max_message_size + (1 << 20))
     return {
+        **auth.socket_options(),
         zmq.ROUTER_MANDATORY: 1,  # tell us when a peer is gone or full instead of dropping
         zmq.ROUTER_HANDOVER: 1,  # a client reconnecting with its routing id takes it over
         zmq.SNDHWM: _HWM,
@@ -116,6 +118,7 @@ async def open_server(
     replaces the CUDA runtime the first CUDA registration creates (tests pass a simulated one).
     """
     ensure_endpoint_free(config.endpoint)
+    auth = configure_auth(config)  # first: a bad key file stops the start before anything runs
     http_socket = bind_http(config.http) if config.http else None
     try:
         if backends is None:
@@ -125,46 +128,80 @@ async def open_server(
         if http_socket is not None:
             http_socket.close()
         raise
+    # CURVE: a context of the server's own, whose ZAP handler (bound before the ROUTER, or
+    # libzmq would accept any key) answers for this server alone.
+    context = zmq.Context() if auth.curve else None
     try:
         with trio.CancelScope() as stop_scope:
-            async with open_socket(
-                zmq.ROUTER, options=_router_options(config), linger=_REPLY_LINGER_MS
-            ) as socket:
-                state = ServerState(config, socket.bind(config.endpoint))
-                register_core_operations(state)
-                l1 = L1Cache(arena.size, policy=make_policy(config.eviction))
-                l2 = L2Tier(
-                    backends,
-                    l1,
-                    arena,
-                    queue_size=config.write_behind_queue,
-                    flushers=2,
-                    loaders=config.l2_loaders,
-                )
-                cache = CacheService(state, arena, l1, l2, CudaTransfers(arena, cuda_runtime))
-                cache.install()
-                metrics = ServerMetrics(state)
-                metrics.install(l2)
-                async with trio.open_nursery() as root, trio.open_nursery() as sessions:
-                    http_url = None
-                    if http_socket is not None:  # first: /healthz says "starting" until now
-                        http_url = await root.start(serve_http, state, metrics, http_socket)
-                    root.start_soon(_preallocate, arena)
-                    await root.start(l2.serve)
-                    await root.start(cache.serve_reaper)
-                    await root.start(cache.cuda.serve)
-                    router = Router(state, socket, sessions)
-                    await root.start(router.run)
-                    state.serving = True
-                    try:
-                        yield ServerHandle(state, stop_scope, http_url)
-                    finally:
-                        state.serving = False
-                        root.cancel_scope.cancel()
+            async with trio.open_nursery() as auth_tasks:
+                if context is not None:
+                    await auth_tasks.start(serve_zap, context, auth.authorize)
+                try:
+                    async with open_socket(
+                        zmq.ROUTER,
+                        options=_router_options(config, auth),
+                        linger=_REPLY_LINGER_MS,
+                        context=context,
+                    ) as socket:
+                        endpoint = socket.bind(config.endpoint, ipc_group=config.ipc_group)
+                        state = ServerState(config, endpoint, auth)
+                        log.info(
+                            "%s",
+                            auth.describe(endpoint),
+                            extra=event("auth", mode=auth.mode, endpoint=endpoint),
+                        )
+                        register_core_operations(state)
+                        l1 = L1Cache(arena.size, policy=make_policy(config.eviction))
+                        l2 = L2Tier(
+                            backends,
+                            l1,
+                            arena,
+                            queue_size=config.write_behind_queue,
+                            flushers=2,
+                            loaders=config.l2_loaders,
+                        )
+                        cuda = CudaTransfers(arena, cuda_runtime)
+                        cache = CacheService(state, arena, l1, l2, cuda)
+                        cache.install()
+                        metrics = ServerMetrics(state)
+                        metrics.install(l2)
+                        async with trio.open_nursery() as root, trio.open_nursery() as sessions:
+                            http_url = None
+                            if http_socket is not None:  # first: /healthz says "starting"
+                                http_url = await root.start(serve_http, state, metrics, http_socket)
+                            root.start_soon(_preallocate, arena)
+                            await root.start(l2.serve)
+                            await root.start(cache.serve_reaper)
+                            await root.start(cache.cuda.serve)
+                            router = Router(state, socket, sessions)
+                            await root.start(router.run)
+                            state.serving = True
+                            try:
+                                yield ServerHandle(state, stop_scope, http_url)
+                            finally:
+                                state.serving = False
+                                root.cancel_scope.cancel()
+                finally:
+                    auth_tasks.cancel_scope.cancel()
     finally:
         arena.close()
         if http_socket is not None:
             http_socket.close()
+        if context is not None:
+            await _terminate(context)
+
+
+_CONTEXT_LIMITER = trio.CapacityLimiter(4)
+"""Threads that wait for a stopped server's ZeroMQ context to terminate."""
+
+
+async def _terminate(context: zmq.Context[zmq.Socket[bytes]]) -> None:
+    """Terminate the server's own ZeroMQ context once its sockets are closed (shielded,
+    bounded: libzmq may hold it for the sockets' linger; after that the thread is abandoned)."""
+    with trio.CancelScope(shield=True), trio.move_on_after(2 * _REPLY_LINGER_MS / 1000):
+        await trio.to_thread.run_sync(
+            context.term, limiter=_CONTEXT_LIMITER, abandon_on_cancel=True
+        )
 
 
 _ARENA_LIMITER = trio.CapacityLimiter(1)

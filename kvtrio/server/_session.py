@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -20,6 +21,7 @@ from ..protocol import (
     encode_error,
     encode_reply,
 )
+from ._auth import Principal, check_tenant
 
 if TYPE_CHECKING:
     from ._router import Router
@@ -63,8 +65,15 @@ class Session:
     cleanups run, shielded and bounded by :data:`CLEANUP_TIMEOUT`.
     """
 
-    def __init__(self, identity: bytes, state: ServerState, router: Router) -> None:
+    def __init__(
+        self, identity: bytes, state: ServerState, router: Router, principal: Principal
+    ) -> None:
         self.identity = identity
+        self.principal = principal
+        """Who the client is (its key) and which tenants it may name."""
+        self.id = hashlib.blake2b(identity, digest_size=12, key=state.session_id_key).hexdigest()
+        """Names the session in stats, logs and the cache's tables; reveals nothing of the
+        routing id (which a client could otherwise use to take over another's connection)."""
         self.state = state
         self._router = router
         self._send, self._receive = trio.open_memory_channel[Incoming](
@@ -85,10 +94,6 @@ class Session:
         self._heartbeat_timeout = state.config.heartbeat_timeout
         self._deadline = -math.inf
         self.touch(now)
-
-    @property
-    def id(self) -> str:
-        return self.identity.hex()
 
     @property
     def in_flight(self) -> int:
@@ -200,6 +205,9 @@ class Session:
             if item.error is not None:
                 raise item.error
             request = decode_request_for(self.state, item)
+            tenant = getattr(request, "tenant", None)
+            if isinstance(tenant, str):
+                check_tenant(self.principal, tenant)
             operation = self.state.operations[type(request)]
         except RequestError as exc:
             await self._finish(item, encode_error(item.request_id, exc.code, exc.message), exc.code)
@@ -243,6 +251,7 @@ class Session:
         """Answer what is left, run cleanups shielded and bounded, forget the session."""
         if self.state.sessions.get(self.identity) is self:
             del self.state.sessions[self.identity]
+        self.state.auth.sessions_by_user[self.principal.user_id] -= 1  # counted at its start
         self._send.close()
         unanswered = list(self._active)
         self._active.clear()

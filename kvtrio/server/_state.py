@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -14,6 +15,7 @@ from .._version import __version__
 from ..config import ServerConfig, config_summary
 from ..errors import ErrorCode
 from ..protocol import CacheStats, L2Stats, Reply, Request, ServerCounters, StatsReply
+from ._auth import ServerAuth
 from ._status import storage_summary
 
 if TYPE_CHECKING:
@@ -47,6 +49,8 @@ class Counters:
     sessions_started: int = 0
     sessions_ended: int = 0
     sessions_expired: int = 0
+    sessions_refused: int = 0
+    """New sessions refused at a session limit (``max_sessions``, ``max_sessions_per_key``)."""
 
     def error(self, code: ErrorCode) -> None:
         self.errors += 1
@@ -56,8 +60,12 @@ class Counters:
 class ServerState:
     """Everything the router, the sessions and the handlers share. One per ``serve`` call."""
 
-    def __init__(self, config: ServerConfig, endpoint: str) -> None:
+    def __init__(self, config: ServerConfig, endpoint: str, auth: ServerAuth | None = None) -> None:
         self.config = config
+        self.auth = auth or ServerAuth("ipc" if endpoint.startswith("ipc://") else "insecure")
+        """Who clients are and how many sessions they may hold (see ``_auth``)."""
+        self.session_id_key = os.urandom(16)
+        """Keys the session ids shown in stats and logs: they never reveal a routing id."""
         self.endpoint = endpoint
         """The endpoint actually bound (a tcp port of 0 resolved)."""
         self.instance_id = uuid.uuid4().hex

@@ -141,6 +141,10 @@ class LeaseTable:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
+    def owned(self, owner: str) -> int:
+        """How many live leases ``owner`` holds (quotas read it on every lease they admit)."""
+        return len(self._by_owner.get(owner, ()))
+
     def holds(self, request: str) -> bool:
         """Whether any lease of ``request`` is live."""
         return request in self._by_request

@@ -25,6 +25,8 @@ messages are atomic).
 from __future__ import annotations
 
 import contextlib
+import grp
+import os
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -64,17 +66,36 @@ class Socket:
 
     # ----------------------------------------------------------------- configuration
 
-    def bind(self, endpoint: str) -> str:
-        """Bind to ``endpoint`` and return the endpoint actually bound (port 0 resolved)."""
+    def bind(self, endpoint: str, *, ipc_group: str = "") -> str:
+        """Bind to ``endpoint`` and return the endpoint actually bound (port 0 resolved).
+
+        An ``ipc://`` socket file is created 0600 (only this user may connect), or 0660 owned
+        by ``ipc_group``: the umask is 077 while binding, so there is no moment where others
+        could connect.
+        """
+        is_ipc = endpoint.startswith("ipc://")
+        gid = _group_id(ipc_group) if is_ipc and ipc_group else None
+        previous = os.umask(0o077) if is_ipc else None
         try:
             self._zsock.bind(endpoint)
         except zmq.ZMQError as exc:
             raise TransportError(f"cannot bind {endpoint}: {exc.strerror}") from None
+        finally:
+            if previous is not None:
+                os.umask(previous)
         last = self._zsock.get(zmq.LAST_ENDPOINT)
         bound = last.decode() if isinstance(last, bytes) else str(last)
         path = ipc_path(bound)
         if path is not None:
             self._ipc_paths.append(path)
+            try:
+                if gid is not None:
+                    os.chown(path, -1, gid)
+                os.chmod(path, 0o600 if gid is None else 0o660)
+            except OSError as exc:
+                raise TransportError(
+                    f"cannot set the permissions of {bound}: {exc.strerror}"
+                ) from None
         return bound
 
     def connect(self, endpoint: str) -> None:
@@ -139,6 +160,31 @@ class Socket:
         finally:
             self._after_call()
         return frames
+
+    def try_recv_authenticated(self) -> tuple[list[bytes], str] | None:
+        """Like :meth:`try_recv_multipart`, with the ZAP user id of the connection the message
+        came from ("" if the connection was not authenticated)."""
+        self._check_open()
+        zsock = self._zsock
+        try:
+            first = zsock.recv(_NOBLOCK, copy=False)
+            frames = [first.bytes]
+            try:
+                user = first.get("User-Id")
+            except zmq.ZMQError:
+                user = ""
+            more = first.more
+            while more:  # the rest of a multipart message is always there already
+                frame = zsock.recv(_NOBLOCK, copy=False)
+                frames.append(frame.bytes)
+                more = frame.more
+        except zmq.Again:
+            return None
+        except zmq.ZMQError as exc:
+            raise TransportError(f"receive failed: {exc.strerror}") from None
+        finally:
+            self._after_call()
+        return frames, str(user)
 
     async def recv_multipart(self) -> list[bytes]:
         """Receive one whole message, waiting until one arrives.
@@ -267,6 +313,13 @@ async def open_socket(
     finally:
         sock.close()
         await _released(sock._ipc_paths)
+
+
+def _group_id(name: str) -> int:
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise TransportError(f"ipc_group: no group named {name!r}") from None
 
 
 _RELEASE_TIMEOUT = 2.0

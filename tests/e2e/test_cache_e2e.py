@@ -334,7 +334,8 @@ def test_l1_full_of_pinned_chunks_refuses_stores_and_evicts_nothing(
     server_process: Callable[..., ServerProcess], short_dir: Path
 ) -> None:
     # 3 chunks of 4 layers × 2 × 256 tokens × 64 × 2 bytes = 256 KiB fit in a 768 KiB L1.
-    server = server_process("--l1-size", "768KiB")
+    # --lease-share 1: pins may take all of L1 here (by default they stop at 90%).
+    server = server_process("--l1-size", "768KiB", "--lease-share", "1")
     worker = Worker(server.endpoint, "m", 1, 0, "flash_attn", ())
     sched = SchedulerAdapter(server.endpoint, "m", 1, 0, BLOCK)
     try:

@@ -122,7 +122,8 @@ def test_options_defaults_and_spellings() -> None:
         2.5,
     )
     assert set(OPTION_HELP) == {
-        "kvtrio.url", "kvtrio.model", "kvtrio.tenant", "kvtrio.load", "kvtrio.save",
+        "kvtrio.url", "kvtrio.model", "kvtrio.tenant", "kvtrio.server_key", "kvtrio.client_key",
+        "kvtrio.load", "kvtrio.save",
         "kvtrio.async_load", "kvtrio.timeout", "kvtrio.lookup_wait",
     }  # fmt: skip
 

@@ -14,8 +14,9 @@ chunk, and the chunk's bytes for that layer are the same rows in a different ord
   row is one head of one token, ``head_dim`` elements.
 
 ``vllm_cpu`` has no such rows: vLLM's CPU kernels keep K transposed (``[dim, token]`` per block
-and head), so nothing longer than one element is contiguous in both; it always takes the
-blockwise path, with separate K and V views.
+and head), so nothing longer than one element is contiguous in both. It is copied by the optional
+C helper (:mod:`._cpu_native`: 8×8 tile transposes, at memcpy speed) when it could be built, and
+otherwise by the blockwise path with separate K and V views (about half of memcpy).
 
 A gather is then one ``np.take`` of rows per layer (a ``memmove`` per row, straight into the
 output buffer) and a scatter one indexed assignment per layer. The *blockwise* path views a layer
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._cpu_native import vllm_cpu_copier
 from ._layouts import KVLayout
 
 __all__ = ["gather", "scatter"]
@@ -76,6 +78,9 @@ def gather(
     ids = _check_block_ids(layout, block_ids, unique=False)
     _check_layers(layout, layers, writeable=False)
     chunk = _chunk_rows(layout, out, len(ids), name="out", writeable=True)
+    if layout.kind == "vllm_cpu" and (copier := vllm_cpu_copier()) is not None:
+        copier(layout, layers, ids, chunk, True)
+        return
     by_rows = layout.kind != "vllm_cpu" and (
         not layout.head_major or _block_nbytes(layout) < _BLOCKWISE_GATHER_BYTES
     )
@@ -107,6 +112,9 @@ def scatter(
     ids = _check_block_ids(layout, block_ids, unique=True)
     _check_layers(layout, layers, writeable=True)
     chunk = _chunk_rows(layout, src, len(ids), name="src", writeable=False)
+    if layout.kind == "vllm_cpu" and (copier := vllm_cpu_copier()) is not None:
+        copier(layout, layers, ids, chunk, False)
+        return
     rows: IndexArray | None = None
     for layer, data in zip(layers, chunk, strict=True):
         if layer.flags.c_contiguous and layout.kind != "vllm_cpu":

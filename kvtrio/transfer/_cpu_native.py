@@ -2,12 +2,15 @@
 
 ``cpu_ext/kvtrio_cpu.c`` copies the ``vllm_cpu`` layout (whose K is stored transposed per block
 and head) with 8×8 register-tile transposes: numpy can only move those elements one at a time,
-at about half of memcpy (``bench/transfer.py``). The first :func:`vllm_cpu_copier` call of a
-process compiles it with the C compiler (``$CC``, ``cc`` or ``gcc``; a fraction of a second) into
-the kvtrio cache, keyed by a digest of the source, and loads it through ctypes; every later
-process loads the cached library. Nothing requires a compiler: without one, with
-``KVTRIO_NO_EXT=1``, or if the build fails (logged once), :func:`vllm_cpu_copier` returns None
-and :mod:`._cpu` copies with numpy, byte for byte the same.
+at about half of memcpy (``bench/transfer.py``). It also copies the rows of the other layouts
+with plain vector moves: glibc's ``memcpy`` (which numpy uses) falls 10-20× below memory speed
+on the AMD EPYC machines here when source and destination are misaligned to each other in some
+ways, which is what a page-aligned arena slot and a numpy-allocated KV cache (16 mod 64) are.
+The first :func:`cpu_helper` call of a process compiles it with the C compiler (``$CC``, ``cc``
+or ``gcc``; a fraction of a second) into the kvtrio cache, keyed by a digest of the source, and
+loads it through ctypes; every later process loads the cached library. Nothing requires a
+compiler: without one, with ``KVTRIO_NO_EXT=1``, or if the build fails (logged once),
+:func:`cpu_helper` returns None and :mod:`._cpu` copies with numpy, byte for byte the same.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,16 +32,14 @@ import numpy.typing as npt
 from ._cuda_build import cache_root, extension_disabled
 from ._layouts import KVLayout
 
-__all__ = ["SOURCE", "build_cpu_library", "reset", "vllm_cpu_copier"]
+__all__ = ["SOURCE", "CpuHelper", "build_cpu_library", "cpu_helper", "reset"]
 
 log = logging.getLogger("kvtrio.transfer")
 
 SOURCE = Path(__file__).with_name("cpu_ext") / "kvtrio_cpu.c"
-_ABI = 1
+_ABI = 2
 
 Array = npt.NDArray[Any]
-Copier = Callable[[KVLayout, Sequence[Array], npt.NDArray[np.intp], Array, bool], None]
-"""``copier(layout, layers, ids, chunk_bytes, gather)``: arguments already validated."""
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -83,12 +84,13 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvt_cpu_abi.restype = ctypes.c_int
     if lib.kvt_cpu_abi() != _ABI:
         raise RuntimeError(f"{path} has ABI {lib.kvt_cpu_abi()}, expected {_ABI}")
-    i64 = ctypes.c_int64
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.kvt_cpu_vllm_cpu_copy.argtypes = [
-        ctypes.c_void_p, i64, ctypes.c_void_p, i64, i64, i64, i64, i64, i64, i64, i64,
-        ctypes.c_void_p, ctypes.c_int,
+        ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int
     ]  # fmt: skip
     lib.kvt_cpu_vllm_cpu_copy.restype = ctypes.c_int
+    lib.kvt_cpu_rows.argtypes = [ptr, i64, ptr, i64, i64, ptr, ctypes.c_int]
+    lib.kvt_cpu_rows.restype = ctypes.c_int
     return lib
 
 
@@ -100,14 +102,14 @@ def _library() -> ctypes.CDLL | None:
         if "lib" not in _state:
             lib = None
             if extension_disabled():
-                log.info("KVTRIO_NO_EXT is set: vllm_cpu layers are copied with numpy")
+                log.info("KVTRIO_NO_EXT is set: KV blocks are copied with numpy")
             else:
                 try:
                     lib = _load(build_cpu_library())
                 except (RuntimeError, OSError) as exc:
                     log.warning(
-                        "kvtrio: the CPU copy helper is unavailable (%s); vllm_cpu layers are "
-                        "copied with numpy, at about half of memcpy speed",
+                        "kvtrio: the CPU copy helper is unavailable (%s); KV blocks are copied "
+                        "with numpy (vllm_cpu layers at about half of memcpy speed)",
                         exc,
                     )
             _state["lib"] = lib
@@ -120,46 +122,56 @@ def reset() -> None:
         _state.clear()
 
 
-def _copy(
-    lib: ctypes.CDLL,
-    layout: KVLayout,
-    layers: Sequence[Array],
-    ids: npt.NDArray[np.intp],
-    chunk: Array,
-    gather: bool,
-) -> None:
-    strides = {layer.strides for layer in layers}
-    if len(strides) != 1:  # one stride set per call; rare enough to split per layer
-        per_layer = chunk.reshape(len(layers), -1)
-        for layer, part in zip(layers, per_layer, strict=True):
-            _copy(lib, layout, [layer], ids, part, gather)
-        return
-    ((block, head, kv, _, _),) = strides
-    bases = np.fromiter((layer.ctypes.data for layer in layers), np.uint64, len(layers))
-    ids64 = np.ascontiguousarray(ids, dtype=np.int64)
-    code = lib.kvt_cpu_vllm_cpu_copy(
-        bases.ctypes.data, len(layers), ids64.ctypes.data, len(ids64), layout.num_heads,
-        layout.block_size, layout.head_dim, layout.element_size, block, head, kv,
-        chunk.ctypes.data, int(gather),
-    )  # fmt: skip
-    if code:
-        raise ValueError(f"the CPU copy helper refused the arguments (code {code})")
+def _bases(layers: Sequence[Array]) -> npt.NDArray[np.uint64]:
+    return np.fromiter((layer.ctypes.data for layer in layers), np.uint64, len(layers))
 
 
-def vllm_cpu_copier() -> Copier | None:
-    """The C copy of ``vllm_cpu`` layers, or None if the helper is unavailable (then use numpy).
+class CpuHelper:
+    """The C copies. Every method trusts its arguments (validated by :mod:`._cpu`) and writes
+    wherever they say; all run without the GIL."""
 
-    The copier trusts its arguments (validated by :mod:`._cpu`): layers of ``layout.layer_shape``
-    whose last two axes are contiguous, ids in range, a C-contiguous chunk of the right size.
-    """
-    lib = _library()
-    if lib is None:
-        return None
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
 
-    def copier(
-        layout: KVLayout, layers: Sequence[Array], ids: npt.NDArray[np.intp], chunk: Array,
+    def rows(
+        self, layers: Sequence[Array], rows: npt.NDArray[np.intp], row_bytes: int, chunk: Array,
         gather: bool,
     ) -> None:  # fmt: skip
-        _copy(lib, layout, layers, ids, chunk, gather)
+        """Row ``j`` of each layer's share of ``chunk`` is row ``rows[j]`` of that C-contiguous
+        layer (rows of ``row_bytes``); copy one way or the other."""
+        bases = _bases(layers)
+        index = np.ascontiguousarray(rows, dtype=np.int64)
+        self._lib.kvt_cpu_rows(
+            bases.ctypes.data, len(layers), index.ctypes.data, len(index), row_bytes,
+            chunk.ctypes.data, int(gather),
+        )  # fmt: skip
 
-    return copier
+    def vllm_cpu(
+        self, layout: KVLayout, layers: Sequence[Array], ids: npt.NDArray[np.intp], chunk: Array,
+        gather: bool,
+    ) -> None:  # fmt: skip
+        """Blocks ``ids`` of ``vllm_cpu`` layers (last two axes contiguous) to or from ``chunk``."""
+        strides = {layer.strides for layer in layers}
+        if len(strides) != 1:  # one stride set per call; rare enough to split per layer
+            per_layer = chunk.reshape(len(layers), -1)
+            for layer, part in zip(layers, per_layer, strict=True):
+                self.vllm_cpu(layout, [layer], ids, part, gather)
+            return
+        ((block, head, kv, _, _),) = strides
+        bases = _bases(layers)
+        ids64 = np.ascontiguousarray(ids, dtype=np.int64)
+        code = self._lib.kvt_cpu_vllm_cpu_copy(
+            bases.ctypes.data, len(layers), ids64.ctypes.data, len(ids64), layout.num_heads,
+            layout.block_size, layout.head_dim, layout.element_size, block, head, kv,
+            chunk.ctypes.data, int(gather),
+        )  # fmt: skip
+        if code == 2:
+            raise MemoryError("the CPU copy helper could not allocate its stage")
+        if code:
+            raise ValueError(f"the CPU copy helper refused the arguments (code {code})")
+
+
+def cpu_helper() -> CpuHelper | None:
+    """The C copies, or None if the helper is unavailable (then copy with numpy)."""
+    lib = _library()
+    return None if lib is None else CpuHelper(lib)

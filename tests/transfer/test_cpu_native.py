@@ -82,11 +82,11 @@ def test_helper_matches_reference_and_numpy(
     the reference, and as the numpy path on the same input."""
     layout = layout_of(element_size, block_size, heads, head_dim)
     ids = [7, 0, 3, 8]
-    assert native.vllm_cpu_copier() is not None
+    assert native.cpu_helper() is not None
     with_helper = both_paths(layout, layers_of(layout, spread=spread), ids, seed=5)
     monkeypatch.setenv("KVTRIO_NO_EXT", "1")
     native.reset()
-    assert native.vllm_cpu_copier() is None
+    assert native.cpu_helper() is None
     assert both_paths(layout, layers_of(layout, spread=spread), ids, seed=5) == with_helper
 
 
@@ -95,7 +95,7 @@ def test_gather_of_repeated_blocks_and_layers_with_different_strides() -> None:
     layout = layout_of(2, 16, 2, 16)
     layers = layers_of(layout)
     layers[1] = layers_of(layout, seed=3, spread=True)[1]  # one layer strided differently
-    assert native.vllm_cpu_copier() is not None
+    assert native.cpu_helper() is not None
     ids = [2, 2, 5]
     out = np.zeros(layout.chunk_nbytes(len(ids) * 16), np.uint8)
     gather(layout, layers, ids, out)
@@ -143,12 +143,12 @@ def test_without_a_compiler_numpy_copies_and_a_warning_is_logged_once(
         both_paths(layout, layers_of(layout), [0], seed=3)
     warnings = [r for r in caplog.records if "CPU copy helper is unavailable" in r.message]
     assert len(warnings) == 1
-    assert native.vllm_cpu_copier() is None
+    assert native.cpu_helper() is None
 
 
 def test_kvtrio_no_ext_keeps_the_numpy_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVTRIO_NO_EXT", "1")
     monkeypatch.setenv("CC", "false")  # would fail loudly if a build were attempted
-    assert native.vllm_cpu_copier() is None
+    assert native.cpu_helper() is None
     layout = layout_of(4, 5, 1, 3)
     both_paths(layout, layers_of(layout), [8, 2], seed=1)

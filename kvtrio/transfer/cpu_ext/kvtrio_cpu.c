@@ -1,11 +1,12 @@
-/* kvtrio's optional CPU copy helper: the vllm_cpu layout's blocked transpose.
+/* kvtrio's optional CPU copy helper: row copies, and the vllm_cpu layout's blocked transpose.
  *
  * vLLM's CPU engine keeps, per block and head, K transposed ([head_dim, block_size]) and then V
  * ([block_size, head_dim]). kvtrio's canonical chunk is token-major ([kv, token, head, dim]), so
  * every K element changes place; numpy can only do that element by element (~0.5 of memcpy).
  * Here K goes through 8x8 register-tile transposes (SSE2 for 2-byte elements, scalar tiles
- * otherwise; a gather stages each block's K in the cache) and V through row memcpys. Built lazily by kvtrio/transfer/_cpu_native.py with the
- * C compiler if there is one; kvtrio/transfer/_cpu.py falls back to numpy otherwise.
+ * otherwise; a gather stages each block's K in the cache) and V through row copies. The other
+ * layouts are row copies (kvt_cpu_rows). Built lazily by kvtrio/transfer/_cpu_native.py with
+ * the C compiler if there is one; kvtrio/transfer/_cpu.py falls back to numpy otherwise.
  *
  * The caller (Python) has validated every argument: pointers, ids and strides are trusted.
  */
@@ -16,9 +17,82 @@
 #include <emmintrin.h>
 #endif
 
-#define KVT_CPU_ABI 1
+#define KVT_CPU_ABI 2
 
 int kvt_cpu_abi(void) { return KVT_CPU_ABI; }
+
+/* memcpy for the copies of this file. glibc's memcpy uses `rep movsb` from 2 KiB up, which on
+ * the AMD EPYC machines measured here runs 10-20x slower when source and destination are
+ * misaligned to each other in some ways (a page-aligned arena slot into a numpy array at
+ * 16 mod 64: 0.6 GB/s instead of 11; bench/transfer.py --misaligned). Plain vector moves have
+ * no such cliff. */
+static void copy_bytes(uint8_t *dst, const uint8_t *src, int64_t n) {
+    int64_t i = 0;
+#if defined(__SSE2__)
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_storeu_si128((__m128i *)(dst + i), a);
+        _mm_storeu_si128((__m128i *)(dst + i + 16), b);
+        _mm_storeu_si128((__m128i *)(dst + i + 32), c);
+        _mm_storeu_si128((__m128i *)(dst + i + 48), d);
+    }
+#endif
+    if (i < n) memcpy(dst + i, src + i, (size_t)(n - i));
+}
+
+/* copy_bytes into memory that is not read again soon: with non-temporal stores when dst is
+ * 16-byte aligned, so that the destination's lines are not first read from memory (a third
+ * of the traffic; glibc's memcpy does the same for big copies, which is what the benches
+ * compare with). Callers end with kvt_fence(). */
+static void copy_out(uint8_t *dst, const uint8_t *src, int64_t n) {
+#if defined(__SSE2__)
+    if (((uintptr_t)dst & 15) == 0) {
+        int64_t i = 0;
+        for (; i + 64 <= n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        }
+        if (i < n) memcpy(dst + i, src + i, (size_t)(n - i));
+        return;
+    }
+#endif
+    copy_bytes(dst, src, n);
+}
+
+/* Orders the non-temporal stores before whatever the caller does next (a commit). */
+static void kvt_fence(void) {
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
+/* Rows of every layer to (gather) or from (scatter) the chunk: row j of layer l's share of the
+ * chunk is row rows[j] of the layer (row_bytes each). layers: num_layers base addresses; the
+ * chunk holds the layers' shares one after the other. Arguments are trusted. */
+int kvt_cpu_rows(const uint64_t *layers, int64_t num_layers, const int64_t *rows, int64_t n,
+                 int64_t row_bytes, uint8_t *chunk, int gather) {
+    for (int64_t l = 0; l < num_layers; l++) {
+        uint8_t *base = (uint8_t *)(uintptr_t)layers[l];
+        uint8_t *part = chunk + l * n * row_bytes;
+        for (int64_t j = 0; j < n; j++) {
+            if (gather)
+                copy_out(part + j * row_bytes, base + rows[j] * row_bytes, row_bytes);
+            else
+                copy_out(base + rows[j] * row_bytes, part + j * row_bytes, row_bytes);
+        }
+    }
+    kvt_fence();
+    return 0;
+}
 
 /* dst[c * dstride + r] = src[r * sstride + c] for r < rows, c < cols (strides in elements). */
 #define KVT_SCALAR_TRANSPOSE(T)                                                                 \
@@ -107,15 +181,13 @@ int kvt_cpu_vllm_cpu_copy(const uint64_t *layers, int64_t num_layers, const int6
     const int64_t run = head_dim * elem;            /* bytes of one V row */
     const int64_t kblock = block_size * row * elem; /* bytes of a block's K in the chunk */
     const int64_t half = n * kblock;                /* bytes of K (or V) of one layer */
-    /* A gather transposes a block's K into this cache-resident stage (the block's K in chunk
-     * order), which then leaves with one memcpy. Transposed tiles written straight into the
-     * chunk (16 bytes into each of 8 rows per tile, out of the cache) cost about 10% more
-     * (bench/transfer.py); staging V as well costs more than it saves. */
-    uint8_t *stage = NULL;
-    if (gather) {
-        stage = malloc((size_t)kblock);
-        if (stage == NULL) return 2;
-    }
+    /* Transposed K goes through a cache-resident stage and leaves it with copy_out: a gather
+     * stages a block's K in chunk order, a scatter one head's K region. Transposed tiles written
+     * straight out of the cache (16 bytes into each of 8 rows per tile) cost about 10% more
+     * (bench/transfer.py); V rows need no stage. */
+    const int64_t kregion = block_size * run; /* bytes of one head's K in the engine */
+    uint8_t *stage = malloc((size_t)(gather ? kblock : kregion));
+    if (stage == NULL) return 2;
     for (int64_t l = 0; l < num_layers; l++) {
         uint8_t *base = (uint8_t *)(uintptr_t)layers[l];
         uint8_t *ck = chunk + l * 2 * half, *cv = ck + half;
@@ -128,16 +200,18 @@ int kvt_cpu_vllm_cpu_copy(const uint64_t *layers, int64_t num_layers, const int6
                 if (gather) {
                     transpose(elem, key, block_size, stage + h * run, row, head_dim, block_size);
                     for (int64_t t = 0; t < block_size; t++)
-                        memcpy(vtok + t * row * elem, value + t * run, (size_t)run);
+                        copy_out(vtok + t * row * elem, value + t * run, run);
                 } else {
-                    transpose(elem, tok, row, key, block_size, block_size, head_dim);
+                    transpose(elem, tok, row, stage, block_size, block_size, head_dim);
+                    copy_out(key, stage, kregion);
                     for (int64_t t = 0; t < block_size; t++)
-                        memcpy(value + t * run, vtok + t * row * elem, (size_t)run);
+                        copy_out(value + t * run, vtok + t * row * elem, run);
                 }
             }
-            if (gather) memcpy(ck + i * kblock, stage, (size_t)kblock);
+            if (gather) copy_out(ck + i * kblock, stage, kblock);
         }
     }
+    kvt_fence();
     free(stage);
     return 0;
 }

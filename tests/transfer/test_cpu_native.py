@@ -152,3 +152,13 @@ def test_kvtrio_no_ext_keeps_the_numpy_path(monkeypatch: pytest.MonkeyPatch) -> 
     assert native.cpu_helper() is None
     layout = layout_of(4, 5, 1, 3)
     both_paths(layout, layers_of(layout), [8, 2], seed=1)
+
+
+@needs_compiler
+def test_registering_a_cpu_cache_readies_the_helper() -> None:
+    """The helper is built when the worker registers, not inside its first store."""
+    from kvtrio.client._tensors import describe_kv_caches
+
+    assert "lib" not in native._state
+    describe_kv_caches({"l0": np.zeros((2, 4, 16, 2, 8), np.float16)}, 16, None)
+    assert native._state["lib"] is not None

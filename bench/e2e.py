@@ -1,7 +1,7 @@
 """Store, lookup, retrieve of whole sequences through a real server: the `lmcache bench server`
 workload, with numpy and with torch KV caches.
 
-    python bench/e2e.py [--sequences 24] [--l1-size 2GiB] [--kv numpy torch]
+    python bench/e2e.py [--sequences 24] [--l1-size 2GiB] [--kv numpy torch] [--scaling]
 
 A ``kvtrio serve`` process and, in this process, an engine made of a SchedulerAdapter and a
 WorkerAdapter whose KV cache is 32 layers × 1024 blocks of 16 tokens × 8 heads × 128, fp16
@@ -17,6 +17,10 @@ The worker's copies (``gather`` / ``scatter`` in its transfer thread) are timed 
 them, so each operation's time splits into *copies* and *outside* (protocol, server, waiting,
 polling): a regression shows where it comes from. The checks at the end are issue 17's targets:
 retrieve ≤ 1.3× memcpy and ≤ 1.2× store, lookup ≤ 2× ping.
+
+``--scaling`` then stores and retrieves sequences of 1 to 64 chunks (a 4-layer cache of the same
+shape, 4 MiB chunks, the last KV kind) next to a memcpy of the same bytes: per-chunk costs
+outside the copies show as a ratio that grows with the chunk count.
 """
 
 from __future__ import annotations
@@ -92,12 +96,14 @@ def poll(condition: Callable[[], bool], timeout: float = 30.0) -> None:
         time.sleep(0.0002)
 
 
-def make_cache(kind: str, rng: np.random.Generator) -> tuple[dict[str, Any], list[np.ndarray]]:  # type: ignore[type-arg]
+def make_cache(
+    kind: str, rng: np.random.Generator, layers: int = LAYERS
+) -> tuple[dict[str, Any], list[np.ndarray]]:  # type: ignore[type-arg]
     """The engine's KV tensors and numpy views of them (to check bytes)."""
     shape = (2, BLOCKS, BLOCK, HEADS, DIM)
     if kind == "numpy":
         arrays = []
-        for _ in range(LAYERS):
+        for _ in range(layers):
             array = np.empty(shape, np.float16)
             array.view(np.uint16)[...] = rng.integers(0, 2**16, shape, dtype=np.uint16)
             arrays.append(array)
@@ -105,7 +111,7 @@ def make_cache(kind: str, rng: np.random.Generator) -> tuple[dict[str, Any], lis
     import torch
 
     tensors = []
-    for _ in range(LAYERS):
+    for _ in range(layers):
         tensor = torch.empty(shape, dtype=torch.float16)
         tensor.view(torch.int16).numpy()[...] = rng.integers(-(2**15), 2**15, shape, np.int16)
         tensors.append(tensor)
@@ -118,6 +124,7 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=24)
     parser.add_argument("--l1-size", default="2GiB")
     parser.add_argument("--kv", nargs="+", choices=("numpy", "torch"), default=None)
+    parser.add_argument("--scaling", action="store_true", help="also 1…64 chunks per sequence")
     args = parser.parse_args()
     kinds = args.kv
     if kinds is None:
@@ -147,18 +154,91 @@ def main() -> None:
                 scheduler = SchedulerAdapter(endpoint, model, 1, 0, BLOCK, timeout=30.0)
                 try:
                     worker.register_kv_caches(cache, layout="flash_attn")
-                    poll(lambda worker=worker: worker.registered)
+                    poll(lambda worker=worker: worker.registered, timeout=300.0)
                     results[kind] = run(worker, scheduler, probe, views, rng, args.sequences)
                 finally:
                     worker.shutdown()
                     scheduler.close()
                 del cache, views
                 gc.collect()
+            if args.scaling:
+                scaled = scaling(endpoint, kinds[-1], rng)
     finally:
         server.terminate()
         server.wait()
     for kind, times in results.items():
         report(kind, times, args.sequences)
+    if args.scaling:
+        report_scaling(kinds[-1], scaled)
+
+
+SCALE_LAYERS, SCALE_CHUNKS, SCALE_ROUNDS = 4, (1, 2, 4, 8, 16, 32, 64), 5
+
+
+def scaling(endpoint: str, kind: str, rng: np.random.Generator) -> dict[int, dict[str, float]]:
+    """Median store / retrieve / copies / memcpy seconds per chunk count."""
+    cache, _ = make_cache(kind, rng, SCALE_LAYERS)
+    blocks_per_chunk = CHUNK // BLOCK
+    worker = WorkerAdapter(endpoint, f"scale-{kind}", 1, 0, BLOCK, timeout=30.0)
+    clock = CopyClock()
+    out: dict[int, dict[str, float]] = {}
+    try:
+        worker.register_kv_caches(cache, layout="flash_attn")
+        poll(lambda: worker.registered, timeout=300.0)
+        with timed_copies(clock):
+            for chunks in SCALE_CHUNKS:
+                nbytes = SCALE_LAYERS * 2 * chunks * CHUNK * HEADS * DIM * 2
+                a, b = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
+                samples: dict[str, list[float]] = {
+                    k: [] for k in ("store", "retrieve", "copy", "memcpy")
+                }
+                for r in range(SCALE_ROUNDS):
+                    n = chunks * blocks_per_chunk
+                    source, target = np.split(rng.permutation(BLOCKS)[: 2 * n], 2)
+                    tokens = rng.integers(0, 50_000, chunks * CHUNK).tolist()
+                    op = f"{chunks}-{r}"
+                    clock.take()
+                    t0 = time.perf_counter()
+                    worker.submit_store_request(
+                        f"s{op}", LoadStoreOp(source.tolist(), token_ids=tokens, end=len(tokens))
+                    )
+                    poll(lambda op=op: f"s{op}" in worker.get_finished([f"s{op}"])[0])
+                    samples["store"].append(time.perf_counter() - t0)
+                    clock.take()
+                    t0 = time.perf_counter()
+                    worker.submit_retrieve_request(
+                        f"r{op}", LoadStoreOp(target.tolist(), token_ids=tokens, end=len(tokens))
+                    )
+                    poll(lambda op=op: f"r{op}" in worker.get_finished([f"r{op}"])[1])
+                    samples["retrieve"].append(time.perf_counter() - t0)
+                    samples["copy"].append(clock.take())
+                    assert not worker.get_block_ids_with_load_errors(), "a chunk failed to load"
+                    t0 = time.perf_counter()
+                    np.copyto(b, a)
+                    samples["memcpy"].append(time.perf_counter() - t0)
+                out[chunks] = {k: statistics.median(v) for k, v in samples.items()}
+                out[chunks]["nbytes"] = nbytes
+    finally:
+        worker.shutdown()
+    return out
+
+
+def report_scaling(kind: str, scaled: dict[int, dict[str, float]]) -> None:
+    print(
+        f"\nscaling, {kind} KV cache: {SCALE_LAYERS} layers, {CHUNK}-token chunks, medians of "
+        f"{SCALE_ROUNDS}; retrieve copies = the worker's scatter time\n"
+    )
+    print(
+        f"{'chunks':>6}{'MiB':>7}{'store ms':>10}{'retrieve ms':>13}{'copies ms':>11}"
+        f"{'memcpy ms':>11}{'store/memcpy':>14}{'retrieve/memcpy':>17}{'outside ms':>12}"
+    )
+    for chunks, m in scaled.items():
+        print(
+            f"{chunks:>6}{m['nbytes'] / 2**20:>7.0f}{m['store'] * 1e3:>10.2f}"
+            f"{m['retrieve'] * 1e3:>13.2f}{m['copy'] * 1e3:>11.2f}{m['memcpy'] * 1e3:>11.2f}"
+            f"{m['store'] / m['memcpy']:>14.2f}{m['retrieve'] / m['memcpy']:>17.2f}"
+            f"{(m['retrieve'] - m['copy']) * 1e3:>12.2f}"
+        )
 
 
 def run(

@@ -162,3 +162,17 @@ def test_registering_a_cpu_cache_readies_the_helper() -> None:
     assert "lib" not in native._state
     describe_kv_caches({"l0": np.zeros((2, 4, 16, 2, 8), np.float16)}, 16, None)
     assert native._state["lib"] is not None
+
+
+def test_an_unwritable_cache_falls_back_to_numpy(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cache directory that cannot be created (here: a file is in the way) costs speed only."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("KVTRIO_CACHE_DIR", str(blocker))
+    with caplog.at_level(logging.WARNING, logger="kvtrio.transfer"):
+        assert native.cpu_helper() is None
+    assert any("CPU copy helper is unavailable" in r.message for r in caplog.records)
+    layout = layout_of(2, 16, 2, 16)
+    both_paths(layout, layers_of(layout), [3, 6], seed=4)

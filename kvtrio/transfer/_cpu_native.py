@@ -37,7 +37,7 @@ __all__ = ["SOURCE", "CpuHelper", "build_cpu_library", "cpu_helper", "reset"]
 log = logging.getLogger("kvtrio.transfer")
 
 SOURCE = Path(__file__).with_name("cpu_ext") / "kvtrio_cpu.c"
-_ABI = 2
+_ABI = 3
 
 Array = npt.NDArray[Any]
 
@@ -89,7 +89,7 @@ def _load(path: Path) -> ctypes.CDLL:
         ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int
     ]  # fmt: skip
     lib.kvt_cpu_vllm_cpu_copy.restype = ctypes.c_int
-    lib.kvt_cpu_rows.argtypes = [ptr, i64, ptr, i64, i64, ptr, ctypes.c_int]
+    lib.kvt_cpu_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.kvt_cpu_rows.restype = ctypes.c_int
     return lib
 
@@ -138,12 +138,18 @@ class CpuHelper:
         gather: bool,
     ) -> None:  # fmt: skip
         """Row ``j`` of each layer's share of ``chunk`` is row ``rows[j]`` of that C-contiguous
-        layer (rows of ``row_bytes``); copy one way or the other."""
+        layer (rows of ``row_bytes``); copy one way or the other, writing the destination in
+        order (a scatter walks the layer rows sorted: head-major layouts would otherwise write
+        rows of ``head_dim`` elements all over each block)."""
         bases = _bases(layers)
-        index = np.ascontiguousarray(rows, dtype=np.int64)
+        layer_rows = np.ascontiguousarray(rows, dtype=np.int64)
+        chunk_rows = np.arange(len(layer_rows), dtype=np.int64)
+        if not gather:
+            order = np.argsort(layer_rows, kind="stable")
+            layer_rows, chunk_rows = layer_rows[order], chunk_rows[order]
         self._lib.kvt_cpu_rows(
-            bases.ctypes.data, len(layers), index.ctypes.data, len(index), row_bytes,
-            chunk.ctypes.data, int(gather),
+            bases.ctypes.data, len(layers), layer_rows.ctypes.data, chunk_rows.ctypes.data,
+            len(layer_rows), len(layer_rows), row_bytes, chunk.ctypes.data, int(gather),
         )  # fmt: skip
 
     def vllm_cpu(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,12 @@ def test_an_unwritable_cache_falls_back_to_numpy(
     assert any("CPU copy helper is unavailable" in r.message for r in caplog.records)
     layout = layout_of(2, 16, 2, 16)
     both_paths(layout, layers_of(layout), [3, 6], seed=4)
+
+
+@needs_compiler
+def test_the_source_compiles_without_warnings() -> None:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert compiler is not None
+    flags = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Werror", "-fsyntax-only"]
+    result = subprocess.run([compiler, *flags, str(native.SOURCE)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -1,6 +1,6 @@
 """Gather and scatter of one chunk on the CPU copy path, next to a plain memcpy in the same run.
 
-    python bench/transfer.py [--repeats 7] [--inner 5]
+    python bench/transfer.py [--repeats 7] [--inner 5] [--numpy]
 
 Workload: the shape of LMCache's ``lmcache bench server``: 32 layers, 1024 blocks of 16 tokens,
 8 KV heads × 128 head dim, float16, chunks of 256 tokens (16 blocks, 32 MiB). ``mla`` has one
@@ -8,19 +8,23 @@ latent head; it gets a latent dim of 2048 so that its chunks have the same 32 Mi
 
 For each layout kind, one at a time (2 GiB of KV tensors each, allocated and touched first):
 
-* gather: 16 random distinct blocks of every layer into a preallocated 1-D ``uint8`` buffer (an
-  arena slot, as in the server);
+* gather: 16 random distinct blocks of every layer into a slot of a shared-memory arena (page
+  aligned, as in the server; the layers are numpy arrays, 16 bytes past a page);
 * scatter: that buffer into 16 random distinct blocks;
 * memcpy: ``np.copyto`` of the same number of bytes between two preallocated buffers.
 
 The three are interleaved over ``--repeats`` rounds of ``--inner`` copies each (fresh block ids
 every copy); medians are reported in GB/s (10⁹ bytes/s), with the ratio to memcpy (target ≥ 0.8).
 These machines are shared and noisy: compare ratios within one run, not numbers across runs.
+
+The copies use kvtrio's C helper when it can be built (the first run builds it), numpy with
+``--numpy`` (which sets ``KVTRIO_NO_EXT=1``); the header says which.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -29,7 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from kvtrio.storage import SharedArena
 from kvtrio.transfer import LAYOUT_KINDS, KVLayout, gather, scatter
+from kvtrio.transfer._cpu_native import cpu_helper
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, DTYPE = 32, 1024, 16, 8, 128, "float16"
 CHUNK_TOKENS = 256
@@ -54,7 +60,10 @@ def bench_kind(kind: str, repeats: int, inner: int, rng: np.random.Generator) ->
     blocks = CHUNK_TOKENS // BLOCK_SIZE
     # np.ones touches every page: untouched memory would read as the shared zero page.
     layers = [np.ones(layout.layer_shape, np.float16) for _ in range(LAYERS)]
-    slot = np.ones(nbytes, np.uint8)
+    arena = SharedArena.create(nbytes)
+    arena.preallocate()
+    slot = arena.buffer[:nbytes]
+    slot[:] = 1
     copy_src, copy_dst = np.ones(nbytes, np.uint8), np.ones(nbytes, np.uint8)
 
     def sample(op: str) -> float:
@@ -63,12 +72,15 @@ def bench_kind(kind: str, repeats: int, inner: int, rng: np.random.Generator) ->
         block_ids = rng.choice(BLOCKS, blocks, replace=False)  # drawn outside the timed region
         return timed(gather if op == "gather" else scatter, layout, layers, block_ids, slot)
 
-    for op in OPS:  # warm up
-        sample(op)
-    samples: dict[str, list[float]] = {op: [] for op in OPS}
-    for _ in range(repeats):
-        for op in OPS:
-            samples[op] += [sample(op) for _ in range(inner)]
+    try:
+        for op in OPS:  # warm up
+            sample(op)
+        samples: dict[str, list[float]] = {op: [] for op in OPS}
+        for _ in range(repeats):
+            for op in OPS:
+                samples[op] += [sample(op) for _ in range(inner)]
+    finally:
+        arena.close()
     return {op: nbytes / statistics.median(times) / 1e9 for op, times in samples.items()}
 
 
@@ -77,7 +89,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--inner", type=int, default=5, help="copies of each kind per round")
     parser.add_argument("--kinds", nargs="+", choices=LAYOUT_KINDS, default=list(LAYOUT_KINDS))
+    parser.add_argument("--numpy", action="store_true", help="copy with numpy, not the C helper")
     args = parser.parse_args()
+    if args.numpy:
+        os.environ["KVTRIO_NO_EXT"] = "1"
+    path = "C helper" if cpu_helper() is not None else "numpy"
 
     rng = np.random.default_rng(0)
     results = {}
@@ -92,7 +108,9 @@ def main() -> None:
         f"chunk {CHUNK_TOKENS} tokens = {mib} MiB"
     )
     print(
-        f"numpy {np.__version__}; medians of {args.repeats * args.inner} copies each "
+        f"copies by {path}; numpy {np.__version__}; OPENBLAS_CORETYPE="
+        f"{os.environ.get('OPENBLAS_CORETYPE', '(unset)')}; "
+        f"medians of {args.repeats * args.inner} copies each "
         f"({args.repeats} rounds × {args.inner}), GB/s\n"
     )
     print(

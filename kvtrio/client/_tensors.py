@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..transfer import KVLayout
+from ..transfer._cpu_native import cpu_helper
 
 __all__ = ["describe_cuda_caches", "describe_kv_caches", "infer_layout_kind"]
 
@@ -58,7 +59,8 @@ def describe_kv_caches(
 
     Accepts torch tensors (imported only if given) or numpy arrays. The views share memory with
     the tensors (bfloat16 and fp8 are viewed as same-size integers: the transfer copies bytes).
-    Raises ``ValueError`` with what is wrong.
+    Raises ``ValueError`` with what is wrong. Also readies the CPU copy helper (the first call
+    of a machine compiles it: blocking, under a second).
     """
     if not kv_caches:
         raise ValueError("no KV cache tensors given")
@@ -102,6 +104,10 @@ def describe_kv_caches(
         raise ValueError(
             f"tensor shape {shape} does not match layout {kind} {kv_layout.layer_shape}"
         )
+    # Build (first process only, a fraction of a second) and load the C copy helper now, at
+    # registration, rather than inside the first store, where it would eat into the slots'
+    # reservation time. Without it the copies fall back to numpy (logged once).
+    cpu_helper()
     return kv_layout, arrays
 
 

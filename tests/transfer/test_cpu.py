@@ -8,14 +8,23 @@ indexing each layout's tensor by its documented axis order. It shares no code wi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import shutil
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvtrio.transfer import DTYPE_SIZES, LAYOUT_KINDS, ChunkFormat, KVLayout, gather, scatter
+from kvtrio.transfer import (
+    DTYPE_SIZES,
+    LAYOUT_KINDS,
+    ChunkFormat,
+    KVLayout,
+    _cpu_native,
+    gather,
+    scatter,
+)
 
 Array = npt.NDArray[Any]
 
@@ -66,6 +75,23 @@ def empty_chunk(layout: KVLayout, blocks: int) -> Array:
 
 def as_bytes(arrays: Sequence[Array]) -> list[bytes]:
     return [a.tobytes() for a in arrays]
+
+
+@pytest.fixture(autouse=True, params=["helper", "numpy"])
+def copy_path(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[str]:
+    """Every test runs with the C helper (built once into a temporary cache) and with numpy."""
+    if request.param == "helper" and not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler: the helper cannot be built")
+    monkeypatch.setenv("KVTRIO_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kvtrio-cache"))
+    monkeypatch.setenv("KVTRIO_NO_EXT", "1" if request.param == "numpy" else "0")
+    _cpu_native.reset()
+    assert (_cpu_native.cpu_helper() is None) == (request.param == "numpy")
+    yield request.param
+    _cpu_native.reset()
 
 
 # --------------------------------------------------------------------------- reference

@@ -3,10 +3,11 @@
     python engine.py MODEL_DIR JOB.json RESULTS.json
 
 ``JOB.json``: ``{"kvtrio": URL or null, "prompts": [{"id": str, "tokens": [int],
-"max_tokens": int, "wait_ready": int}]}``. Prompts run one after the other;
+"max_tokens": int, "wait_ready": int, "repeat": int}]}``. Prompts run one after the other;
 before a prompt with ``wait_ready``, the engine waits until the kvtrio server holds that many
 ready chunks (stores finish after their request does). ``RESULTS.json`` gets, per prompt, the
-generated token ids and ``num_cached_tokens``.
+generated token ids and ``num_cached_tokens`` (of the first run), and the wall time of each of
+its ``repeat`` (default 1) ``generate`` calls in ``seconds``.
 """
 
 from __future__ import annotations
@@ -76,12 +77,18 @@ def main() -> None:
         if prompt.get("wait_ready"):
             wait_ready(job["kvtrio"], prompt["wait_ready"])
         params = SamplingParams(temperature=0, max_tokens=prompt["max_tokens"], seed=0)
-        (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt["tokens"])], params)
+        seconds, outputs = [], []
+        for _ in range(prompt.get("repeat", 1)):
+            start = time.perf_counter()
+            outputs += llm.generate([TokensPrompt(prompt_token_ids=prompt["tokens"])], params)
+            seconds.append(time.perf_counter() - start)
+        output = outputs[0]
         results.append(
             {
                 "id": prompt["id"],
                 "token_ids": list(output.outputs[0].token_ids),
                 "num_cached_tokens": output.num_cached_tokens,
+                "seconds": seconds,
             }
         )
     with open(results_path, "w") as f:

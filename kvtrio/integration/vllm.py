@@ -109,6 +109,9 @@ class KvtrioConnector(KVConnectorBase_V1):
             "block_size": self.block_size,
             "tenant": self.options.tenant,
             "timeout": self.options.timeout,
+            # Shared by this engine's scheduler and workers (vLLM hands them one config):
+            # the server scopes request ids by it, so engines never touch each other's requests.
+            "engine_id": str(getattr(transfer_config, "engine_id", None) or ""),
         }
         self._scheduler: SchedulerAdapter | None = None
         self._worker: WorkerAdapter | None = None

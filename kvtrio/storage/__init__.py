@@ -12,18 +12,18 @@ from ._leases import Lease, LeaseKind, LeaseTable
 from .keys import (
     HASH_SCHEME_TOKENS,
     KEY_SIZE,
-    ChunkChain,
     ModelProfile,
+    block_chunk_hashes,
     block_hash_scheme,
     namespace,
     object_key,
+    token_chunk_hashes,
 )
 
 __all__ = [
     "HASH_SCHEME_TOKENS",
     "KEY_SIZE",
     "LRU",
-    "ChunkChain",
     "Entry",
     "EntryState",
     "EvictionPolicy",
@@ -36,9 +36,11 @@ __all__ = [
     "ModelProfile",
     "Reservation",
     "SharedArena",
+    "block_chunk_hashes",
     "block_hash_scheme",
     "default_shm_dir",
     "namespace",
     "object_key",
     "reclaim_stale_arenas",
+    "token_chunk_hashes",
 ]

@@ -141,6 +141,11 @@ class LeaseTable:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
+    @property
+    def requests(self) -> int:
+        """Requests holding at least one lease."""
+        return len(self._by_request)
+
     def holds(self, request: str) -> bool:
         """Whether any lease of ``request`` is live."""
         return request in self._by_request

@@ -17,8 +17,9 @@ answering one JSON line each on stdout:
     {"cmd": "metrics"}                                 WorkerAdapter.metrics()
     {"cmd": "compute", "tokens": [...], "blocks": [...]}   write the prompt's KV into the blocks
     {"cmd": "scramble", "blocks": [...]}               overwrite the blocks with garbage
-    {"cmd": "check", "tokens": [...], "blocks": [...], "start_block": B}
+    {"cmd": "check", "tokens": [...], "blocks": [...], "start_block": B, "indices": [...]}
                                                        blocks not holding the prompt's KV
+                                                       (of prompt block B + i, or indices[i])
     {"cmd": "exit"}
 
 "The prompt's KV" of ``compute`` / ``check`` is a pure function of the tokens up to the end of
@@ -211,7 +212,8 @@ def main() -> None:
             digests = prefix_digests(command["tokens"])
             wrong = []
             for i, block in enumerate(command["blocks"]):
-                digest = digests[command.get("start_block", 0) + i]
+                indices = command.get("indices")
+                digest = digests[indices[i] if indices else command.get("start_block", 0) + i]
                 for layer in range(len(arrays)):
                     found = block_view(arrays, args.layout, layer, block).reshape(-1)
                     if not np.array_equal(found, block_bytes(digest, layer, nbytes)):

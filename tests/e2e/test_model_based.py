@@ -194,7 +194,7 @@ class Driver:
     def restart_server(self) -> None:
         self.note("restart")
         self.server.kill()
-        self.server.start()
+        self.server.start(timeout=60)  # starting Python takes long on a loaded machine
         self.wait_ready()
 
     def kill_worker_mid_store(self, engine: Engine, request: str) -> None:

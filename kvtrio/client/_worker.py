@@ -423,14 +423,22 @@ class WorkerAdapter:
         for request_id, op in zip(request_ids, ops, strict=True):
             self.submit_retrieve_request(request_id, op, event)
 
-    def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
+    def num_blocks_per_chunk(self) -> int:
+        """Engine blocks per cached chunk (a method, as in vLLM's adapter)."""
+        return max(1, self.chunk_size // self.block_size)
+
+    def get_finished(
+        self, finished_req_ids_from_engine: Iterable[str]
+    ) -> tuple[set[str], set[str]]:
         """``(stores done, retrieves done)`` since the last call.
 
         vLLM's rule: a request's stores are reported done only once the engine has also reported
         the request finished (its blocks are held until then).
         """
         with self._lock:
-            self._engine_finished.update(r for r in finished_req_ids if r in self._stored)
+            self._engine_finished.update(
+                r for r in finished_req_ids_from_engine if r in self._stored
+            )
             stores = {r for r in self._engine_finished if not self._pending_stores[r]}
             for request_id in stores:
                 self._engine_finished.discard(request_id)

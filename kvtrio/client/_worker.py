@@ -50,6 +50,7 @@ from ..storage import HASH_SCHEME_TOKENS, SharedArena
 from ..transfer import KVLayout, gather, scatter
 from ..transfer.cuda import CudaRuntime, torch_runtime
 from ._cuda_worker import CudaWorker, is_cuda_cache
+from ._failures import Failures
 from ._scheduler import chunk_hashes
 from ._sync import Client
 from ._tensors import describe_kv_caches
@@ -145,10 +146,7 @@ class WorkerAdapter:
         self._retry_delay = _RETRY_FIRST
         self._retry: threading.Timer | None = None
         self._closed = False
-        self.store_failures: collections.Counter[str] = collections.Counter()
-        self.retrieve_failures: collections.Counter[str] = collections.Counter()
-        self.registration_failures = 0
-        self._warned: set[str] = set()
+        self.failures = Failures()
         self._transfers = ThreadPoolExecutor(1, thread_name_prefix=f"kvtrio-transfer-{kv_rank}")
         self._pending_stores: collections.Counter[str] = collections.Counter()
         self._pending_retrieves: collections.Counter[str] = collections.Counter()
@@ -241,13 +239,13 @@ class WorkerAdapter:
             if generation != self._generation or self._closed:
                 return
             self._registering = False
-            self.registration_failures += 1
+            self.failures.registration()
             delay, self._retry_delay = self._retry_delay, min(_RETRY_MAX, self._retry_delay * 2)
             self._changed.notify_all()
             self._retry = threading.Timer(delay, self._retry_registration)
             self._retry.daemon = True
             self._retry.start()
-        self._warn_once(
+        self.failures.warn_once(
             f"registration:{reason}",
             logging.ERROR,
             "kvtrio: rank %d is not caching: registration at %s failed (%s); retrying with backoff",
@@ -287,37 +285,10 @@ class WorkerAdapter:
                 if self._attach_queue is None or not attach:
                     self._changed.wait(remaining)
 
-    def _warn_once(self, cause: str, level: int, message: str, *args: object) -> None:
-        with self._lock:
-            if cause in self._warned:
-                return
-            self._warned.add(cause)
-        log.log(level, message, *args)
-
-    def _store_failed(self, request_id: str, cause: str, chunks: int, detail: object = "") -> None:
-        """A store (or part of it) could not be done: count it by cause, warn once per cause."""
-        with self._lock:
-            self.store_failures[cause] += chunks
-        self._warn_once(
-            f"store:{cause}",
-            logging.WARNING,
-            "kvtrio: a store of %s was not done (%s%s); further ones with this cause are only "
-            "counted (WorkerAdapter.metrics())",
-            request_id,
-            cause,
-            f": {detail}" if detail else "",
-        )
-
     def metrics(self) -> dict[str, Any]:
         """What this rank could not do: ``store_failures`` and ``retrieve_failures`` by cause
         (chunks), ``registration_failures``, and whether it is ``registered`` now."""
-        with self._lock:
-            return {
-                "registered": self._current() is not None,
-                "registration_failures": self.registration_failures,
-                "store_failures": dict(self.store_failures),
-                "retrieve_failures": dict(self.retrieve_failures),
-            }
+        return {"registered": self._current() is not None, **self.failures.snapshot()}
 
     def _attach(self, reply: Registered, generation: int, instance: str | None) -> None:
         with self._lock:
@@ -353,7 +324,7 @@ class WorkerAdapter:
         """(Under the lock.) The registration is attached: wake waiters, reset the backoff."""
         self._registering = False
         self._retry_delay = _RETRY_FIRST
-        self._warned = {w for w in self._warned if not w.startswith("registration:")}
+        self.failures.forget("registration:")
         self._changed.notify_all()
 
     def _on_server_change(self, info: HelloReply) -> None:
@@ -480,21 +451,21 @@ class WorkerAdapter:
         try:
             mapped = self._await_registration(time.monotonic() + self.timeout)
             if mapped is None:
-                self._store_failed(request_id, "not_registered", chunks, "no registration")
+                self.failures.store(request_id, "not_registered", chunks, "no registration")
             elif self._cuda is not None:
                 self._cuda_store(self._cuda, request_id, op, engine_event)
             else:
                 self._store(mapped, request_id, op)
         except NotRegistered as exc:
-            self._store_failed(request_id, "not_registered", chunks, exc)
+            self.failures.store(request_id, "not_registered", chunks, exc)
             self._reregister()
         except KvtrioError as exc:
-            self._store_failed(request_id, "server", chunks, exc)
+            self.failures.store(request_id, "server", chunks, exc)
         except (ValueError, TypeError, OverflowError) as exc:
-            self._store_failed(request_id, "bad_prompt", chunks, exc)
+            self.failures.store(request_id, "bad_prompt", chunks, exc)
         except Exception as exc:
             log.exception("store of %s failed", request_id)
-            self._store_failed(request_id, "internal", chunks, exc)
+            self.failures.store(request_id, "internal", chunks, exc)
         finally:
             with self._lock:
                 self._pending_stores[request_id] -= 1
@@ -515,7 +486,7 @@ class WorkerAdapter:
     def _count_slots(self, request_id: str, reply: StoreReply) -> None:
         failed = sum(1 for slot in reply.slots if slot.status == "failed")
         if failed:
-            self._store_failed(request_id, "no_room", failed, "L1 full of pinned chunks")
+            self.failures.store(request_id, "no_room", failed, "L1 full of pinned chunks")
 
     def _store(self, mapped: _Mapped, request_id: str, op: LoadStoreOp) -> None:
         layout = self._layout
@@ -551,13 +522,13 @@ class WorkerAdapter:
             else:
                 written.append(chunk_hash)
         if failed:
-            self._store_failed(request_id, "copy", len(failed), "copy failed or too late")
+            self.failures.store(request_id, "copy", len(failed), "copy failed or too late")
         if written or failed:
             reply_commit = self.client.call(
                 Commit(request_id, tuple(written), tuple(failed)), CommitReply, fail_fast=True
             )
             if reply_commit.rejected:
-                self._store_failed(
+                self.failures.store(
                     request_id, "expired", len(reply_commit.rejected), "reservation expired"
                 )
 
@@ -589,9 +560,9 @@ class WorkerAdapter:
             kept = set(op.block_ids[: (op.start + op.skip_first_n_tokens) // self.block_size])
             missing = [c for c in range(first, last) if c not in loaded]
             failed = {b for c in missing for b in self._blocks_of(op, c) if b not in kept}
+            if missing:
+                self.failures.retrieve(cause or "missing", len(missing))
             with self._lock:
-                if missing:
-                    self.retrieve_failures[cause or "missing"] += len(missing)
                 self._failed_blocks.update(failed)
                 self._pending_retrieves[request_id] -= 1
                 if not self._pending_retrieves[request_id]:

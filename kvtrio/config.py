@@ -235,7 +235,7 @@ class ServerConfig:
     request_ttl: float = field(
         default=600.0,
         validator=_positive,
-        metadata={"help": "Seconds an idle request's prompt hashes are remembered."},
+        metadata={"help": "Unused since protocol 2 (the server keeps no prompts); accepted."},
     )
     retrieve_timeout: float = field(
         default=5.0,

@@ -5,7 +5,7 @@
 """
 
 from ._async import AsyncClient, open_client
-from ._scheduler import SchedulerAdapter
+from ._scheduler import SchedulerAdapter, chunk_hashes
 from ._sync import Client
 from ._worker import LoadStoreOp, WorkerAdapter
 
@@ -15,5 +15,6 @@ __all__ = [
     "LoadStoreOp",
     "SchedulerAdapter",
     "WorkerAdapter",
+    "chunk_hashes",
     "open_client",
 ]

@@ -10,9 +10,10 @@ from concurrent.futures import Future
 
 from ..errors import KvtrioError
 from ..protocol import EndSession, FreeLookupLocks, Lookup, LookupReply, Reply
+from ..storage.keys import block_chunk_hashes, token_chunk_hashes
 from ._sync import Client
 
-__all__ = ["SchedulerAdapter", "as_block_hashes"]
+__all__ = ["SchedulerAdapter", "as_block_hashes", "chunk_hashes"]
 
 log = logging.getLogger("kvtrio.client")
 
@@ -27,12 +28,35 @@ def as_block_hashes(hashes: Sequence[bytes | int]) -> tuple[bytes, ...]:
     )
 
 
+def chunk_hashes(
+    chunk_size: int,
+    block_size: int,
+    *,
+    token_ids: Sequence[int] | None = None,
+    block_hashes: Sequence[bytes | int] | None = None,
+    end: int | None = None,
+) -> list[bytes]:
+    """The chunk hashes of the full chunks of the prompt's first ``end`` tokens (all of it by
+    default), from its engine block hashes (hash mode, preferred when given) or its token ids.
+
+    Raises ``ValueError`` when neither is given, ``TypeError``/``OverflowError`` for token ids
+    that are not integers in ``[0, 2**32)``.
+    """
+    if block_hashes is not None:
+        blocks = as_block_hashes(block_hashes if end is None else block_hashes[: end // block_size])
+        return block_chunk_hashes(blocks, max(1, chunk_size // block_size))
+    if token_ids is not None:
+        return token_chunk_hashes(token_ids if end is None else token_ids[:end], chunk_size)
+    raise ValueError("the prompt's token ids or block hashes are needed")
+
+
 class SchedulerAdapter:
     """What an engine's scheduler calls (method names of vLLM's LMCache multiprocess adapter).
 
     Lookups are submitted without waiting and polled with :meth:`check_lookup_result`. While the
     server is away, lookups report 0 hits at once (``fail_fast``); nothing here raises into the
-    engine: failures are logged and count as misses.
+    engine: failures are logged and count as misses. ``engine_id`` names the engine: its workers
+    must be given the same one (request ids are scoped by it).
     """
 
     def __init__(
@@ -44,12 +68,14 @@ class SchedulerAdapter:
         block_size: int,
         *,
         tenant: str = "",
+        engine_id: str = "",
         timeout: float = 5.0,
         client: Client | None = None,
         server_key: str | None = None,
         client_key: str | None = None,
     ) -> None:
         self.model_name = model_name
+        self.engine_id = engine_id
         self.world_size = world_size
         self.kv_rank = kv_rank
         self.block_size = block_size
@@ -75,8 +101,8 @@ class SchedulerAdapter:
         info = self.client.server_info
         return info.chunk_size if info is not None else _DEFAULT_CHUNK_SIZE
 
-    @property
     def num_blocks_per_chunk(self) -> int:
+        """Engine blocks per cached chunk (a method, as in vLLM's adapter)."""
         return max(1, self.chunk_size // self.block_size)
 
     def maybe_submit_lookup_request(
@@ -89,13 +115,26 @@ class SchedulerAdapter:
         with self._lock:
             if request_id in self._lookups:
                 return
+            info = self.client.server_info  # its chunk size names the chunks
+            try:
+                if info is None:
+                    raise ValueError(f"no kvtrio server at {self.client.endpoint} yet")
+                hashes = chunk_hashes(
+                    info.chunk_size, self.block_size, token_ids=token_ids, block_hashes=block_hashes
+                )
+            except (ValueError, TypeError, OverflowError) as exc:
+                log.debug("lookup of %s not sent: %s", request_id, exc)
+                failed: Future[Reply] = Future()
+                failed.set_result(LookupReply(0, 0))
+                self._lookups[request_id] = failed
+                return
             lookup = Lookup(
                 request=request_id,
                 model=self.model_name,
                 world_size=self.world_size,
-                tokens=tuple(token_ids) if token_ids is not None and block_hashes is None else (),
-                block_hashes=as_block_hashes(block_hashes) if block_hashes is not None else (),
+                chunk_hashes=tuple(hashes),
                 tenant=self.tenant,
+                engine=self.engine_id,
             )
             self._lookups[request_id] = self.client.submit(
                 lookup, timeout=self.timeout, fail_fast=True
@@ -125,12 +164,12 @@ class SchedulerAdapter:
 
     def free_lookup_locks(self, request_id: str) -> None:
         """Release the pins of ``request_id``'s lookup without ending it (no load will come)."""
-        self._send(FreeLookupLocks(request_id, self.model_name, self.tenant))
+        self._send(FreeLookupLocks(request_id, self.model_name, self.tenant, self.engine_id))
 
     def end_session(self, request_id: str) -> None:
         """The request is finished or aborted: release everything it holds at the server."""
         self.cleanup_lookup_result(request_id)
-        self._send(EndSession(request_id, self.model_name, self.tenant))
+        self._send(EndSession(request_id, self.model_name, self.tenant, self.engine_id))
 
     def _send(self, request: EndSession | FreeLookupLocks) -> None:
         def done(future: Future[Reply]) -> None:

@@ -4,8 +4,16 @@ CPU engines own their KV tensors; the server only assigns arena slots. This adap
 between the tensors and the slots in its own transfer thread (numpy, single-threaded: the engine
 owns the other cores), so the engine's step loop only queues work and polls
 :meth:`WorkerAdapter.get_finished`. It never raises into the step loop and never needs the engine
-to restart: when it meets a new server instance it registers again by itself; while the server
-is away, stores fail and retrieves report every block failed, promptly.
+to restart: when it meets a new server instance it registers again by itself, and a refused or
+failed registration is retried with backoff (logged once per reason, counted in
+:meth:`WorkerAdapter.metrics`); while the server is away, stores fail and retrieves report every
+block failed, promptly. A store or retrieve submitted while a registration is under way waits
+for it (at most ``timeout``). A store that could not be done is still reported finished (the
+engine must free its blocks) but counted in ``store_failures`` by cause and logged once per
+cause.
+
+The chunk keys of every operation are computed here from that operation's own prompt
+(:func:`~kvtrio.client.chunk_hashes`); the server keeps no prompts.
 """
 
 from __future__ import annotations
@@ -15,7 +23,6 @@ import contextlib
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -23,9 +30,10 @@ from typing import Any, TypeVar
 import attrs
 import numpy as np
 
-from ..errors import BadRequest, KvtrioError, NotRegistered
+from ..errors import KvtrioError, NotRegistered
 from ..protocol import (
     Commit,
+    CommitReply,
     HelloReply,
     LayoutSpec,
     Register,
@@ -42,7 +50,8 @@ from ..storage import HASH_SCHEME_TOKENS, SharedArena
 from ..transfer import KVLayout, gather, scatter
 from ..transfer.cuda import CudaRuntime, torch_runtime
 from ._cuda_worker import CudaWorker, is_cuda_cache
-from ._scheduler import as_block_hashes
+from ._failures import Failures
+from ._scheduler import chunk_hashes
 from ._sync import Client
 from ._tensors import describe_kv_caches
 
@@ -54,6 +63,9 @@ _R = TypeVar("_R", StoreReply, RetrieveReply)
 
 _WRITE_MARGIN = 2.0
 """Seconds before a reservation expires after which a slot is no longer written."""
+_RETRY_FIRST = 0.5
+_RETRY_MAX = 30.0
+"""Backoff of registration retries: first delay, doubling up to this."""
 
 
 def _ints(values: Iterable[int]) -> tuple[int, ...]:
@@ -109,7 +121,7 @@ class WorkerAdapter:
         *,
         tenant: str = "",
         hash_scheme: str = HASH_SCHEME_TOKENS,
-        instance_id: str | None = None,
+        engine_id: str = "",
         timeout: float = 5.0,
         cuda_runtime: CudaRuntime | None = None,
         server_key: str | None = None,
@@ -121,7 +133,7 @@ class WorkerAdapter:
         self.block_size = block_size
         self.tenant = tenant
         self.hash_scheme = hash_scheme
-        self.instance_id = instance_id or uuid.uuid4().hex
+        self.engine_id = engine_id
         self.timeout = timeout
         self._layout: KVLayout | None = None
         self._arrays: list[np.ndarray[Any, Any]] = []
@@ -130,6 +142,13 @@ class WorkerAdapter:
         self._mapped: _Mapped | None = None
         self._generation = 0
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._registering = False  # a registration is under way (sent, or reply not attached)
+        self._attach_queue: tuple[Registered, int, str | None] | None = None
+        self._retry_delay = _RETRY_FIRST
+        self._retry: threading.Timer | None = None
+        self._closed = False
+        self.failures = Failures()
         self._transfers = ThreadPoolExecutor(1, thread_name_prefix=f"kvtrio-transfer-{kv_rank}")
         self._pending_stores: collections.Counter[str] = collections.Counter()
         self._pending_retrieves: collections.Counter[str] = collections.Counter()
@@ -137,7 +156,6 @@ class WorkerAdapter:
         self._engine_finished: set[str] = set()
         self._retrieves_done: set[str] = set()
         self._failed_blocks: set[int] = set()
-        self._tokens_sent: dict[str, int] = {}
         self.client = Client(
             server_url,
             timeout=timeout,
@@ -168,10 +186,8 @@ class WorkerAdapter:
             self._layout, self._arrays = self._cuda.layout, []
         else:
             self._layout, self._arrays = describe_kv_caches(kv_caches, self.block_size, layout)
-        try:
-            self._register_wait(self.timeout)
-        except KvtrioError as exc:
-            log.warning("kvtrio at %s: registration deferred (%s)", self.client.endpoint, exc)
+        self._register()
+        self._await_registration(time.monotonic() + self.timeout, attach=False)
 
     def _register(self) -> Future[Reply]:
         assert self._layout is not None
@@ -179,8 +195,9 @@ class WorkerAdapter:
         with self._lock:
             self._generation += 1
             generation = self._generation
+            self._registering = True
         request = Register(
-            instance_id=self.instance_id,
+            engine=self.engine_id,
             model=self.model_name,
             world_size=self.world_size,
             rank=self.kv_rank,
@@ -202,23 +219,80 @@ class WorkerAdapter:
         future.add_done_callback(lambda f: self._registered(f, generation))
         return future
 
-    def _register_wait(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        future = self._register()
-        future.result(max(0.0, deadline - time.monotonic()))
-
     def _registered(self, future: Future[Reply], generation: int) -> None:
         # In the client's I/O thread: mapping the arena takes a while, do it in the transfer
         # thread (which also orders it before any transfer submitted after it).
         if future.cancelled() or future.exception() is not None:
-            log.warning("kvtrio registration failed: %s", future.exception())
+            self._registration_failed(generation, str(future.exception() or "cancelled"))
             return
         reply = future.result()
         assert isinstance(reply, Registered)
         info = self.client.server_info
         instance = info.instance_id if info is not None else None
+        with self._lock:
+            if generation != self._generation:
+                return
+            self._attach_queue = (reply, generation, instance)
+            self._changed.notify_all()
         with contextlib.suppress(RuntimeError):  # the adapter shut down meanwhile
-            self._transfers.submit(self._attach, reply, generation, instance)
+            self._transfers.submit(self._attach_queued)
+
+    def _registration_failed(self, generation: int, reason: str) -> None:
+        """Count, say once per reason why this rank is not caching, retry with backoff."""
+        with self._lock:
+            if generation != self._generation or self._closed:
+                return
+            self._registering = False
+            self.failures.registration()
+            delay, self._retry_delay = self._retry_delay, min(_RETRY_MAX, self._retry_delay * 2)
+            self._changed.notify_all()
+            self._retry = threading.Timer(delay, self._retry_registration)
+            self._retry.daemon = True
+            self._retry.start()
+        self.failures.warn_once(
+            f"registration:{reason}",
+            logging.ERROR,
+            "kvtrio: rank %d is not caching: registration at %s failed (%s); retrying with backoff",
+            self.kv_rank,
+            self.client.endpoint,
+            reason,
+        )
+
+    def _retry_registration(self) -> None:
+        with self._lock:
+            if self._closed or self._registering or self._current() is not None:
+                return
+        self._register()
+
+    def _attach_queued(self) -> None:
+        """Attach a registration reply that arrived (transfer thread: ordered with copies)."""
+        with self._lock:
+            queued, self._attach_queue = self._attach_queue, None
+        if queued is not None:
+            self._attach(*queued)
+
+    def _await_registration(self, deadline: float, *, attach: bool = True) -> _Mapped | None:
+        """The current registration, waiting until ``deadline`` while one is under way.
+
+        With ``attach`` (in the transfer thread) a reply that arrived is attached here, so a
+        copy queued before the reply never waits for itself."""
+        while True:
+            if attach:
+                self._attach_queued()
+            mapped = self._current()
+            if mapped is not None:
+                return mapped
+            with self._lock:
+                remaining = deadline - time.monotonic()
+                if not self._registering or remaining <= 0:
+                    return None
+                if self._attach_queue is None or not attach:
+                    self._changed.wait(remaining)
+
+    def metrics(self) -> dict[str, Any]:
+        """What this rank could not do: ``store_failures`` and ``retrieve_failures`` by cause
+        (chunks), ``registration_failures``, and whether it is ``registered`` now."""
+        return {"registered": self._current() is not None, **self.failures.snapshot()}
 
     def _attach(self, reply: Registered, generation: int, instance: str | None) -> None:
         with self._lock:
@@ -229,6 +303,7 @@ class WorkerAdapter:
             with self._lock:
                 if generation == self._generation:
                     self._mapped = _Mapped(reply, None, generation, instance)
+                    self._registered_now()
             return
         reuse = old is not None and old.arena is not None and old.arena.path == reply.arena_path
         arena = old.arena if reuse and old is not None else None
@@ -236,7 +311,7 @@ class WorkerAdapter:
             try:
                 arena = SharedArena.attach(reply.arena_path, reply.arena_size)
             except OSError as exc:
-                log.error("kvtrio: cannot map the L1 arena %s: %s", reply.arena_path, exc)
+                self._registration_failed(generation, f"cannot map the L1 arena: {exc}")
                 return
         with self._lock:
             if generation != self._generation:
@@ -246,15 +321,21 @@ class WorkerAdapter:
             if old is not None and old.arena is not None and old.arena is not arena:
                 old.arena.close()
             self._mapped = _Mapped(reply, arena, generation, instance)
+            self._registered_now()
         log.info("kvtrio: rank %d registered at %s", self.kv_rank, self.client.endpoint)
+
+    def _registered_now(self) -> None:
+        """(Under the lock.) The registration is attached: wake waiters, reset the backoff."""
+        self._registering = False
+        self._retry_delay = _RETRY_FIRST
+        self.failures.forget("registration:")
+        self._changed.notify_all()
 
     def _on_server_change(self, info: HelloReply) -> None:
         # In the client's I/O thread: only queue the registration, never wait here. Registering
         # bumps the generation, so the old arena (meaningless to the new server) stops being
         # used at once.
         if self._layout is not None:
-            with self._lock:
-                self._tokens_sent.clear()  # the new server knows no prompt
             self._register()
 
     def _current(self) -> _Mapped | None:
@@ -317,19 +398,26 @@ class WorkerAdapter:
         for request_id, op in zip(request_ids, ops, strict=True):
             self.submit_retrieve_request(request_id, op, event)
 
-    def get_finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str]]:
+    def num_blocks_per_chunk(self) -> int:
+        """Engine blocks per cached chunk (a method, as in vLLM's adapter)."""
+        return max(1, self.chunk_size // self.block_size)
+
+    def get_finished(
+        self, finished_req_ids_from_engine: Iterable[str]
+    ) -> tuple[set[str], set[str]]:
         """``(stores done, retrieves done)`` since the last call.
 
         vLLM's rule: a request's stores are reported done only once the engine has also reported
         the request finished (its blocks are held until then).
         """
         with self._lock:
-            self._engine_finished.update(r for r in finished_req_ids if r in self._stored)
+            self._engine_finished.update(
+                r for r in finished_req_ids_from_engine if r in self._stored
+            )
             stores = {r for r in self._engine_finished if not self._pending_stores[r]}
             for request_id in stores:
                 self._engine_finished.discard(request_id)
                 self._stored.discard(request_id)
-                self._tokens_sent.pop(request_id, None)
                 del self._pending_stores[request_id]
             retrieves, self._retrieves_done = self._retrieves_done, set()
         return stores, retrieves
@@ -342,35 +430,46 @@ class WorkerAdapter:
 
     # ----------------------------------------------------------------- transfers (own thread)
 
-    def _prompt(self, request_id: str, op: LoadStoreOp, *, force: bool = False) -> dict[str, Any]:
-        """The token ids / block hashes to send with an operation: only what the server may not
-        have seen from this worker yet (everything with ``force``)."""
-        end = op.end
-        if not force and self._tokens_sent.get(request_id, -1) >= end:
-            return {}
-        self._tokens_sent[request_id] = end
-        if op.block_hashes is not None:
-            return {"block_hashes": as_block_hashes(op.block_hashes[: -(-end // self.block_size)])}
-        if op.token_ids is not None:
-            return {"tokens": tuple(op.token_ids[:end])}
-        return {}
+    def _hashes(self, op: LoadStoreOp) -> tuple[bytes, ...]:
+        """The chunk hashes of the full chunks of ``[op.start, op.end)``, from the operation's
+        own prompt (``ValueError`` if it carries none)."""
+        size = self.chunk_size
+        hashes = chunk_hashes(
+            size,
+            self.block_size,
+            token_ids=op.token_ids,
+            block_hashes=op.block_hashes,
+            end=op.end,
+        )
+        first, last = op.start // size, op.end // size
+        if len(hashes) < last:
+            raise ValueError(f"the operation's prompt covers {len(hashes)} chunks, not {last}")
+        return tuple(hashes[first:last])
 
     def _blocks_of(self, op: LoadStoreOp, chunk: int) -> Sequence[int]:
         per_chunk = self.chunk_size // self.block_size
         return op.block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
 
     def _run_store(self, request_id: str, op: LoadStoreOp, engine_event: bytes = b"") -> None:
+        chunks = max(0, op.end // self.chunk_size - op.start // self.chunk_size)
         try:
-            if self._cuda is not None:
+            mapped = self._await_registration(time.monotonic() + self.timeout)
+            if mapped is None:
+                self.failures.store(request_id, "not_registered", chunks, "no registration")
+            elif self._cuda is not None:
                 self._cuda_store(self._cuda, request_id, op, engine_event)
             else:
-                self._store(request_id, op)
-        except NotRegistered:
+                self._store(mapped, request_id, op)
+        except NotRegistered as exc:
+            self.failures.store(request_id, "not_registered", chunks, exc)
             self._reregister()
         except KvtrioError as exc:
-            log.debug("store of %s failed: %s", request_id, exc)
-        except Exception:
+            self.failures.store(request_id, "server", chunks, exc)
+        except (ValueError, TypeError, OverflowError) as exc:
+            self.failures.store(request_id, "bad_prompt", chunks, exc)
+        except Exception as exc:
             log.exception("store of %s failed", request_id)
+            self.failures.store(request_id, "internal", chunks, exc)
         finally:
             with self._lock:
                 self._pending_stores[request_id] -= 1
@@ -379,28 +478,40 @@ class WorkerAdapter:
         self, cuda: CudaWorker, request_id: str, op: LoadStoreOp, engine_event: bytes
     ) -> None:
         """The server copies: send the blocks and the engine's event, wait for its event."""
-        if self._current() is None:
-            return  # not registered (yet): nothing is stored
         blocks = cuda.block_ids(op.block_ids, op.start, op.end, self.chunk_size, 0)
-        extra = {"block_ids": blocks, "event": engine_event}
-        reply = self._call_with_prompt(Store, StoreReply, request_id, op, extra)
+        request = Store(
+            request_id, op.start, op.end, self._hashes(op), block_ids=blocks, event=engine_event
+        )
+        reply = self.client.call(request, StoreReply, fail_fast=True)
+        self._count_slots(request_id, reply)
         if reply.done_event:
             cuda.wait(reply.done_event)
 
-    def _store(self, request_id: str, op: LoadStoreOp) -> None:
-        mapped, layout = self._current(), self._layout
-        if mapped is None or layout is None or mapped.arena is None:
-            return  # not registered (yet): nothing is stored
+    def _count_slots(self, request_id: str, reply: StoreReply) -> None:
+        failed = sum(1 for slot in reply.slots if slot.status == "failed")
+        if failed:
+            self.failures.store(request_id, "no_room", failed, "L1 full of pinned chunks")
+
+    def _store(self, mapped: _Mapped, request_id: str, op: LoadStoreOp) -> None:
+        layout = self._layout
+        assert layout is not None
+        assert mapped.arena is not None
+        hashes = self._hashes(op)
+        first = op.start // self.chunk_size
         started = time.monotonic()
-        reply = self._call_with_prompt(Store, StoreReply, request_id, op)
+        reply = self.client.call(
+            Store(request_id, op.start, op.end, hashes), StoreReply, fail_fast=True
+        )
+        self._count_slots(request_id, reply)
         deadline = started + reply.expires_in - _WRITE_MARGIN
-        written: list[int] = []
-        failed: list[int] = []
+        written: list[bytes] = []
+        failed: list[bytes] = []
         for slot in reply.slots:
             if slot.status != "write":
                 continue
+            chunk_hash = hashes[slot.chunk - first]
             if time.monotonic() > deadline:  # never write into a slot that may be reassigned
-                failed.append(slot.chunk)
+                failed.append(chunk_hash)
                 continue
             try:
                 gather(
@@ -411,57 +522,50 @@ class WorkerAdapter:
                 )
             except Exception:
                 log.exception("copying chunk %d of %s into L1 failed", slot.chunk, request_id)
-                failed.append(slot.chunk)
+                failed.append(chunk_hash)
             else:
-                written.append(slot.chunk)
+                written.append(chunk_hash)
+        if failed:
+            self.failures.store(request_id, "copy", len(failed), "copy failed or too late")
         if written or failed:
-            self.client.call(
-                Commit(request_id, tuple(written), tuple(failed)), Reply, fail_fast=True
+            reply_commit = self.client.call(
+                Commit(request_id, tuple(written), tuple(failed)), CommitReply, fail_fast=True
             )
-
-    def _call_with_prompt(
-        self,
-        kind: type[Store | Retrieve],
-        reply_type: type[_R],
-        request_id: str,
-        op: LoadStoreOp,
-        extra: Mapping[str, Any] | None = None,
-    ) -> _R:
-        """Send a store or retrieve, with the prompt if the server may lack it; if the server
-        says it lacks it after all (it forgot the request), send it again with the prompt."""
-        extra = extra or {}
-        try:
-            prompt = self._prompt(request_id, op)
-            request = kind(request_id, op.start, op.end, **prompt, **extra)
-            return self.client.call(request, reply_type, fail_fast=True)
-        except BadRequest:
-            prompt = self._prompt(request_id, op, force=True)
-            request = kind(request_id, op.start, op.end, **prompt, **extra)
-            return self.client.call(request, reply_type, fail_fast=True)
+            if reply_commit.rejected:
+                self.failures.store(
+                    request_id, "expired", len(reply_commit.rejected), "reservation expired"
+                )
 
     def _run_retrieve(self, request_id: str, op: LoadStoreOp, engine_event: bytes = b"") -> None:
         first, last = op.start // self.chunk_size, op.end // self.chunk_size
         loaded: set[int] = set()
+        cause = ""
         try:
-            if self._cuda is not None:
+            mapped = self._await_registration(time.monotonic() + self.timeout)
+            if mapped is None:
+                cause = "not_registered"
+            elif self._cuda is not None:
                 loaded = self._cuda_retrieve(self._cuda, request_id, op, engine_event)
             else:
-                loaded = self._retrieve(request_id, op)
+                loaded = self._retrieve(mapped, request_id, op)
         except NotRegistered:
+            cause = "not_registered"
             self._reregister()
         except KvtrioError as exc:
+            cause = "server"
+            log.debug("retrieve of %s failed: %s", request_id, exc)
+        except (ValueError, TypeError, OverflowError) as exc:
+            cause = "bad_prompt"
             log.debug("retrieve of %s failed: %s", request_id, exc)
         except Exception:
+            cause = "internal"
             log.exception("retrieve of %s failed", request_id)
         finally:
             kept = set(op.block_ids[: (op.start + op.skip_first_n_tokens) // self.block_size])
-            failed = {
-                b
-                for c in range(first, last)
-                if c not in loaded
-                for b in self._blocks_of(op, c)
-                if b not in kept
-            }
+            missing = [c for c in range(first, last) if c not in loaded]
+            failed = {b for c in missing for b in self._blocks_of(op, c) if b not in kept}
+            if missing:
+                self.failures.retrieve(cause or "missing", len(missing))
             with self._lock:
                 self._failed_blocks.update(failed)
                 self._pending_retrieves[request_id] -= 1
@@ -474,23 +578,26 @@ class WorkerAdapter:
     ) -> set[int]:
         """The server copies into the engine's blocks (leaving those it has already alone);
         the chunks count as loaded once the server's event has completed."""
-        if self._current() is None:
-            return set()
         keep_before = op.start + op.skip_first_n_tokens
         blocks = cuda.block_ids(op.block_ids, op.start, op.end, self.chunk_size, keep_before)
-        extra = {"block_ids": blocks, "event": engine_event}
-        reply = self._call_with_prompt(Retrieve, RetrieveReply, request_id, op, extra)
+        request = Retrieve(
+            request_id, op.start, op.end, self._hashes(op), block_ids=blocks, event=engine_event
+        )
+        reply = self.client.call(request, RetrieveReply, fail_fast=True)
         read = {slot.chunk for slot in reply.slots if slot.status == "read"}
         if read and reply.done_event:
             cuda.wait(reply.done_event)
             return read
         return set()
 
-    def _retrieve(self, request_id: str, op: LoadStoreOp) -> set[int]:
-        mapped, layout = self._current(), self._layout
-        if mapped is None or layout is None or mapped.arena is None:
-            return set()
-        reply = self._call_with_prompt(Retrieve, RetrieveReply, request_id, op)
+    def _retrieve(self, mapped: _Mapped, request_id: str, op: LoadStoreOp) -> set[int]:
+        layout = self._layout
+        assert layout is not None
+        assert mapped.arena is not None
+        hashes = self._hashes(op)
+        first = op.start // self.chunk_size
+        request = Retrieve(request_id, op.start, op.end, hashes)
+        reply = self.client.call(request, RetrieveReply, fail_fast=True)
         keep_before = op.start + op.skip_first_n_tokens  # tokens the engine has already
         loaded: set[int] = set()
         try:
@@ -506,7 +613,7 @@ class WorkerAdapter:
                     scatter(layout, self._arrays, blocks, data)
                 loaded.add(slot.chunk)
         finally:
-            read = tuple(s.chunk for s in reply.slots if s.status == "read")
+            read = tuple(hashes[s.chunk - first] for s in reply.slots if s.status == "read")
             if read:
                 self.client.submit(Release(request_id, read), fail_fast=True)
         return loaded
@@ -520,6 +627,10 @@ class WorkerAdapter:
 
     def shutdown(self) -> None:
         """Finish queued transfers, unregister (best effort), close the connection."""
+        with self._lock:
+            self._closed = True
+            if self._retry is not None:
+                self._retry.cancel()
         self._transfers.shutdown(wait=True)
         if self._current() is not None:
             with contextlib.suppress(KvtrioError):

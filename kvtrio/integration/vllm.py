@@ -111,6 +111,9 @@ class KvtrioConnector(KVConnectorBase_V1):
             "timeout": self.options.timeout,
             "server_key": self.options.server_key or None,
             "client_key": self.options.client_key or None,
+            # Shared by this engine's scheduler and workers (vLLM hands them one config):
+            # the server scopes request ids by it, so engines never touch each other's requests.
+            "engine_id": str(getattr(transfer_config, "engine_id", None) or ""),
         }
         self._scheduler: SchedulerAdapter | None = None
         self._worker: WorkerAdapter | None = None

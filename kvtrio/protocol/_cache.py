@@ -123,7 +123,9 @@ class Register(Request):
     op: ClassVar[str] = "register"
     reply_type: ClassVar[type[Reply]] = Registered
 
-    instance_id: str
+    engine: str
+    """The engine's id, shared by its scheduler and all its workers: request ids are scoped by
+    it (with model and tenant), so two engines never touch each other's requests."""
     model: str
     world_size: int
     rank: int
@@ -161,12 +163,13 @@ class LookupReply(Reply):
 
 @frozen
 class Lookup(Request):
-    """How many leading tokens of this prompt does the cache hold for every rank?
+    """How many leading chunks of this prompt does the cache hold for every rank?
 
-    Exactly one of ``tokens`` (token mode) and ``block_hashes`` (hash mode, one per engine
-    block) is given. The hit chunks are pinned for the request: ``num_readers`` pins per object
-    (0: one per rank's object, or ``world_size`` when all ranks share one object, as with MLA). A
-    new lookup of the same request replaces the previous one's pins.
+    ``chunk_hashes`` are the prompt's chunk hashes (16 bytes each, computed by the client, see
+    ``kvtrio.storage.keys``); the server adds the namespace of the engine's registration. The
+    hit chunks are pinned for the request ``(engine, model, tenant, request)``: ``num_readers``
+    pins per object (0: one per rank's object, or ``world_size`` when all ranks share one
+    object, as with MLA). A new lookup of the same request replaces the previous one's pins.
     """
 
     op: ClassVar[str] = "lookup"
@@ -175,10 +178,10 @@ class Lookup(Request):
     request: str
     model: str
     world_size: int
-    tokens: IntTuple = ()
-    block_hashes: BytesTuple = ()
+    chunk_hashes: BytesTuple = ()
     num_readers: int = 0
     tenant: str = ""
+    engine: str = ""
 
 
 # --------------------------------------------------------------------------- store / retrieve
@@ -212,10 +215,10 @@ class StoreReply(Reply):
 class Store(Request):
     """Reserve L1 slots for the full chunks of tokens ``[start, end)`` of a request.
 
-    ``start`` is a multiple of the chunk size; ``end`` is rounded down to one. ``tokens`` (or
-    ``block_hashes``) must be sent unless the server already knows the request's prompt up to
-    ``end`` (from its lookup or an earlier operation); sending them again is harmless.
-    ``block_ids`` are the engine blocks of those tokens, one per block (CUDA workers only).
+    ``start`` is a multiple of the chunk size; ``end`` is rounded down to one. ``chunk_hashes``
+    are the hashes of exactly those chunks (16 bytes each, computed by the client from the
+    prompt); the server keeps no prompts. ``block_ids`` are the engine blocks of those
+    tokens, one per block (CUDA workers only).
     ``event`` (CUDA workers, optional) is the IPC handle of an interprocess event the engine
     recorded after the forward step that wrote those blocks; the server's copy waits for it.
     """
@@ -226,8 +229,7 @@ class Store(Request):
     request: str
     start: int
     end: int
-    tokens: IntTuple = ()
-    block_hashes: BytesTuple = ()
+    chunk_hashes: BytesTuple = ()
     block_ids: IntTuple = ()
     event: bytes = b""
 
@@ -235,20 +237,22 @@ class Store(Request):
 @frozen
 class CommitReply(Reply):
     committed: int
-    rejected: IntTuple = field(factory=tuple)
-    """Chunks whose reservation had expired: not stored."""
+    rejected: BytesTuple = field(factory=tuple)
+    """Chunk hashes whose reservation had expired (or never existed): not stored."""
 
 
 @frozen
 class Commit(Request):
-    """After a store: ``written`` chunks become visible, ``failed`` ones are dropped."""
+    """After a store: ``written`` chunks become visible, ``failed`` ones are dropped.
+
+    Both name chunks by their chunk hashes (as sent in the store)."""
 
     op: ClassVar[str] = "commit"
     reply_type: ClassVar[type[Reply]] = CommitReply
 
     request: str
-    written: IntTuple = ()
-    failed: IntTuple = ()
+    written: BytesTuple = ()
+    failed: BytesTuple = ()
 
 
 @frozen
@@ -273,21 +277,20 @@ class Retrieve(Request):
     request: str
     start: int
     end: int
-    tokens: IntTuple = ()
-    block_hashes: BytesTuple = ()
+    chunk_hashes: BytesTuple = ()
     block_ids: IntTuple = ()
     event: bytes = b""
 
 
 @frozen
 class Release(Request):
-    """After a retrieve: the worker is done reading these chunks."""
+    """After a retrieve: the worker is done reading these chunks (named by chunk hash)."""
 
     op: ClassVar[str] = "release"
     reply_type: ClassVar[type[Reply]] = Released
 
     request: str
-    chunks: IntTuple = ()
+    chunk_hashes: BytesTuple = ()
 
 
 # --------------------------------------------------------------------------- request ends
@@ -303,11 +306,12 @@ class FreeLookupLocks(Request):
     request: str
     model: str
     tenant: str = ""
+    engine: str = ""
 
 
 @frozen
 class EndSession(Request):
-    """The engine is done with the request: release its lookup pins and forget its prompt."""
+    """The engine is done with the request: release its lookup pins and cancel its loads."""
 
     op: ClassVar[str] = "end_session"
     reply_type: ClassVar[type[Reply]] = Released
@@ -315,6 +319,7 @@ class EndSession(Request):
     request: str
     model: str
     tenant: str = ""
+    engine: str = ""
 
 
 CACHE_REQUEST_TYPES: tuple[type[Request], ...] = (

@@ -40,8 +40,10 @@ __all__ = [
     "StatsReply",
 ]
 
-PROTOCOL_VERSION = 1
-"""Version of the wire protocol. Bumped on any incompatible change of a frame or message."""
+PROTOCOL_VERSION = 2
+"""Version of the wire protocol. Bumped on any incompatible change of a frame or message.
+
+2: clients send chunk hashes (not prompts) and name their engine; commit/release by chunk hash."""
 
 
 @frozen

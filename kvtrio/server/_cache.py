@@ -37,7 +37,6 @@ from ..protocol import (
     Unregister,
 )
 from ..storage import (
-    ChunkChain,
     Entry,
     L1Cache,
     Lease,
@@ -57,6 +56,8 @@ from ._state import ServerState
 __all__ = ["CacheService"]
 
 log = logging.getLogger("kvtrio.cache")
+
+CHUNK_HASH_SIZE = 16
 
 _REAPER_PERIOD = 1.0
 """Longest sleep of the reaper; leases expire at most this late."""
@@ -201,9 +202,10 @@ class CacheService:
     # ----------------------------------------------------------------- lookup
 
     async def lookup(self, session: Session, request: Lookup) -> LookupReply:
-        model = self.registry.models.get((request.model, request.tenant))
+        hashes = _checked_hashes(request.chunk_hashes)
+        model = self.registry.engine_model(request.engine, request.model, request.tenant)
         if model is None:
-            return LookupReply(0, 0)  # no engine of this model has registered (yet)
+            return LookupReply(0, 0)  # no worker of this engine has registered (yet)
         if request.world_size != model.world_size:
             raise RequestError(
                 ErrorCode.INCOMPATIBLE,
@@ -211,10 +213,7 @@ class CacheService:
                 f"the lookup says {request.world_size}",
             )
         now = trio.current_time()
-        key = request_key(request.model, request.tenant, request.request)
-        chain = self.registry.chain(key, now)
-        self._extend(chain, model.profile.block_size, request.tokens, request.block_hashes)
-        hashes = list(chain.hashes)
+        key = request_key(request.engine, request.model, request.tenant, request.request)
         # A new lookup of the request replaces the previous one: its pins and its loads.
         self._end_lookup(key)
         self.quotas.readers(request.num_readers, model.world_size)
@@ -278,17 +277,18 @@ class CacheService:
 
     async def store(self, session: Session, request: Store) -> StoreReply:
         registration = self._registration(session)
-        key, chain, chunks = self._chunks(registration, request)
+        key, hashes, chunks = self._chunks(registration, request)
         if registration.cuda is not None:
             blocks = self._block_ids(registration, request, chunks, store=True)
         self.quotas.admit(session, len(chunks), registration.chunk_bytes)
         expires = trio.current_time() + self.config.reservation_ttl
         slots = []
         reserved = []
-        for index in chunks:
-            object_key = registration.space + chain.hashes[index]
-            parent = registration.space + chain.hashes[index - 1] if index else None
+        parent: bytes | None = None  # the range's first chunk: its parent is not in the request
+        for index, chunk_hash in zip(chunks, hashes, strict=True):
+            object_key = registration.space + chunk_hash
             outcome = self.l1.reserve(object_key, registration.chunk_bytes, parent=parent)
+            parent = object_key
             if isinstance(outcome, Entry):
                 self.leases.add(LeaseKind.WRITE, key, session.id, object_key, 1, expires)
                 slots.append(Slot(index, "write", outcome.offset, outcome.nbytes))
@@ -300,26 +300,22 @@ class CacheService:
             else:
                 slots.append(Slot(index, "failed"))
         if registration.cuda is not None:
-            return self._cuda_store(session, registration, request, key, chain, blocks, slots)
+            return self._cuda_store(session, registration, request, key, hashes, blocks, slots)
         await scrub(self.arena, reserved)  # an unwritten slot never shows a previous chunk
         return StoreReply(tuple(slots), self.config.reservation_ttl)
 
     async def commit(self, session: Session, request: Commit) -> CommitReply:
         registration = self._registration(session)
-        key = request_key(registration.model, registration.tenant, request.request)
-        chain = self.registry.requests.get(key)
-        hashes = chain.chain.hashes if chain is not None else []
+        key = self._worker_request(registration, request.request)
         committed, rejected = 0, []
-        for index, ok in [(i, True) for i in request.written] + [
-            (i, False) for i in request.failed
-        ]:
-            lease = None
-            if 0 <= index < len(hashes):
-                object_key = registration.space + hashes[index]
-                lease = self.leases.get(LeaseKind.WRITE, key, session.id, object_key)
+        written = _checked_hashes(request.written, "written")
+        failed = _checked_hashes(request.failed, "failed")
+        for chunk_hash, ok in [(h, True) for h in written] + [(h, False) for h in failed]:
+            object_key = registration.space + chunk_hash
+            lease = self.leases.get(LeaseKind.WRITE, key, session.id, object_key)
             if lease is None:
                 if ok:
-                    rejected.append(index)  # never reserved, or the reservation expired
+                    rejected.append(chunk_hash)  # never reserved, or the reservation expired
                 continue
             self.leases.remove(lease)
             if ok:
@@ -334,21 +330,21 @@ class CacheService:
 
     async def retrieve(self, session: Session, request: Retrieve) -> RetrieveReply:
         registration = self._registration(session)
-        key, chain, chunks = self._chunks(registration, request)
+        key, hashes, chunks = self._chunks(registration, request)
         if registration.cuda is not None:
             blocks = self._block_ids(registration, request, chunks, store=False)
-        pending = self.prefetch.pending(key, [registration.space + chain.hashes[i] for i in chunks])
+        pending = self.prefetch.pending(key, [registration.space + h for h in hashes])
         if pending:  # L2 → L1 loads started by the lookup: wait for them, within the deadline
             with trio.move_on_after(self.config.retrieve_timeout):
                 for load in pending:
                     await load.done.wait()
         self.quotas.admit(session, len(chunks), registration.chunk_bytes)
-        reading = [registration.space + chain.hashes[i] for i in chunks]
+        reading = [registration.space + h for h in hashes]
         self.quotas.admit_pins(reading, registration.chunk_bytes)
         expires = trio.current_time() + self.config.pin_ttl
         slots = []
-        for index in chunks:
-            object_key = registration.space + chain.hashes[index]
+        for index, chunk_hash in zip(chunks, hashes, strict=True):
+            object_key = registration.space + chunk_hash
             entry = self.l1.get(object_key)
             if entry is None:
                 slots.append(Slot(index, "failed"))
@@ -360,38 +356,32 @@ class CacheService:
                 self.l1.unpin(object_key, consumed)
             slots.append(Slot(index, "read", entry.offset, entry.nbytes))
         if registration.cuda is not None:
-            return self._cuda_retrieve(session, registration, request, key, chain, blocks, slots)
+            return self._cuda_retrieve(session, registration, request, key, hashes, blocks, slots)
         return RetrieveReply(tuple(slots))
 
     async def release(self, session: Session, request: Release) -> Released:
         registration = self._registration(session)
-        key = request_key(registration.model, registration.tenant, request.request)
-        state = self.registry.requests.get(key)
-        hashes = state.chain.hashes if state is not None else []
+        key = self._worker_request(registration, request.request)
         leases = []
-        for index in request.chunks:
-            if 0 <= index < len(hashes):
-                object_key = registration.space + hashes[index]
-                lease = self.leases.get(LeaseKind.READ, key, session.id, object_key)
-                if lease is not None:
-                    self.leases.remove(lease)
-                    leases.append(lease)
+        for chunk_hash in _checked_hashes(request.chunk_hashes, "chunk_hashes"):
+            object_key = registration.space + chunk_hash
+            lease = self.leases.get(LeaseKind.READ, key, session.id, object_key)
+            if lease is not None:
+                self.leases.remove(lease)
+                leases.append(lease)
         return Released(self._undo(leases, quarantine=False))
 
     # ----------------------------------------------------------------- request ends
 
     async def free_lookup_locks(self, session: Session, request: FreeLookupLocks) -> Released:
-        key = request_key(request.model, request.tenant, request.request)
+        key = request_key(request.engine, request.model, request.tenant, request.request)
         return Released(self._end_lookup(key))
 
     async def end_session(self, session: Session, request: EndSession) -> Released:
-        key = request_key(request.model, request.tenant, request.request)
-        released = self._end_lookup(key)
-        if not self.leases.holds(key):
-            self.registry.forget_request(key)
-        # else: a worker's store or retrieve is still under way (engines save asynchronously)
-        # and its commit/release needs the prompt; the idle-request sweep forgets it later.
-        return Released(released)
+        # A worker's store or retrieve may still be under way (engines save asynchronously):
+        # its reservations and read pins are its own leases, ended by its commit/release.
+        key = request_key(request.engine, request.model, request.tenant, request.request)
+        return Released(self._end_lookup(key))
 
     # ----------------------------------------------------------------- CUDA workers
 
@@ -428,14 +418,14 @@ class CacheService:
         registration: Registration,
         request: Store,
         key: str,
-        chain: ChunkChain,
+        hashes: Sequence[bytes],
         blocks: list[list[int]],
         slots: list[Slot],
     ) -> StoreReply:
         """Queue the GPU → L1 copies of the ``write`` slots; commit them once they are done."""
         first = slots[0].chunk if slots else 0
         writes = [slot for slot in slots if slot.status == "write"]
-        object_keys = [registration.space + chain.hashes[slot.chunk] for slot in writes]
+        object_keys = [registration.space + hashes[slot.chunk - first] for slot in writes]
         digest = registration.profile.digest()
 
         def complete(ok: bool) -> None:
@@ -474,14 +464,14 @@ class CacheService:
         registration: Registration,
         request: Retrieve,
         key: str,
-        chain: ChunkChain,
+        hashes: Sequence[bytes],
         blocks: list[list[int]],
         slots: list[Slot],
     ) -> RetrieveReply:
         """Queue the L1 → GPU copies of the ``read`` slots; unpin them once they are done."""
         first = slots[0].chunk if slots else 0
         reads = [slot for slot in slots if slot.status == "read"]
-        object_keys = [registration.space + chain.hashes[slot.chunk] for slot in reads]
+        object_keys = [registration.space + hashes[slot.chunk - first] for slot in reads]
 
         def complete(ok: bool) -> None:
             leases = []
@@ -508,39 +498,14 @@ class CacheService:
 
     # ----------------------------------------------------------------- shared pieces
 
-    def _extend(
-        self,
-        chain: ChunkChain,
-        block_size: int,
-        tokens: Sequence[int],
-        block_hashes: Sequence[bytes],
-    ) -> None:
-        """Feed a request's prompt to its chain, in the mode the model is registered in."""
-        if tokens and block_hashes:
-            raise RequestError(ErrorCode.BAD_REQUEST, "send tokens or block_hashes, not both")
-        if block_hashes:
-            if not block_size:
-                raise RequestError(
-                    ErrorCode.INCOMPATIBLE, "this model is registered in token mode: send tokens"
-                )
-            chain.extend_block_hashes(block_hashes, self.config.chunk_size // block_size)
-        elif tokens:
-            if block_size:
-                raise RequestError(
-                    ErrorCode.INCOMPATIBLE,
-                    "this model is registered in hash mode: send block_hashes",
-                )
-            try:
-                chain.extend_tokens(tokens)
-            except (TypeError, OverflowError):
-                raise RequestError(
-                    ErrorCode.BAD_REQUEST, "tokens must be integers in [0, 2**32)"
-                ) from None
+    def _worker_request(self, registration: Registration, request: str) -> str:
+        """A worker's requests are its engine's: scoped by engine, model and tenant."""
+        return request_key(registration.engine, registration.model, registration.tenant, request)
 
     def _chunks(
         self, registration: Registration, request: Store | Retrieve
-    ) -> tuple[str, ChunkChain, range]:
-        """The request key, its chain, and the chunk indices of ``[start, end)``."""
+    ) -> tuple[str, Sequence[bytes], range]:
+        """The request key, the chunk hashes and the chunk indices of ``[start, end)``."""
         size = self.config.chunk_size
         if request.start % size or request.start < 0 or request.end < request.start:
             raise RequestError(
@@ -548,17 +513,15 @@ class CacheService:
                 f"the range [{request.start}, {request.end}) must start at a multiple of the "
                 f"chunk size {size} and not end before it starts",
             )
-        key = request_key(registration.model, registration.tenant, request.request)
-        chain = self.registry.chain(key, trio.current_time())
-        self._extend(chain, registration.profile.block_size, request.tokens, request.block_hashes)
         chunks = range(request.start // size, request.end // size)
-        if len(chain.hashes) < chunks.stop:
+        hashes = _checked_hashes(request.chunk_hashes)
+        if len(hashes) != len(chunks):
             raise RequestError(
                 ErrorCode.BAD_REQUEST,
-                f"the server knows {len(chain.hashes)} chunks of request {request.request!r}; "
-                f"send its tokens (or block hashes) up to {request.end}",
+                f"the range [{request.start}, {request.end}) has {len(chunks)} full chunks; "
+                f"send exactly their {len(chunks)} chunk hashes (got {len(hashes)})",
             )
-        return key, chain, chunks
+        return self._worker_request(registration, request.request), hashes, chunks
 
     def _undo(self, leases: Sequence[Lease], *, quarantine: bool) -> int:
         """Undo what removed leases held: unpin, or drop a reservation. Returns the count."""
@@ -596,7 +559,6 @@ class CacheService:
                 )
                 self._undo(expired, quarantine=True)
             self.l1.release_quarantine(now)
-            self.registry.forget_idle_requests(now - self.config.request_ttl)
             wake = now + _REAPER_PERIOD
             for when in (self.leases.next_expiry(), self.l1.next_quarantine_release()):
                 if when is not None:
@@ -618,7 +580,7 @@ class CacheService:
             leases=self.leases.live,
             leases_expired=self.leases.expired_total,
             registrations=len(self.registry.by_session),
-            requests=len(self.registry.requests),
+            requests=self.leases.requests,
             lookups=self.lookups,
             lookup_hit_chunks=self.lookup_hit_chunks,
             lookup_miss_chunks=self.lookup_miss_chunks,
@@ -630,3 +592,12 @@ class CacheService:
             write_behind_skipped=self.l2.skipped_stores,
             l2_corrupt=self.l2.corrupt,
         )
+
+
+def _checked_hashes(hashes: Sequence[bytes], name: str = "chunk_hashes") -> Sequence[bytes]:
+    """Chunk hashes as sent: each exactly 16 bytes, else ``bad_request``."""
+    if any(len(h) != CHUNK_HASH_SIZE for h in hashes):
+        raise RequestError(
+            ErrorCode.BAD_REQUEST, f"{name}: every chunk hash is {CHUNK_HASH_SIZE} bytes"
+        )
+    return hashes

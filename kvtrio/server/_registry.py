@@ -1,4 +1,5 @@
-"""Who is registered, with which model profile, and what each request's prompt hashes are."""
+"""Who is registered, with which model profile, in which engine. No prompts: since protocol
+version 2 every operation carries its own chunk hashes."""
 
 from __future__ import annotations
 
@@ -8,15 +9,21 @@ import attrs
 
 from ..errors import ErrorCode, RequestError
 from ..protocol import LayoutSpec, Register
-from ..storage import HASH_SCHEME_TOKENS, ChunkChain, ModelProfile, namespace
+from ..storage import HASH_SCHEME_TOKENS, ModelProfile, namespace
 from ..transfer import KVLayout
 
-__all__ = ["ModelEntry", "Registration", "Registry", "RequestState", "request_key"]
+__all__ = ["ModelEntry", "Registration", "Registry", "request_key"]
 
 
-def request_key(model: str, tenant: str, request: str) -> str:
-    """Requests are named per model and tenant: two engines of different models may reuse ids."""
-    return f"{model}\x00{tenant}\x00{request}"
+def request_key(engine: str, model: str, tenant: str, request: str) -> str:
+    """Requests are named per engine, model and tenant: engines reuse request ids freely."""
+    return "\x00".join((engine, model, tenant, request))
+
+
+ModelKey = tuple[str, str, bytes, int]
+"""``(model, tenant, profile digest, world size)``: engines that share cached chunks."""
+EngineKey = tuple[str, str, str]
+"""``(engine, model, tenant)``: the workers of one engine for one model."""
 
 
 @attrs.define(eq=False)
@@ -24,7 +31,7 @@ class Registration:
     """A worker's registered KV cache (one per session)."""
 
     session_id: str
-    instance_id: str
+    engine: str
     model: str
     tenant: str
     world_size: int
@@ -51,21 +58,36 @@ class ModelEntry:
     """Namespaces a lookup must find a chunk in: one per rank, or one shared by all ranks."""
     workers: int = 0
 
+    @property
+    def key(self) -> ModelKey:
+        return (self.model, self.tenant, self.profile.digest(), self.world_size)
+
 
 @attrs.define(eq=False)
-class RequestState:
-    chain: ChunkChain
-    last_used: float
+class EngineEntry:
+    """The registered workers of one engine for one model (they agree on one profile)."""
+
+    model: ModelEntry
+    workers: int = 0
 
 
 class Registry:
-    """Registrations by session, models by (name, tenant), requests by key. No I/O."""
+    """Registrations by session, models by :data:`ModelKey`, engines by :data:`EngineKey`.
+
+    Engines of one model with different profiles (KV format, world size, …) coexist: their
+    objects live in different namespaces. Only the workers of *one* engine must agree. No I/O.
+    """
 
     def __init__(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
         self.by_session: dict[str, Registration] = {}
-        self.models: dict[tuple[str, str], ModelEntry] = {}
-        self.requests: dict[str, RequestState] = {}
+        self.models: dict[ModelKey, ModelEntry] = {}
+        self.engines: dict[EngineKey, EngineEntry] = {}
+
+    def engine_model(self, engine: str, model: str, tenant: str) -> ModelEntry | None:
+        """The model entry the workers of ``engine`` registered for ``model``, if any."""
+        entry = self.engines.get((engine, model, tenant))
+        return entry.model if entry is not None else None
 
     # ----------------------------------------------------------------- registrations
 
@@ -116,7 +138,7 @@ class Registry:
         rank_space = entry.spaces[0] if profile.shared_across_ranks else entry.spaces[request.rank]
         registration = Registration(
             session_id=session_id,
-            instance_id=request.instance_id,
+            engine=request.engine,
             model=request.model,
             tenant=request.tenant,
             world_size=request.world_size,
@@ -127,12 +149,32 @@ class Registry:
             chunk_bytes=layout.chunk_nbytes(self.chunk_size),
             device=request.device,
         )
+        engine = self.engines.setdefault(
+            (request.engine, request.model, request.tenant), EngineEntry(entry)
+        )
+        engine.workers += 1
         entry.workers += 1
         self.by_session[session_id] = registration
         return registration
 
     def _model_for(self, request: Register, profile: ModelProfile) -> ModelEntry:
-        key = (request.model, request.tenant)
+        """The model entry of this profile; refuses a worker that disagrees with the other
+        workers of its own engine (and says only what differs, never another engine's
+        settings)."""
+        mine = self.engines.get((request.engine, request.model, request.tenant))
+        if mine is not None:
+            problems = [d.split(":")[0] for d in mine.model.profile.differences(profile)]
+            if mine.model.world_size != request.world_size:
+                problems.append("world_size")
+            if problems:
+                raise RequestError(
+                    ErrorCode.INCOMPATIBLE,
+                    f"the other workers of engine {request.engine!r} registered model "
+                    f"{request.model!r} with another {', '.join(problems)}; all workers of one "
+                    "engine must agree",
+                )
+            return mine.model
+        key = (request.model, request.tenant, profile.digest(), request.world_size)
         entry = self.models.get(key)
         if entry is None:
             ranks = 1 if profile.shared_across_ranks else request.world_size
@@ -142,46 +184,21 @@ class Registry:
             )
             entry = ModelEntry(request.model, request.tenant, profile, request.world_size, spaces)
             self.models[key] = entry
-            return entry
-        problems = entry.profile.differences(profile)
-        if entry.world_size != request.world_size:
-            problems.append(f"world_size: {entry.world_size} vs {request.world_size}")
-        if problems:
-            raise RequestError(
-                ErrorCode.INCOMPATIBLE,
-                f"model {request.model!r} is already registered by engines that differ from this "
-                f"one ({'; '.join(problems)}); they would not share cached chunks. Give this "
-                "engine another model name or tenant, or stop the others first",
-            )
         return entry
 
     def unregister(self, session_id: str) -> Registration | None:
         registration = self.by_session.pop(session_id, None)
         if registration is not None:
-            key = (registration.model, registration.tenant)
-            entry = self.models[key]
+            engine_key = (registration.engine, registration.model, registration.tenant)
+            engine = self.engines[engine_key]
+            engine.workers -= 1
+            if engine.workers == 0:
+                del self.engines[engine_key]
+            entry = engine.model
             entry.workers -= 1
             if entry.workers == 0:
-                del self.models[key]
+                del self.models[entry.key]
         return registration
-
-    # ----------------------------------------------------------------- requests
-
-    def chain(self, key: str, now: float) -> ChunkChain:
-        state = self.requests.get(key)
-        if state is None:
-            state = self.requests[key] = RequestState(ChunkChain(self.chunk_size), now)
-        state.last_used = now
-        return state.chain
-
-    def forget_request(self, key: str) -> bool:
-        return self.requests.pop(key, None) is not None
-
-    def forget_idle_requests(self, older_than: float) -> int:
-        idle = [key for key, state in self.requests.items() if state.last_used < older_than]
-        for key in idle:
-            del self.requests[key]
-        return len(idle)
 
 
 def _layout(spec: LayoutSpec) -> KVLayout:

@@ -13,11 +13,12 @@ from ._policies import DEFAULT_EVICTION, EVICTION_POLICIES, make_policy
 from .keys import (
     HASH_SCHEME_TOKENS,
     KEY_SIZE,
-    ChunkChain,
     ModelProfile,
+    block_chunk_hashes,
     block_hash_scheme,
     namespace,
     object_key,
+    token_chunk_hashes,
 )
 
 __all__ = [
@@ -26,7 +27,6 @@ __all__ = [
     "HASH_SCHEME_TOKENS",
     "KEY_SIZE",
     "LRU",
-    "ChunkChain",
     "Entry",
     "EntryState",
     "EvictionPolicy",
@@ -39,10 +39,12 @@ __all__ = [
     "ModelProfile",
     "Reservation",
     "SharedArena",
+    "block_chunk_hashes",
     "block_hash_scheme",
     "default_shm_dir",
     "make_policy",
     "namespace",
     "object_key",
     "reclaim_stale_arenas",
+    "token_chunk_hashes",
 ]

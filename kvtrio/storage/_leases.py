@@ -145,6 +145,11 @@ class LeaseTable:
         """How many live leases ``owner`` holds (quotas read it on every lease they admit)."""
         return len(self._by_owner.get(owner, ()))
 
+    @property
+    def requests(self) -> int:
+        """Requests holding at least one lease."""
+        return len(self._by_request)
+
     def holds(self, request: str) -> bool:
         """Whether any lease of ``request`` is live."""
         return request in self._by_request

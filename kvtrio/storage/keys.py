@@ -17,6 +17,10 @@ SHA-256 (truncated to 128 bits) rather than a faster non-cryptographic hash: on 
 costs 1.7 µs per chunk against 6 µs for packing the chunk's 256 token ids, and a shared cache
 must not let a crafted prompt collide with someone else's prefix (vLLM moved its prefix-cache
 hash to SHA-256 for the same reason). The exact algorithm is in ``docs/protocol.md``.
+
+Since protocol version 2 the *client* computes the chunk hashes (they travel in every lookup,
+store and retrieve) and the server only adds the namespace of the sender's registration, so the
+keys of an operation always come from the prompt of that operation.
 """
 
 from __future__ import annotations
@@ -31,11 +35,12 @@ import msgpack
 __all__ = [
     "HASH_SCHEME_TOKENS",
     "KEY_SIZE",
-    "ChunkChain",
     "ModelProfile",
+    "block_chunk_hashes",
     "block_hash_scheme",
     "namespace",
     "object_key",
+    "token_chunk_hashes",
 ]
 
 HASH_SCHEME_TOKENS = "tokens/sha256-128/v1"
@@ -56,57 +61,31 @@ def _sha128(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()[:16]
 
 
-class ChunkChain:
-    """The chunk hashes of one request's prompt, extended as more of it becomes known.
+def token_chunk_hashes(tokens: Sequence[int], chunk_size: int) -> list[bytes]:
+    """The chunk hashes of every full chunk of the prompt ``tokens`` (token mode).
 
-    Hashing is incremental: extending by new tokens hashes only the new full chunks, so a
-    request's store and retrieve operations never rehash its prompt.
+    A pure function of the tokens: the same prompt always gives the same keys, a different
+    prompt different ones from its first differing chunk on. Raises ``OverflowError`` /
+    ``TypeError`` for token ids that are not integers in ``[0, 2**32)``.
     """
+    full = len(tokens) // chunk_size
+    data = array("I", tokens[: full * chunk_size]).tobytes()
+    width = chunk_size * 4
+    previous = _TOKEN_ROOT
+    hashes = []
+    for i in range(full):
+        previous = _sha128(previous + data[i * width : (i + 1) * width])
+        hashes.append(previous)
+    return hashes
 
-    __slots__ = ("_tail", "chunk_size", "hashes", "tokens_seen")
 
-    def __init__(self, chunk_size: int) -> None:
-        self.chunk_size = chunk_size
-        self.hashes: list[bytes] = []
-        self.tokens_seen = 0
-        self._tail: array[int] = array("I")  # tokens after the last full chunk
-
-    def extend_tokens(self, tokens: Sequence[int], start: int = 0) -> None:
-        """Feed token ids ``tokens`` that begin at position ``start`` of the prompt.
-
-        Tokens already seen are skipped, so the whole prompt may be passed again. Raises
-        ``ValueError`` if ``start`` leaves a gap, ``OverflowError``/``TypeError`` for token ids
-        that are not integers in ``[0, 2**32)``.
-        """
-        if start > self.tokens_seen:
-            raise ValueError(f"tokens start at {start}, but only {self.tokens_seen} are known")
-        skip = self.tokens_seen - start
-        if skip >= len(tokens):
-            return
-        new = array("I", tokens[skip:] if skip else tokens)
-        self.tokens_seen += len(new)
-        tail = self._tail
-        tail.extend(new)
-        size = self.chunk_size
-        full = len(tail) // size
-        if not full:
-            return
-        previous = self.hashes[-1] if self.hashes else _TOKEN_ROOT
-        data = tail.tobytes()
-        width = size * 4
-        for i in range(full):
-            previous = _sha128(previous + data[i * width : (i + 1) * width])
-            self.hashes.append(previous)
-        del tail[: full * size]
-
-    def extend_block_hashes(self, block_hashes: Sequence[bytes], blocks_per_chunk: int) -> None:
-        """Feed the engine's block hashes of the whole prompt so far (hash mode)."""
-        for i in range(len(self.hashes), len(block_hashes) // blocks_per_chunk):
-            engine_hash = block_hashes[(i + 1) * blocks_per_chunk - 1]
-            self.hashes.append(_sha128(_BLOCK_PREFIX + engine_hash))
-
-    def __len__(self) -> int:
-        return len(self.hashes)
+def block_chunk_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int) -> list[bytes]:
+    """The chunk hashes of every full chunk, from the engine's prefix-chained block hashes
+    (hash mode): chunk ``i`` is named by the hash of its last block."""
+    return [
+        _sha128(_BLOCK_PREFIX + block_hashes[(i + 1) * blocks_per_chunk - 1])
+        for i in range(len(block_hashes) // blocks_per_chunk)
+    ]
 
 
 @attrs.frozen

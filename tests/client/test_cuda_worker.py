@@ -17,6 +17,7 @@ from kvtrio.client import LoadStoreOp, WorkerAdapter, open_client
 from kvtrio.config import ServerConfig
 from kvtrio.protocol import Lookup, LookupReply
 from kvtrio.server import ServerHandle, serve
+from kvtrio.storage import token_chunk_hashes
 from kvtrio.testing import FakeCuda
 
 from ..conftest import await_condition
@@ -67,7 +68,9 @@ async def test_store_and_retrieve_through_the_adapter(
     await trio.to_thread.run_sync(store.result, 10)
 
     async with open_client(handle.endpoint) as client:
-        reply = await client.call(Lookup("q", "m", 1, tokens=tuple(PROMPT)), LookupReply)
+        reply = await client.call(
+            Lookup("q", "m", 1, tuple(token_chunk_hashes(PROMPT, CHUNK))), LookupReply
+        )
     assert reply.hit_chunks == 2
 
     # Retrieve into other blocks; the engine already has the first chunk's first 2 blocks.

@@ -14,15 +14,27 @@ answering one JSON line each on stdout:
     {"cmd": "finished", "requests": [...]}             get_finished(requests)
     {"cmd": "errors"}                                  get_block_ids_with_load_errors()
     {"cmd": "registered"}                              whether the adapter is registered
+    {"cmd": "metrics"}                                 WorkerAdapter.metrics()
+    {"cmd": "compute", "tokens": [...], "blocks": [...]}   write the prompt's KV into the blocks
+    {"cmd": "scramble", "blocks": [...]}               overwrite the blocks with garbage
+    {"cmd": "check", "tokens": [...], "blocks": [...], "start_block": B, "indices": [...]}
+                                                       blocks not holding the prompt's KV
+                                                       (of prompt block B + i, or indices[i])
     {"cmd": "exit"}
 
+"The prompt's KV" of ``compute`` / ``check`` is a pure function of the tokens up to the end of
+each block (as a real model's KV is of the prefix), so a test knows the right bytes of every
+block without storing them.
+
 Usage: python engine_worker.py ENDPOINT MODEL WORLD_SIZE RANK LAYOUT [--hash-mode] [--torch]
+       [--engine ID] [--tenant NAME] [--store-at-once]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import sys
 import time
@@ -54,6 +66,35 @@ def block_hashes(tokens: list[int]) -> list[bytes]:
     return hashes
 
 
+def prefix_digests(tokens: list[int]) -> list[bytes]:
+    """Per full block: a digest of every token up to its end (what its KV depends on)."""
+    digests, previous = [], b"kv"
+    for i in range(len(tokens) // BLOCK_SIZE):
+        block = np.asarray(tokens[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE], dtype="<u4").tobytes()
+        previous = hashlib.sha256(previous + block).digest()
+        digests.append(previous)
+    return digests
+
+
+def block_view(arrays: list[Any], layout: str, layer: int, block: int) -> Any:
+    return np.take(arrays[layer], [block], axis=BLOCK_AXIS[layout]).view(np.uint8)
+
+
+def block_bytes(digest: bytes, layer: int, nbytes: int) -> Any:
+    """The KV bytes of one block of one layer, derived from its prefix digest."""
+    pattern = hashlib.sha256(digest + bytes([layer])).digest()
+    return np.frombuffer(pattern * (nbytes // len(pattern) + 1), np.uint8)[:nbytes]
+
+
+def write_block(arrays: list[Any], layout: str, block: int, data: list[Any]) -> None:
+    axis = BLOCK_AXIS[layout]
+    for layer, array in enumerate(arrays):
+        index = [slice(None)] * array.ndim
+        index[axis] = block
+        shape = array[tuple(index)].shape
+        array[tuple(index)] = data[layer].view(array.dtype).reshape(shape)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("endpoint")
@@ -63,6 +104,10 @@ def main() -> None:
     parser.add_argument("layout")
     parser.add_argument("--hash-mode", action="store_true")
     parser.add_argument("--torch", action="store_true")
+    parser.add_argument("--engine", default=None)
+    parser.add_argument("--tenant", default="")
+    # Submit a store of REQUEST, tokens range(TOKENS), right after registering.
+    parser.add_argument("--store-at-once", nargs=2, metavar=("REQUEST", "TOKENS"), default=None)
     args = parser.parse_args()
 
     shape = SHAPES[args.layout](BLOCKS)
@@ -85,9 +130,18 @@ def main() -> None:
         BLOCK_SIZE,
         hash_scheme=scheme,
         timeout=3.0,
+        tenant=args.tenant,
+        **engine_kwargs(args.engine),
     )
     adapter.register_kv_caches(tensors, layout=args.layout)
     done: set[str] = set()
+    if args.store_at_once is not None:  # an engine saving its first prompt at once
+        request, count = args.store_at_once[0], int(args.store_at_once[1])
+        tokens = list(range(count))
+        blocks = list(range(count // BLOCK_SIZE))
+        adapter.submit_store_request(
+            request, LoadStoreOp(block_ids=blocks, token_ids=tokens, end=count)
+        )
 
     def op(command: dict[str, Any]) -> LoadStoreOp:
         tokens = command["tokens"]
@@ -139,11 +193,45 @@ def main() -> None:
             reply["blocks"] = sorted(adapter.get_block_ids_with_load_errors())
         elif cmd == "registered":
             reply["registered"] = adapter.registered
+        elif cmd == "metrics":
+            reply["metrics"] = adapter.metrics() if hasattr(adapter, "metrics") else {}
+        elif cmd == "compute":
+            nbytes = block_view(arrays, args.layout, 0, 0).nbytes
+            for block, digest in zip(
+                command["blocks"], prefix_digests(command["tokens"]), strict=False
+            ):
+                data = [block_bytes(digest, layer, nbytes) for layer in range(len(arrays))]
+                write_block(arrays, args.layout, block, data)
+        elif cmd == "scramble":
+            nbytes = block_view(arrays, args.layout, 0, 0).nbytes
+            for block in command["blocks"]:
+                data = [block_bytes(b"junk", layer, nbytes) for layer in range(len(arrays))]
+                write_block(arrays, args.layout, block, data)
+        elif cmd == "check":
+            nbytes = block_view(arrays, args.layout, 0, 0).nbytes
+            digests = prefix_digests(command["tokens"])
+            wrong = []
+            for i, block in enumerate(command["blocks"]):
+                indices = command.get("indices")
+                digest = digests[indices[i] if indices else command.get("start_block", 0) + i]
+                for layer in range(len(arrays)):
+                    found = block_view(arrays, args.layout, layer, block).reshape(-1)
+                    if not np.array_equal(found, block_bytes(digest, layer, nbytes)):
+                        wrong.append(block)
+                        break
+            reply["wrong"] = wrong
         elif cmd == "exit":
             adapter.shutdown()
             print(json.dumps(reply), flush=True)
             return
         print(json.dumps(reply), flush=True)
+
+
+def engine_kwargs(engine: str | None) -> dict[str, str]:
+    """``engine_id`` for adapters that have it (the tests also run against older kvtrio)."""
+    if engine is None or "engine_id" not in inspect.signature(WorkerAdapter).parameters:
+        return {}
+    return {"engine_id": engine}
 
 
 if __name__ == "__main__":

@@ -100,14 +100,14 @@ def test_hello_round_trips_any_strings_and_ids(request_id: int, name: str, versi
         (b"\xc1", None, "not valid msgpack"),
         (msgpack.packb({"a": 1}), None, "array"),
         (msgpack.packb([1]), None, "array"),
-        (msgpack.packb([1, -1, "ping"]), None, "unsigned"),
-        (msgpack.packb([1, "x", "ping"]), None, "unsigned"),
-        (msgpack.packb([1, 1.5, "ping"]), None, "unsigned"),
-        (msgpack.packb([1, 5]), 5, "array"),
-        (msgpack.packb([1, 5, "ping", 0]), 5, "array"),
+        (msgpack.packb([PROTOCOL_VERSION, -1, "ping"]), None, "unsigned"),
+        (msgpack.packb([PROTOCOL_VERSION, "x", "ping"]), None, "unsigned"),
+        (msgpack.packb([PROTOCOL_VERSION, 1.5, "ping"]), None, "unsigned"),
+        (msgpack.packb([PROTOCOL_VERSION, 5]), 5, "array"),
+        (msgpack.packb([PROTOCOL_VERSION, 5, "ping", 0]), 5, "array"),
         (msgpack.packb(["1", 5, "ping"]), 5, "version must be an integer"),
-        (msgpack.packb([1, 5, 3]), 5, "operation name must be a string"),
-        (msgpack.packb([1, 5, "ping"]) + b"\x00", None, "not valid msgpack"),
+        (msgpack.packb([PROTOCOL_VERSION, 5, 3]), 5, "operation name must be a string"),
+        (msgpack.packb([PROTOCOL_VERSION, 5, "ping"]) + b"\x00", None, "not valid msgpack"),
     ],
 )
 def test_bad_headers(frame: bytes, request_id: int | None, fragment: str) -> None:
@@ -137,7 +137,7 @@ def test_unknown_operation() -> None:
     ("body", "fragment"),
     [
         (b"\xc1", "not valid msgpack"),
-        (msgpack.packb([1, 2]), "must be a msgpack map, got an array"),
+        (msgpack.packb([PROTOCOL_VERSION, 2]), "must be a msgpack map, got an array"),
         (msgpack.packb({}), "required field missing @ body.client_name"),
         (
             msgpack.packb({"client_name": 1, "client_version": "1", "protocol_version": 1}),

@@ -33,7 +33,7 @@ from kvtrio.protocol import (
     Unregister,
 )
 from kvtrio.server import ServerHandle, serve
-from kvtrio.storage import HASH_SCHEME_TOKENS, SharedArena
+from kvtrio.storage import HASH_SCHEME_TOKENS, SharedArena, token_chunk_hashes
 from kvtrio.testing import FakeCuda
 from kvtrio.transfer import KVLayout, gather
 
@@ -43,6 +43,7 @@ LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 128, 16, 2, 8
 CHUNK = 256
 PER_CHUNK = CHUNK // BLOCK
 PROMPT = list(range(1000, 1000 + 3 * CHUNK))
+HASHES = tuple(token_chunk_hashes(PROMPT, CHUNK))
 SERVER_GPUS = ["GPU-aaaa", "GPU-bbbb"]
 WORKER_GPUS = ["GPU-bbbb", "GPU-aaaa"]  # another CUDA_VISIBLE_DEVICES order
 
@@ -112,7 +113,7 @@ class Worker:
             self.cuda.uuids[self.ordinal], tuple(self.cuda.export_layer(t) for t in self.layers)
         )
         fields: dict[str, Any] = {
-            "instance_id": "engine", "model": "m", "world_size": 1, "rank": 0, "layout": spec,
+            "engine": "engine", "model": "m", "world_size": 1, "rank": 0, "layout": spec,
             "hash_scheme": HASH_SCHEME_TOKENS, "device": "cuda", "cuda": cuda,
         }  # fmt: skip
         return Register(**{**fields, **changes})
@@ -132,12 +133,12 @@ class Worker:
         await trio.to_thread.run_sync(event.synchronize)
 
     async def store(self, request: str, blocks: list[int], **more: Any) -> StoreReply:
-        store = Store(request, 0, len(PROMPT), tokens=tuple(PROMPT), block_ids=tuple(blocks),
+        store = Store(request, 0, len(PROMPT), HASHES, block_ids=tuple(blocks),
                       event=self.record(), **more)  # fmt: skip
         return await self.client.call(store, StoreReply)
 
     async def retrieve(self, request: str, blocks: list[int]) -> RetrieveReply:
-        retrieve = Retrieve(request, 0, len(PROMPT), tokens=tuple(PROMPT),
+        retrieve = Retrieve(request, 0, len(PROMPT), HASHES,
                             block_ids=tuple(blocks), event=self.record())  # fmt: skip
         return await self.client.call(retrieve, RetrieveReply)
 
@@ -153,7 +154,7 @@ class Worker:
 
 
 async def hits(client: AsyncClient) -> int:
-    reply = await client.call(Lookup("probe", "m", 1, tokens=tuple(PROMPT)), LookupReply)
+    reply = await client.call(Lookup("probe", "m", 1, HASHES, engine="engine"), LookupReply)
     return reply.hit_chunks
 
 
@@ -344,7 +345,7 @@ async def test_bad_block_ids_are_refused_and_leave_nothing_behind(
         await worker.store("r5", [*SOURCE[:-1], 128])
     with pytest.raises(BadRequest, match="cannot open the engine's CUDA event"):
         await worker.client.call(
-            Store("r5", 0, len(PROMPT), tokens=tuple(PROMPT), block_ids=tuple(SOURCE),
+            Store("r5", 0, len(PROMPT), HASHES, block_ids=tuple(SOURCE),
                   event=b"?" * 64),
             StoreReply,
         )  # fmt: skip

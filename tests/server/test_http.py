@@ -39,6 +39,7 @@ from kvtrio.protocol import (
 )
 from kvtrio.server import ServerHandle, ServerMetrics, ServerState, open_server, status_document
 from kvtrio.server._http import HttpApp
+from kvtrio.storage import token_chunk_hashes
 from kvtrio.transport import open_socket
 
 from ..conftest import await_async, await_condition
@@ -46,6 +47,7 @@ from ..conftest import await_async, await_condition
 METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 CHUNK = 256
 PROMPT = tuple(range(3000, 3000 + 8 * CHUNK))
+HASHES = tuple(token_chunk_hashes(PROMPT, CHUNK))
 LAYOUT = LayoutSpec("flash_attn", 2, 64, 16, 2, 16, "float16")
 CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 16 * 2  # layers × K/V × tokens × heads × dim × 2 bytes
 
@@ -94,17 +96,17 @@ async def running(
         open_client(server.endpoint) as worker,
         open_client(server.endpoint) as scheduler,
     ):
-        await worker.request(Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
+        await worker.request(Register("", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
         yield server, worker, scheduler
         server.stop()
 
 
 async def test_metrics_count_requests_hits_misses_l1_and_l2(config: ServerConfig) -> None:
     async with running(config, MemoryBackend()) as (server, worker, scheduler):
-        reply = await worker.call(Store("a", 0, 4 * CHUNK, tokens=PROMPT[: 4 * CHUNK]), StoreReply)
-        await worker.request(Commit("a", written=tuple(s.chunk for s in reply.slots)))
+        reply = await worker.call(Store("a", 0, 4 * CHUNK, HASHES[:4]), StoreReply)
+        await worker.request(Commit("a", written=tuple(HASHES[s.chunk] for s in reply.slots)))
         for name in ("x", "y"):  # 4 of 8 chunks in L1 each time
-            found = await scheduler.call(Lookup(name, "m", 1, tokens=PROMPT), LookupReply)
+            found = await scheduler.call(Lookup(name, "m", 1, HASHES), LookupReply)
             assert found == LookupReply(4 * CHUNK, 4)
         async with open_socket(zmq.DEALER) as raw:  # an operation no server knows
             raw.connect(server.endpoint)
@@ -186,7 +188,7 @@ async def test_healthz_is_503_while_draining_and_the_request_in_flight_is_answer
         answered: list[LookupReply] = []
 
         async def look_up() -> None:
-            answered.append(await scheduler.call(Lookup("r", "m", 1, tokens=PROMPT), LookupReply))
+            answered.append(await scheduler.call(Lookup("r", "m", 1, HASHES), LookupReply))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(look_up)

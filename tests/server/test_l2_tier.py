@@ -39,12 +39,14 @@ from kvtrio.protocol import (
     StoreReply,
 )
 from kvtrio.server import ServerHandle, open_server
+from kvtrio.storage import token_chunk_hashes
 
 from ..conftest import await_async, await_condition
 
 _SERVERS = itertools.count()
 CHUNK = 256
 PROMPT = tuple(range(7000, 7000 + 10 * CHUNK))
+HASHES = tuple(token_chunk_hashes(PROMPT, CHUNK))
 LAYOUT = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")  # 256 KiB chunks
 
 
@@ -63,7 +65,7 @@ async def running(
         open_client(server.endpoint) as worker,
         open_client(server.endpoint) as scheduler,
     ):
-        await worker.request(Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
+        await worker.request(Register("", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
         yield server, worker, scheduler
         server.stop()
 
@@ -79,10 +81,8 @@ async def cache(client: AsyncClient) -> Any:
 
 
 async def store(worker: AsyncClient, request: str, chunks: int) -> None:
-    reply = await worker.call(
-        Store(request, 0, chunks * CHUNK, tokens=PROMPT[: chunks * CHUNK]), StoreReply
-    )
-    written = tuple(slot.chunk for slot in reply.slots if slot.status == "write")
+    reply = await worker.call(Store(request, 0, chunks * CHUNK, HASHES[:chunks]), StoreReply)
+    written = tuple(HASHES[slot.chunk] for slot in reply.slots if slot.status == "write")
     await worker.request(Commit(request, written=written))
 
 
@@ -94,18 +94,16 @@ async def written_to_l2(client: AsyncClient, count: int) -> None:
 
 
 async def lookup(scheduler: AsyncClient, request: str, chunks: int = 10) -> LookupReply:
-    return await scheduler.call(
-        Lookup(request, "m", 1, tokens=PROMPT[: chunks * CHUNK]), LookupReply
-    )
+    return await scheduler.call(Lookup(request, "m", 1, HASHES[:chunks]), LookupReply)
 
 
 async def retrieve(worker: AsyncClient, request: str, chunks: int = 10) -> dict[str, list[int]]:
-    reply = await worker.call(Retrieve(request, 0, chunks * CHUNK), RetrieveReply)
+    reply = await worker.call(Retrieve(request, 0, chunks * CHUNK, HASHES[:chunks]), RetrieveReply)
     by_status: dict[str, list[int]] = {}
     for slot in reply.slots:
         by_status.setdefault(slot.status, []).append(slot.chunk)
     if "read" in by_status:
-        await worker.request(Release(request, tuple(by_status["read"])))
+        await worker.request(Release(request, tuple(HASHES[c] for c in by_status["read"])))
     return by_status
 
 

@@ -101,7 +101,7 @@ BAD_INPUT = {
     4: ([header(4, "ping")], "bad_request"),
     5: ([header(5, "ping"), b"\x80", b"extra"], "bad_request"),
     6: ([header(6, "ping"), b"\x80" + b"\0" * (70 << 10)], "message_too_large"),
-    7: ([header(7, "ping", version=2), b"\x80"], "unsupported_version"),
+    7: ([header(7, "ping", version=1), b"\x80"], "unsupported_version"),  # a protocol 1 client
     8: ([header(8, "ping"), b""], "bad_request"),
     9: ([header(9, "ping"), b"\xc1garbage"], "bad_request"),
     10: ([msgpack.packb([1, 10]), b"\x80"], "bad_request"),

@@ -7,7 +7,13 @@ import struct
 
 import pytest
 
-from kvtrio.storage import HASH_SCHEME_TOKENS, ChunkChain, ModelProfile, namespace
+from kvtrio.storage import (
+    HASH_SCHEME_TOKENS,
+    ModelProfile,
+    block_chunk_hashes,
+    namespace,
+    token_chunk_hashes,
+)
 
 
 def reference_token_hashes(tokens: list[int], chunk_size: int) -> list[bytes]:
@@ -23,50 +29,40 @@ def reference_token_hashes(tokens: list[int], chunk_size: int) -> list[bytes]:
 
 def test_token_chain_matches_the_documented_algorithm() -> None:
     tokens = list(range(1000, 1000 + 256 * 3 + 17))
-    chain = ChunkChain(256)
-    chain.extend_tokens(tokens)
-    assert chain.hashes == reference_token_hashes(tokens, 256)
-    assert chain.tokens_seen == len(tokens)
+    assert token_chunk_hashes(tokens, 256) == reference_token_hashes(tokens, 256)
 
 
-def test_token_chain_is_incremental_and_skips_what_it_has_seen() -> None:
+def test_token_chain_depends_on_every_token_it_covers() -> None:
+    """The keys are a pure function of the prompt: no state remembers an earlier prompt."""
     tokens = list(range(2000))
-    whole = ChunkChain(64)
-    whole.extend_tokens(tokens)
-    pieces = ChunkChain(64)
-    pieces.extend_tokens(tokens[:100])
-    pieces.extend_tokens(tokens[:700])  # resent from the start
-    pieces.extend_tokens(tokens[700:1500], start=700)
-    pieces.extend_tokens(tokens[1400:], start=1400)  # overlapping
-    assert pieces.hashes == whole.hashes
-    with pytest.raises(ValueError, match="only 2000 are known"):
-        pieces.extend_tokens([1, 2], start=2100)
+    whole = token_chunk_hashes(tokens, 64)
+    assert token_chunk_hashes(tokens[:700], 64) == whole[: 700 // 64]
+    changed = list(tokens)
+    changed[650] = 7
+    other = token_chunk_hashes(changed, 64)
+    assert other[:10] == whole[:10]
+    assert all(a != b for a, b in zip(other[10:], whole[10:], strict=True))
 
 
 def test_prefix_property() -> None:
-    a, b = ChunkChain(16), ChunkChain(16)
-    a.extend_tokens(list(range(64)))
-    b.extend_tokens(list(range(48)) + [7] * 16)
-    assert a.hashes[:3] == b.hashes[:3]
-    assert a.hashes[3] != b.hashes[3]
+    a = token_chunk_hashes(list(range(64)), 16)
+    b = token_chunk_hashes(list(range(48)) + [7] * 16, 16)
+    assert a[:3] == b[:3]
+    assert a[3] != b[3]
 
 
 def test_bad_tokens() -> None:
-    chain = ChunkChain(4)
     with pytest.raises(OverflowError):
-        chain.extend_tokens([1, -1, 2, 3])
+        token_chunk_hashes([1, -1, 2, 3], 4)
     with pytest.raises(TypeError):
-        chain.extend_tokens([1, "2", 3, 4])  # type: ignore[list-item]
+        token_chunk_hashes([1, "2", 3, 4], 4)  # type: ignore[list-item]
 
 
 def test_block_hash_chain_names_chunks_by_their_last_block() -> None:
     blocks = [bytes([i]) * 32 for i in range(10)]
-    chain = ChunkChain(64)
-    chain.extend_block_hashes(blocks[:5], blocks_per_chunk=4)
-    assert len(chain.hashes) == 1
-    chain.extend_block_hashes(blocks, blocks_per_chunk=4)
+    assert len(block_chunk_hashes(blocks[:5], blocks_per_chunk=4)) == 1
     expected = [hashlib.sha256(b"kvtrio/blocks/v1" + blocks[i]).digest()[:16] for i in (3, 7)]
-    assert chain.hashes == expected
+    assert block_chunk_hashes(blocks, blocks_per_chunk=4) == expected
 
 
 PROFILE = ModelProfile(HASH_SCHEME_TOKENS, 0, 32, 2, 1024, "float16", False)

@@ -298,11 +298,12 @@ class DiskBackend:
         if size > capacity:
             return False
         victims = []
-        for key in self._policy.victims():
-            if self._bytes + size <= capacity:
-                break
-            victims.append(key)
-            self._forget(key)
+        if self._bytes + size > capacity:
+            for key in self._policy.victims():
+                victims.append(key)
+                self._forget(key)
+                if self._bytes + size <= capacity:
+                    break
         if victims:
             self.counters["evictions"] += len(victims)
             await self._unlink(victims)

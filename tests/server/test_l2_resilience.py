@@ -184,3 +184,21 @@ async def test_a_backend_that_has_not_answered_has_unknown_health(config: Server
 
         await await_async(known, what="the probe to answer")
         assert (await cache(worker)).lookups == 0  # the probe is no request
+
+
+async def test_a_disk_l2_path_that_cannot_be_created_is_reported_at_start_up(
+    config: ServerConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Was: started fine, L2 silently unusable while stats said `healthy: true`."""
+    (tmp_path / "file").write_text("x")
+    caplog.set_level(logging.WARNING, logger="kvtrio.l2")
+    disk = DiskBackend(DiskOptions(path=str(tmp_path / "file" / "l2")))
+    async with running(config, disk) as (_, worker, scheduler):
+
+        async def reported() -> bool:
+            return (await stats(worker)).l2[0].healthy is False
+
+        await await_async(reported, what="the start-up probe to fail")
+        assert any("cannot use" in r.getMessage() for r in caplog.records)
+        await store(worker, "a", 2)  # and it keeps serving from L1
+        assert await lookup(scheduler, "b", 2) == LookupReply(2 * CHUNK, 2)

@@ -48,6 +48,7 @@ from ..storage import (
 )
 from ._cuda import CudaTransfers
 from ._l2 import L2Tier
+from ._limits import RequestLimits, check_registration
 from ._prefetch import Prefetcher
 from ._registry import Registration, Registry, request_key
 from ._session import Session
@@ -82,6 +83,7 @@ class CacheService:
         self.lookup_timeouts = 0
         self.leases = LeaseTable()
         self.registry = Registry(state.config.chunk_size)
+        self.limits = RequestLimits(state.config.max_requests, state.config.max_pins)
         self._watched: set[str] = set()  # sessions whose end releases their leases
         self.prefetch = Prefetcher(l1, l2, state.config, self._pin_for_lookup)
         self.lookups = 0
@@ -107,6 +109,7 @@ class CacheService:
 
     async def register(self, session: Session, request: Register) -> Registered:
         released = self._drop_registration(session.id, quarantine=False)
+        check_registration(request, self.config.chunk_size, self.arena.size)
         registration = self.registry.register(session.id, request)
         self._watch(session)
         if registration.device == "cuda":
@@ -210,6 +213,7 @@ class CacheService:
             )
         now = trio.current_time()
         key = request_key(request.model, request.tenant, request.request)
+        self.limits.admit_request(self.registry, self.leases, key)
         chain = self.registry.chain(key, now)
         self._extend(chain, model.profile.block_size, request.tokens, request.block_hashes)
         hashes = list(chain.hashes)
@@ -218,6 +222,7 @@ class CacheService:
         hit = len(hashes)
         for space in model.spaces:
             hit = self.l1.prefix([space + h for h in hashes[:hit]])
+        self.limits.admit_pins(self.leases, len(hashes) * len(model.spaces))  # (L2 hits too)
         readers = request.num_readers or (
             model.world_size if model.profile.shared_across_ranks else 1
         )
@@ -275,6 +280,7 @@ class CacheService:
         if registration.cuda is not None:
             blocks = self._block_ids(registration, request, chunks, store=True)
         expires = trio.current_time() + self.config.reservation_ttl
+        self.limits.admit_pins(self.leases, len(chunks))
         slots = []
         for index in chunks:
             object_key = registration.space + chain.hashes[index]
@@ -534,6 +540,7 @@ class CacheService:
                 f"chunk size {size} and not end before it starts",
             )
         key = request_key(registration.model, registration.tenant, request.request)
+        self.limits.admit_request(self.registry, self.leases, key)
         chain = self.registry.chain(key, trio.current_time())
         self._extend(chain, registration.profile.block_size, request.tokens, request.block_hashes)
         chunks = range(request.start // size, request.end // size)

@@ -11,7 +11,16 @@ import attrs
 
 from ._interface import Buffers
 
-__all__ = ["Scan", "Written", "read_object", "reason", "scan_tree", "unlink_all", "write_objects"]
+__all__ = [
+    "Scan",
+    "Written",
+    "filesystem_space",
+    "read_object",
+    "reason",
+    "scan_tree",
+    "unlink_all",
+    "write_objects",
+]
 
 
 def read_object(path: Path, parts: Buffers) -> bool | None:
@@ -162,3 +171,9 @@ def _is_hex(name: str, length: int) -> bool:
 
 def reason(exc: OSError) -> str:
     return exc.strerror or type(exc).__name__
+
+
+def filesystem_space(path: Path) -> tuple[int, int]:
+    """Free (for unprivileged users) and total bytes of the filesystem holding ``path``."""
+    space = os.statvfs(path)
+    return space.f_bavail * space.f_frsize, space.f_blocks * space.f_frsize

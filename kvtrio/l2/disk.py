@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,7 +33,15 @@ import trio
 
 from ..config import ByteSize
 from ..storage import LRU, EvictionPolicy
-from ._diskio import Written, read_object, reason, scan_tree, unlink_all, write_objects
+from ._diskio import (
+    Written,
+    filesystem_space,
+    read_object,
+    reason,
+    scan_tree,
+    unlink_all,
+    write_objects,
+)
 from ._interface import BackendError, Buffers
 from ._locks import LocalLocks
 
@@ -78,6 +87,7 @@ class DiskBackend:
         self._locks = LocalLocks()
         self._bytes = 0
         self._capacity = int(self.options.capacity)  # lowered to what the filesystem holds
+        self._measured_at = -math.inf
         self._indexed = False
         self._indexing: trio.Event | None = None
         self.counters = collections.Counter[str]()
@@ -156,7 +166,8 @@ class DiskBackend:
         return found
 
     async def unlock(self, keys: Sequence[bytes]) -> None:
-        await trio.lowlevel.checkpoint()
+        """Drop one lock per key, first thing (a cancellation cannot skip it); remove the files
+        of objects deleted while locked (the thread runs to its end if cancelled)."""
         was_locked = [key for key in keys if self._locks.is_locked(key)]
         gone = self._locks.unlock(keys)
         for key in was_locked:
@@ -166,6 +177,8 @@ class DiskBackend:
             self._forget(key)
         if gone:
             await self._unlink(gone)
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def load(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
         await self._ensure_index()
@@ -201,6 +214,7 @@ class DiskBackend:
         none is ever torn); reservations not turned into objects are released.
         """
         await self._ensure_index()
+        await self._remeasure()
         results = [False] * len(keys)
         todo: list[tuple[int, bytes, Buffers, int]] = []  # (index, key, parts, reserved size)
         outcome = Written(0, None, None)
@@ -287,6 +301,22 @@ class DiskBackend:
         self._policy.discard(key)
         if size is not None:
             self._bytes -= size
+
+    async def _remeasure(self) -> None:
+        """While the capacity is below the option (the filesystem was full), measure the free
+        space again, at most once a second: room freed by others raises it back even when
+        nothing could be written (writes measure anyway)."""
+        now = trio.current_time()
+        if self._capacity >= int(self.options.capacity) or now < self._measured_at + 1.0:
+            return
+        self._measured_at = now
+        try:
+            free, total = await trio.to_thread.run_sync(
+                filesystem_space, self._objects_dir, limiter=self._io
+            )
+        except OSError as exc:
+            raise BackendError(f"disk: cannot use {self.root}: {reason(exc)}") from None
+        self._measured(free, total)
 
     async def _make_room(self, size: int) -> bool:
         """Evict unlocked objects in the policy's order until ``size`` more bytes fit.

@@ -255,9 +255,12 @@ class ServerConfig:
         metadata={"help": "Seconds a retrieve waits for its chunks' L2 loads before failing them."},
     )
     write_behind_queue: int = field(
-        default=256,
+        default=4096,
         validator=_positive,
-        metadata={"help": "Chunks waiting to be written to L2; beyond it stores are skipped."},
+        metadata={
+            "help": "Chunks waiting to be written to L2 (pinning at most a quarter of L1); "
+            "beyond it stores are skipped."
+        },
     )
     l2_loaders: int = field(
         default=4,

@@ -132,6 +132,10 @@ class L2Tier:
         self._flushers = flushers
         self._send, self._receive = trio.open_memory_channel[tuple[bytes, bytes]](queue_size)
         self._queued = 0
+        self._queued_bytes = 0
+        self.max_queued_bytes = arena.size // 4
+        """Bytes of L1 the queue may pin (a quarter of it): a long queue of large chunks must
+        not starve L1 of evictable space."""
         self._limiters = {id(h): trio.CapacityLimiter(loaders) for h in self.backends}
         self._loaders: trio.Nursery | None = None
         self.skipped_stores = 0
@@ -189,8 +193,13 @@ class L2Tier:
     # ----------------------------------------------------------------- write-behind
 
     def write_behind(self, key: bytes, fingerprint: bytes) -> None:
-        """Queue a committed L1 chunk for the backends (pinned until written); never waits."""
+        """Queue a committed L1 chunk for the backends (pinned until written); never waits.
+        Skipped (and counted) when the queue is full, in chunks or in bytes."""
         if not self.backends:
+            return
+        size = self._size(key)
+        if self._queued_bytes + size > self.max_queued_bytes:
+            self.skipped_stores += 1
             return
         self.l1.pin(key)
         try:
@@ -200,6 +209,7 @@ class L2Tier:
             self.skipped_stores += 1
             return
         self._queued += 1
+        self._queued_bytes += size
 
     async def _flush(self, receive: trio.MemoryReceiveChannel[tuple[bytes, bytes]]) -> None:
         """Write queued chunks to the backends, a batch at a time, until cancelled.
@@ -213,6 +223,7 @@ class L2Tier:
             self._queued -= 1
             try:
                 nbytes = self._size(first[0])
+                self._queued_bytes -= nbytes
                 while len(batch) < _BATCH_CHUNKS and nbytes < _BATCH_BYTES:
                     try:
                         item = receive.receive_nowait()
@@ -220,7 +231,9 @@ class L2Tier:
                         break
                     batch.append(item)  # (no checkpoint before the finally can see it)
                     self._queued -= 1
-                    nbytes += self._size(item[0])
+                    size = self._size(item[0])
+                    self._queued_bytes -= size
+                    nbytes += size
                 await self._store_batch(batch)
             finally:
                 for key, _ in batch:

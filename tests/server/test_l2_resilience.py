@@ -14,6 +14,7 @@ import trio
 from kvtrio.config import ByteSize, ServerConfig
 from kvtrio.l2 import BackendUnavailable, Buffers
 from kvtrio.l2.disk import DiskBackend, DiskOptions
+from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.protocol import EndSession, LookupReply
 
@@ -202,3 +203,17 @@ async def test_a_disk_l2_path_that_cannot_be_created_is_reported_at_start_up(
         assert any("cannot use" in r.getMessage() for r in caplog.records)
         await store(worker, "a", 2)  # and it keeps serving from L1
         assert await lookup(scheduler, "b", 2) == LookupReply(2 * CHUNK, 2)
+
+
+async def test_the_write_behind_queue_pins_at_most_a_quarter_of_l1(
+    config: ServerConfig,
+) -> None:
+    config = attrs.evolve(config, l1_size=ByteSize(2 << 20))  # 8 chunks of 256 KiB
+    slow = FaultBackend(inner=MemoryBackend())
+    slow.configure(latency=0.5)
+    async with running(config, slow) as (_, worker, _scheduler):
+        await store(worker, "a", 6)  # committed at once: 2 fit in 512 KiB, 4 are skipped
+        state = await cache(worker)
+        assert state.write_behind_skipped == 4
+        await written_to_l2(worker, 2)
+        assert (await cache(worker)).l1_pins == 0

@@ -108,8 +108,8 @@ class CacheService:
     # ----------------------------------------------------------------- registration
 
     async def register(self, session: Session, request: Register) -> Registered:
-        released = self._drop_registration(session.id, quarantine=False)
         check_registration(request, self.config.chunk_size, self.arena.size)
+        released = self._drop_registration(session.id, quarantine=False)
         registration = self.registry.register(session.id, request)
         self._watch(session)
         if registration.device == "cuda":

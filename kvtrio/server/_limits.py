@@ -58,6 +58,8 @@ def check_registration(request: Register, chunk_size: int, arena_size: int) -> N
         )
     except (ValueError, TypeError) as exc:
         raise RequestError(ErrorCode.BAD_REQUEST, f"invalid layout: {exc}") from None
+    if chunk_size % layout.block_size:
+        return  # (the registry refuses it, saying why)
     chunk_bytes = layout.chunk_nbytes(chunk_size)
     if chunk_bytes > arena_size:
         raise RequestError(

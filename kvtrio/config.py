@@ -105,6 +105,35 @@ def _at_most(limit: int) -> Any:
     return check
 
 
+CHUNK_MULTIPLE = 16
+"""``chunk_size`` must be a positive multiple of this: every power-of-two engine block size up to
+16 (vLLM's default is 16) then divides it, and a larger block size must divide it anyway (checked
+at registration). Odd sizes such as 7 could only ever serve block size 1 or 7."""
+
+MIN_MESSAGE_SIZE = 1 << 20
+"""The smallest ``max_message_size``: a lookup of a 128k-token prompt (token mode, 32-bit token
+ids) encodes to 655,576 bytes; anything smaller would refuse ordinary long prompts."""
+
+
+def _multiple_of(factor: int) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+        if value % factor:
+            raise ValueError(
+                f"{attribute.name}: must be a multiple of {factor} (engine block sizes divide "
+                f"it), got {value}"
+            )
+
+    return check
+
+
+def _at_least(floor: int, why: str) -> Any:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
+        if value < floor:
+            raise ValueError(f"{attribute.name}: must be at least {floor} ({why}), got {value}")
+
+    return check
+
+
 def _one_of(*choices: str) -> Any:
     def check(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
         if value not in choices:
@@ -177,8 +206,8 @@ class ServerConfig:
     )
     chunk_size: int = field(
         default=256,
-        validator=[_positive, _at_most(1 << 20)],
-        metadata={"help": "Tokens per cached chunk."},
+        validator=[_positive, _at_most(1 << 20), _multiple_of(CHUNK_MULTIPLE)],
+        metadata={"help": "Tokens per cached chunk (a multiple of 16)."},
     )
     l1_size: ByteSize = field(
         default=ByteSize(4 << 30),
@@ -212,7 +241,7 @@ class ServerConfig:
     )
     max_message_size: ByteSize = field(
         default=ByteSize(16 << 20),
-        validator=_positive,
+        validator=_at_least(MIN_MESSAGE_SIZE, "a lookup of a 128k-token prompt needs 656 kB"),
         metadata={"help": "Largest request accepted; larger ones get a message_too_large error."},
     )
     session_queue_size: int = field(
@@ -237,15 +266,31 @@ class ServerConfig:
         validator=_positive,
         metadata={"help": "Unused since protocol 2 (the server keeps no prompts); accepted."},
     )
+    max_requests: int = field(
+        default=16384,
+        validator=_positive,
+        metadata={
+            "help": "Requests holding pins or reservations at once; beyond it new requests "
+            "get busy."
+        },
+    )
+    max_pins: int = field(
+        default=1 << 18,
+        validator=_positive,
+        metadata={"help": "Pins (lookup, read and write leases) held at once; beyond it busy."},
+    )
     retrieve_timeout: float = field(
         default=5.0,
         validator=_positive,
         metadata={"help": "Seconds a retrieve waits for its chunks' L2 loads before failing them."},
     )
     write_behind_queue: int = field(
-        default=256,
+        default=4096,
         validator=_positive,
-        metadata={"help": "Chunks waiting to be written to L2; beyond it stores are skipped."},
+        metadata={
+            "help": "Chunks waiting to be written to L2 (pinning at most a quarter of L1); "
+            "beyond it stores are skipped."
+        },
     )
     l2_loaders: int = field(
         default=4,

@@ -55,6 +55,10 @@ def test_sizes(text: str | int, size: int) -> None:
         ({"endpoint": "http://x"}, {}, "over tcp:// or ipc://, not http://"),
         ({"log_level": "loud"}, {}, "must be one of debug, info, warning, error"),
         ({"chunk_size": 1 << 21}, {}, "must be at most 1048576"),
+        ({"chunk_size": 7}, {}, "chunk_size = 7 (from --chunk-size): must be a multiple of 16"),
+        ({"chunk_size": 0}, {}, "must be greater than 0"),
+        ({"max_message_size": "1"}, {}, "max_message_size = '1' (from --max-message-size): must"),
+        ({"max_message_size": "512KiB"}, {}, "must be at least 1048576"),
         (
             {"heartbeat_timeout": 0},
             {},

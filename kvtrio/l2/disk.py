@@ -5,18 +5,26 @@ overhead is negligible, the filesystem does allocation and reclaims space at onc
 (segments would need compaction), a torn or corrupt object damages nothing else, and reads go
 straight into L1 slots with ``readv``. Files are written to ``tmp/`` and renamed into
 ``objects/`` (atomic: a reader sees a whole object or none), optionally fsynced. The index
-(key → size, LRU order by modification time) is rebuilt from the directory when the backend is
-first used, so a restarted server serves what it stored before. Eviction removes least recently
-used objects that are not locked. Blocking file I/O runs in worker threads, at most ``threads``
-at once.
+(key → size) is rebuilt from the directory when the backend is first used (LRU order by
+modification time), so a restarted server serves what it stored before; files that are not
+objects of ours are ignored and reported once. Eviction order is a :class:`kvtrio.storage.
+EvictionPolicy` over the unlocked objects (LRU), so a store evicts in O(1) amortised; locked
+objects are outside the policy until unlocked.
+
+Capacity is the smaller of the option and what the filesystem can hold (our bytes plus its free
+space, minus a 2% reserve), re-measured after every written batch: a full filesystem (``ENOSPC``)
+lowers it, evicts down to it, and refuses the rest of the batch instead of failing for good.
+Every filesystem error becomes a :class:`BackendError`; a failed unlink is counted, never raised.
+Blocking file I/O runs in worker threads, at most ``threads`` at once (one limiter per backend).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
+import errno
+import logging
+import math
 import os
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -24,10 +32,25 @@ import attrs
 import trio
 
 from ..config import ByteSize
+from ..storage import LRU, EvictionPolicy
+from ._diskio import (
+    Written,
+    filesystem_space,
+    read_object,
+    reason,
+    scan_tree,
+    unlink_all,
+    write_objects,
+)
 from ._interface import BackendError, Buffers
 from ._locks import LocalLocks
 
 __all__ = ["DiskBackend"]
+
+log = logging.getLogger("kvtrio.l2.disk")
+
+_RESERVE = 0.02
+"""Fraction of the filesystem kept free: capacity never counts on the last 2% of it."""
 
 
 @attrs.frozen
@@ -49,7 +72,9 @@ class DiskBackend:
     name = "disk"
     Options = DiskOptions
 
-    def __init__(self, options: DiskOptions | None = None) -> None:
+    def __init__(
+        self, options: DiskOptions | None = None, *, policy: EvictionPolicy | None = None
+    ) -> None:
         self.options = options or DiskOptions()
         if self.options.threads < 1:
             raise ValueError("threads must be at least 1")
@@ -57,9 +82,12 @@ class DiskBackend:
         self._objects_dir = self.root / "objects"
         self._tmp_dir = self.root / "tmp"
         self._io = trio.CapacityLimiter(self.options.threads)  # the "disk I/O" limiter
-        self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._index: dict[bytes, int] = {}  # every object on disk → its size
+        self._policy = policy if policy is not None else LRU()  # the unlocked ones
         self._locks = LocalLocks()
         self._bytes = 0
+        self._capacity = int(self.options.capacity)  # lowered to what the filesystem holds
+        self._measured_at = -math.inf
         self._indexed = False
         self._indexing: trio.Event | None = None
         self.counters = collections.Counter[str]()
@@ -71,7 +99,9 @@ class DiskBackend:
         return self._objects_dir / name[:2] / name
 
     async def _ensure_index(self) -> None:
-        """Scan the directory once (concurrent first callers wait for the one scan)."""
+        """Create the directories and scan them once (concurrent first callers wait for the one
+        scan; a failed scan is tried again by the next call). Raises BackendError (one line) if
+        the path cannot be used. Cancellation: the scan thread runs to its end, unused."""
         if self._indexed:
             return
         if self._indexing is not None:
@@ -80,40 +110,45 @@ class DiskBackend:
                 return
         self._indexing = trio.Event()
         try:
-            entries = await trio.to_thread.run_sync(self._scan, limiter=self._io)
+            found = await trio.to_thread.run_sync(
+                scan_tree, self._objects_dir, self._tmp_dir, limiter=self._io
+            )
         except OSError as exc:
-            raise BackendError(f"disk: cannot use {self.root}: {exc.strerror}") from None
+            raise BackendError(f"disk: cannot use {self.root}: {reason(exc)}") from None
         finally:
             self._indexing.set()
-        for key, size in entries:
+        for key, size in found.objects:
             self._index[key] = size
+            self._policy.add(key)
             self._bytes += size
         self._indexed = True
-
-    def _scan(self) -> list[tuple[bytes, int]]:
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # cached KV: this user only
-        self._objects_dir.mkdir(parents=True, exist_ok=True)
-        self._tmp_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in self._tmp_dir.iterdir():  # writes interrupted by a crash
-            with contextlib.suppress(OSError):
-                leftover.unlink()
-        found = []
-        for bucket in self._objects_dir.iterdir():
-            for entry in os.scandir(bucket):
-                try:
-                    key = bytes.fromhex(entry.name)
-                    stat = entry.stat()
-                except (ValueError, OSError):
-                    continue
-                found.append((stat.st_mtime, key, stat.st_size))
-        found.sort()  # oldest first: the LRU order
-        return [(key, size) for _, key, size in found]
+        self._measured(found.free, found.total)
+        if found.foreign:
+            self.counters["foreign_files"] = len(found.foreign)
+            log.warning(
+                "disk L2 %s: ignoring %d file(s) that are not objects (e.g. %s)",
+                self.root,
+                len(found.foreign),
+                found.foreign[0],
+            )
 
     def _is_indexed(self) -> bool:
         return self._indexed
 
     def _visible(self, key: bytes) -> bool:
         return key in self._index and not self._locks.is_doomed(key)
+
+    def _measured(self, free: int, total: int) -> None:
+        """Set the capacity from the filesystem's free space (measured with our bytes on it)."""
+        fits = max(self._bytes + free - int(total * _RESERVE), 0)
+        capacity = min(int(self.options.capacity), fits)
+        if capacity < self._capacity and capacity < int(self.options.capacity):
+            log.info(
+                "disk L2 %s: the filesystem holds %d bytes for objects, less than capacity",
+                self.root,
+                capacity,
+            )
+        self._capacity = capacity
 
     # ----------------------------------------------------------------- the interface
 
@@ -125,16 +160,25 @@ class DiskBackend:
             if not self._visible(key):
                 break
             found += 1
+        for key in keys[:found]:
+            self._policy.discard(key)  # locked: not evictable until its last unlock
         self._locks.lock(keys[:found])
         return found
 
     async def unlock(self, keys: Sequence[bytes]) -> None:
-        await trio.lowlevel.checkpoint()
+        """Drop one lock per key, first thing (a cancellation cannot skip it); remove the files
+        of objects deleted while locked (the thread runs to its end if cancelled)."""
+        was_locked = [key for key in keys if self._locks.is_locked(key)]
         gone = self._locks.unlock(keys)
+        for key in was_locked:
+            if key in self._index and not self._locks.is_locked(key):
+                self._policy.add(key)
         for key in gone:
             self._forget(key)
         if gone:
             await self._unlink(gone)
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def load(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
         await self._ensure_index()
@@ -145,17 +189,16 @@ class DiskBackend:
                 continue
             try:
                 ok = await trio.to_thread.run_sync(
-                    _read_object, self._path(key), parts, limiter=self._io
+                    read_object, self._path(key), parts, limiter=self._io
                 )
             except OSError as exc:
                 self.counters["errors"] += 1
-                raise BackendError(f"disk: reading an object failed: {exc.strerror}") from None
+                raise BackendError(f"disk: reading an object failed: {reason(exc)}") from None
             if ok is None:  # the file vanished (removed behind our back)
                 self._forget(key)
                 ok = False
-
-            elif ok and key in self._index:
-                self._index.move_to_end(key)
+            elif ok:
+                self._policy.touch(key)
             self.counters["loads"] += 1
             self.counters["load_bytes"] += sum(len(p) for p in parts) if ok else 0
             results.append(bool(ok))
@@ -165,14 +208,16 @@ class DiskBackend:
         """Reserve room for each object in order, then write the batch in one worker thread.
 
         Objects written before a failing one are stored (and visible); the failing one and the
-        rest are not, and BackendError is raised. Cancellation: the write thread runs to its end
-        (each object is temp file + rename, so none is ever torn); reservations not turned into
-        objects are released.
+        rest are not. A full filesystem lowers the capacity and evicts down to it (the rest of
+        the batch is refused, not an error); any other failure raises BackendError.
+        Cancellation: the write thread runs to its end (each object is temp file + rename, so
+        none is ever torn); reservations not turned into objects are released.
         """
         await self._ensure_index()
+        await self._remeasure()
         results = [False] * len(keys)
         todo: list[tuple[int, bytes, Buffers, int]] = []  # (index, key, parts, reserved size)
-        written, error = 0, None
+        outcome = Written(0, None, None)
         try:
             for i, (key, parts) in enumerate(zip(keys, buffers, strict=True)):
                 size = sum(len(p) for p in parts)
@@ -183,27 +228,44 @@ class DiskBackend:
                 todo.append((i, key, parts, size))
             if not todo:
                 return results
-            written, error = await trio.to_thread.run_sync(
-                _write_objects,
+            outcome = await trio.to_thread.run_sync(
+                write_objects,
                 self._tmp_dir,
                 [(self._path(key), parts) for _, key, parts, _ in todo],
                 self.options.fsync,
                 limiter=self._io,
             )
-            for i, key, _, size in todo[:written]:
+            for i, key, _, size in todo[: outcome.written]:
                 if key in self._index:
-                    self._bytes -= self._index.pop(key)
+                    self._bytes -= self._index[key]
                 self._locks.replaced(key)
                 self._index[key] = size
+                if not self._locks.is_locked(key):
+                    self._policy.add(key)
                 self.counters["stores"] += 1
                 self.counters["store_bytes"] += size
                 results[i] = True
         finally:
-            for _, _, _, size in todo[written:]:  # reserved, never written
+            for _, _, _, size in todo[outcome.written :]:  # reserved, never written
                 self._bytes -= size
-        if error is not None:
+        error = outcome.error
+        if outcome.space is not None:
+            self._measured(*outcome.space)
+        if error is not None and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            self.counters["store_refused"] += len(todo) - outcome.written
+            self.counters["full"] += 1
+            # The filesystem is fuller than measured (another writer, or space not reported):
+            # keep at most what is on it now, less a tenth, and evict down to that.
+            self._capacity = min(self._capacity, int(self._bytes * 0.9))
+            log.warning(
+                "disk L2 %s: filesystem full; capacity lowered to %d bytes",
+                self.root,
+                self._capacity,
+            )
+            await self._make_room(0)
+        elif error is not None:
             self.counters["errors"] += 1
-            raise BackendError(f"disk: writing an object failed: {error.strerror}")
+            raise BackendError(f"disk: writing an object failed: {reason(error)}")
         return results
 
     async def delete(self, keys: Sequence[bytes]) -> None:
@@ -227,7 +289,7 @@ class DiskBackend:
         return {
             "objects": len(self._index),
             "bytes": self._bytes,
-            "capacity_bytes": self.options.capacity,
+            "capacity_bytes": self._capacity,
             "locks": self._locks.total,
             **self.counters,
         }
@@ -236,102 +298,58 @@ class DiskBackend:
 
     def _forget(self, key: bytes) -> None:
         size = self._index.pop(key, None)
+        self._policy.discard(key)
         if size is not None:
             self._bytes -= size
 
+    async def _remeasure(self) -> None:
+        """While the capacity is below the option (the filesystem was full), measure the free
+        space again, at most once a second: room freed by others raises it back even when
+        nothing could be written (writes measure anyway)."""
+        now = trio.current_time()
+        if self._capacity >= int(self.options.capacity) or now < self._measured_at + 1.0:
+            return
+        self._measured_at = now
+        try:
+            free, total = await trio.to_thread.run_sync(
+                filesystem_space, self._objects_dir, limiter=self._io
+            )
+        except OSError as exc:
+            raise BackendError(f"disk: cannot use {self.root}: {reason(exc)}") from None
+        self._measured(free, total)
+
     async def _make_room(self, size: int) -> bool:
-        capacity = self.options.capacity
+        """Evict unlocked objects in the policy's order until ``size`` more bytes fit.
+
+        O(evicted objects): locked objects are not in the policy, so none is skipped. The files
+        are removed in a worker thread; the index forgets them at once (no checkpoint between
+        the check and the reservation that follows)."""
+        capacity = self._capacity
         if size > capacity:
             return False
         victims = []
-        for key in list(self._index):
-            if self._bytes + size <= capacity:
-                break
-            if not self._locks.is_locked(key):
+        if self._bytes + size > capacity:
+            for key in self._policy.victims():
                 victims.append(key)
                 self._forget(key)
+                if self._bytes + size <= capacity:
+                    break
         if victims:
             self.counters["evictions"] += len(victims)
             await self._unlink(victims)
         return self._bytes + size <= capacity
 
     async def _unlink(self, keys: list[bytes]) -> None:
+        """Remove the files (in a worker thread). Failures are counted and logged, not raised:
+        the objects are already out of the index. Cancellation: the thread runs to its end."""
         paths = [self._path(key) for key in keys]
-        await trio.to_thread.run_sync(_unlink_all, paths, limiter=self._io)
-
-
-# --------------------------------------------------------------------------- worker threads
-
-
-def _read_object(path: Path, parts: Buffers) -> bool | None:
-    """Read the file into ``parts``; False if its size differs, None if it is gone."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        if os.fstat(fd).st_size != sum(len(p) for p in parts):
-            return False
-        pending = [memoryview(p).cast("B") for p in parts if len(p)]
-        while pending:  # one readv for all parts; loop only on a short read
-            count = os.readv(fd, pending)
-            if count == 0:
-                return False
-            while pending and count >= len(pending[0]):
-                count -= len(pending[0])
-                pending.pop(0)
-            if pending and count:
-                pending[0] = pending[0][count:]
-        return True
-    finally:
-        os.close(fd)
-
-
-def _write_object(tmp_dir: Path, path: Path, parts: Buffers, fsync: bool) -> None:
-    """Write ``parts`` to a temporary file and rename it to ``path`` (atomic).
-
-    If anything fails (writing, creating the bucket, renaming), the temporary file is removed.
-    """
-    temp = tmp_dir / uuid.uuid4().hex
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        try:
-            pending = [memoryview(p).cast("B") for p in parts if len(p)]
-            while pending:
-                written = os.writev(fd, pending)
-                while pending and written >= len(pending[0]):
-                    written -= len(pending[0])
-                    pending.pop(0)
-                if pending and written:
-                    pending[0] = pending[0][written:]
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        path.parent.mkdir(exist_ok=True)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-
-
-def _write_objects(
-    tmp_dir: Path, objects: list[tuple[Path, Buffers]], fsync: bool
-) -> tuple[int, OSError | None]:
-    """Write the objects in order with :func:`_write_object`; stop at the first that fails.
-
-    Returns how many were written, and the error that stopped it (None if all were).
-    """
-    for count, (path, parts) in enumerate(objects):
-        try:
-            _write_object(tmp_dir, path, parts, fsync)
-        except OSError as exc:
-            return count, exc
-    return len(objects), None
-
-
-def _unlink_all(paths: list[Path]) -> None:
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        failed = await trio.to_thread.run_sync(unlink_all, paths, limiter=self._io)
+        if failed is not None:
+            count, error = failed
+            self.counters["unlink_errors"] += count
+            log.warning(
+                "disk L2 %s: %d file(s) could not be removed (%s)",
+                self.root,
+                count,
+                reason(error),
+            )

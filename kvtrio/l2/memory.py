@@ -48,9 +48,10 @@ class MemoryBackend:
         return found
 
     async def unlock(self, keys: Sequence[bytes]) -> None:
-        await trio.lowlevel.checkpoint()
+        """Drop one lock per key, first thing: a cancellation cannot skip it."""
         for key in self._locks.unlock(keys):
             self._drop(key)
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def load(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
         await trio.lowlevel.checkpoint()

@@ -232,8 +232,9 @@ class L2Stats:
     """One L2 backend: whether it is in use right now, and its counters."""
 
     name: str
-    healthy: bool
-    """False while it is skipped after failures (it is tried again after a backoff)."""
+    healthy: bool | None
+    """False while it is skipped after failures (it is tried again after a backoff); None
+    (unknown) until its start-up probe or a first operation has answered."""
     counters: dict[str, float]
 
 

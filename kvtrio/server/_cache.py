@@ -47,6 +47,7 @@ from ..storage import (
 )
 from ._cuda import CudaTransfers
 from ._l2 import L2Tier
+from ._limits import RequestLimits, check_registration
 from ._prefetch import Prefetcher
 from ._quotas import Quotas, scrub
 from ._registry import Registration, Registry, request_key
@@ -85,6 +86,7 @@ class CacheService:
         self.leases = LeaseTable()
         self.quotas = Quotas(state, self.leases, l1)
         self.registry = Registry(state.config.chunk_size)
+        self.limits = RequestLimits(state.config.max_requests, state.config.max_pins)
         self._watched: set[str] = set()  # sessions whose end releases their leases
         self.prefetch = Prefetcher(l1, l2, state.config, self._pin_for_lookup)
         self.lookups = 0
@@ -109,6 +111,7 @@ class CacheService:
     # ----------------------------------------------------------------- registration
 
     async def register(self, session: Session, request: Register) -> Registered:
+        check_registration(request, self.config.chunk_size, self.arena.size)
         released = self._drop_registration(session.id, quarantine=False)
         registration = self.registry.register(session.id, request)
         self._watch(session)
@@ -214,6 +217,7 @@ class CacheService:
             )
         now = trio.current_time()
         key = request_key(request.engine, request.model, request.tenant, request.request)
+        self.limits.admit_request(self.leases, key)
         # A new lookup of the request replaces the previous one: its pins and its loads.
         self._end_lookup(key)
         self.quotas.readers(request.num_readers, model.world_size)
@@ -224,6 +228,7 @@ class CacheService:
             pinned = [space + h for space in model.spaces for h in hashes[:hit]]
             self.quotas.admit(session, len(pinned), self._chunk_bytes(model.spaces))
             self.quotas.admit_pins(pinned, self._chunk_bytes(model.spaces))
+        self.limits.admit_pins(self.leases, len(hashes) * len(model.spaces))  # (L2 hits too)
         readers = request.num_readers or (
             model.world_size if model.profile.shared_across_ranks else 1
         )
@@ -282,6 +287,7 @@ class CacheService:
             blocks = self._block_ids(registration, request, chunks, store=True)
         self.quotas.admit(session, len(chunks), registration.chunk_bytes)
         expires = trio.current_time() + self.config.reservation_ttl
+        self.limits.admit_pins(self.leases, len(chunks))
         slots = []
         reserved = []
         parent: bytes | None = None  # the range's first chunk: its parent is not in the request
@@ -521,7 +527,9 @@ class CacheService:
                 f"the range [{request.start}, {request.end}) has {len(chunks)} full chunks; "
                 f"send exactly their {len(chunks)} chunk hashes (got {len(hashes)})",
             )
-        return self._worker_request(registration, request.request), hashes, chunks
+        key = self._worker_request(registration, request.request)
+        self.limits.admit_request(self.leases, key)
+        return key, hashes, chunks
 
     def _undo(self, leases: Sequence[Lease], *, quarantine: bool) -> int:
         """Undo what removed leases held: unpin, or drop a reservation. Returns the count."""

@@ -10,14 +10,19 @@
   loaders nursery, bounded per backend) that reads the object into the slot, verifies its frame
   in a worker thread, and commits it. A retrieve waits for its chunks' loads; a request's end
   cancels them.
-- **Health**: a backend that fails is skipped for a growing backoff (0.5 s … 30 s), counted, and
-  tried again afterwards; no backend error reaches a client.
+- **Health**: every exception a backend raises (``BackendError``, any ``OSError``, a plugin's
+  ``TypeError``…) is a backend failure: counted, logged (once per outage), and the backend is
+  skipped for a growing backoff (0.5 s … 30 s), then tried again; no backend error reaches a
+  client, and a failed operation never deletes anything (only an object that loads but fails
+  verification, or that the backend reports is not at its size, is deleted). Each backend is probed
+  once at start-up (a warning if it fails); its health is unknown until something answered.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -35,6 +40,8 @@ log = logging.getLogger("kvtrio.l2")
 _BACKOFF_MIN, _BACKOFF_MAX = 0.5, 30.0
 _CPU = trio.CapacityLimiter(2)
 """Checksums of chunks (xxh3, ~7 GB/s) run in worker threads, two at a time."""
+_PROBE_TIMEOUT = 10.0
+"""Seconds the start-up probe of a backend may take before its health is left unknown."""
 _BATCH_CHUNKS = 32
 _BATCH_BYTES = 64 << 20
 """A flusher writes at most this many queued chunks (or about this many bytes) per backend call:
@@ -49,6 +56,8 @@ class _Health:
     """The name, made unique within the cascade (``disk``, ``disk#2``): for metrics."""
     down_until: float = -math.inf
     backoff: float = 0.0
+    known: bool = False
+    """Whether any operation (or the start-up probe) has answered yet."""
     counters: dict[str, int] = attrs.field(factory=dict)
 
     def count(self, what: str, n: int = 1) -> None:
@@ -58,21 +67,25 @@ class _Health:
         return now >= self.down_until
 
     def failed(self, exc: BaseException, now: float) -> None:
+        self.known = True
         self.count("errors")
         self.backoff = min(max(self.backoff * 2, _BACKOFF_MIN), _BACKOFF_MAX)
         if self.down_until < now:
+            error = _describe(exc)
             log.warning(
                 "L2 backend %s failed (%s); skipping it for %.1fs",
                 self.name,
-                exc,
+                error,
                 self.backoff,
+                exc_info=None if isinstance(exc, BackendError) else exc,  # a bug: show where
                 extra=event(
-                    "l2_backend_error", backend=self.label, error=str(exc), backoff_s=self.backoff
+                    "l2_backend_error", backend=self.label, error=error, backoff_s=self.backoff
                 ),
             )
         self.down_until = now + self.backoff
 
     def succeeded(self) -> None:
+        self.known = True
         if self.backoff:
             log.info(
                 "L2 backend %s is back",
@@ -119,6 +132,10 @@ class L2Tier:
         self._flushers = flushers
         self._send, self._receive = trio.open_memory_channel[tuple[bytes, bytes]](queue_size)
         self._queued = 0
+        self._queued_bytes = 0
+        self.max_queued_bytes = arena.size // 4
+        """Bytes of L1 the queue may pin (a quarter of it): a long queue of large chunks must
+        not starve L1 of evictable space."""
         self._limiters = {id(h): trio.CapacityLimiter(loaders) for h in self.backends}
         self._loaders: trio.Nursery | None = None
         self.skipped_stores = 0
@@ -138,6 +155,8 @@ class L2Tier:
         try:
             async with trio.open_nursery() as nursery:
                 self._loaders = nursery
+                for health in self.backends:
+                    nursery.start_soon(self._probe, health)
                 for _ in range(self._flushers if self.backends else 0):
                     nursery.start_soon(self._flush, self._receive.clone())
                 task_status.started()
@@ -152,11 +171,35 @@ class L2Tier:
                     except Exception:
                         log.exception("closing L2 backend %s failed", health.name)
 
+    async def _probe(self, health: _Health) -> None:
+        """Look up (and unlock) one random key, so that a backend that cannot work (a dead
+        service, an L2 path that cannot be created) is reported at start-up, not at the first
+        request. A failure is a warning and a backoff; the server serves without it meanwhile.
+        Bounded by :data:`_PROBE_TIMEOUT` (health stays unknown if it gets no answer); not
+        counted in the request metrics.
+        """
+        key = os.urandom(32)
+        with trio.move_on_after(_PROBE_TIMEOUT):
+            try:
+                found = await health.backend.lookup_and_lock([key])
+            except Exception as exc:  # any failure of a backend: see the module docstring
+                health.failed(exc, trio.current_time())
+                return
+            health.succeeded()
+            if found:
+                await self._unlock(health, [key])
+            log.debug("L2 backend %s answered its start-up probe", health.name)
+
     # ----------------------------------------------------------------- write-behind
 
     def write_behind(self, key: bytes, fingerprint: bytes) -> None:
-        """Queue a committed L1 chunk for the backends (pinned until written); never waits."""
+        """Queue a committed L1 chunk for the backends (pinned until written); never waits.
+        Skipped (and counted) when the queue is full, in chunks or in bytes."""
         if not self.backends:
+            return
+        size = self._size(key)
+        if self._queued_bytes + size > self.max_queued_bytes:
+            self.skipped_stores += 1
             return
         self.l1.pin(key)
         try:
@@ -166,6 +209,7 @@ class L2Tier:
             self.skipped_stores += 1
             return
         self._queued += 1
+        self._queued_bytes += size
 
     async def _flush(self, receive: trio.MemoryReceiveChannel[tuple[bytes, bytes]]) -> None:
         """Write queued chunks to the backends, a batch at a time, until cancelled.
@@ -179,6 +223,7 @@ class L2Tier:
             self._queued -= 1
             try:
                 nbytes = self._size(first[0])
+                self._queued_bytes -= nbytes
                 while len(batch) < _BATCH_CHUNKS and nbytes < _BATCH_BYTES:
                     try:
                         item = receive.receive_nowait()
@@ -186,7 +231,9 @@ class L2Tier:
                         break
                     batch.append(item)  # (no checkpoint before the finally can see it)
                     self._queued -= 1
-                    nbytes += self._size(item[0])
+                    size = self._size(item[0])
+                    self._queued_bytes -= size
+                    nbytes += size
                 await self._store_batch(batch)
             finally:
                 for key, _ in batch:
@@ -222,7 +269,7 @@ class L2Tier:
             started = trio.current_time()
             try:
                 results = await health.backend.store(keys, buffers)
-            except BackendError as exc:
+            except Exception as exc:  # any failure of a backend: see the module docstring
                 self._observed(health, "store", started, False)
                 health.failed(exc, trio.current_time())
                 continue
@@ -254,7 +301,7 @@ class L2Tier:
             started = trio.current_time()
             try:
                 count = await health.backend.lookup_and_lock(keys[s])
-            except BackendError as exc:
+            except Exception as exc:  # any failure of a backend: see the module docstring
                 self._observed(health, "lookup_and_lock", started, False)
                 health.failed(exc, trio.current_time())
                 return
@@ -311,7 +358,7 @@ class L2Tier:
         started = trio.current_time()
         try:
             await health.backend.unlock(keys)
-        except BackendError as exc:
+        except Exception as exc:  # any failure of a backend: see the module docstring
             self._observed(health, "unlock", started, False)
             health.failed(exc, trio.current_time())
         else:
@@ -345,14 +392,16 @@ class L2Tier:
                     head = bytearray(HEADER_SIZE)
                     payload = self.arena.memory(load.entry.offset, load.entry.nbytes)
                     started = trio.current_time()
+                    answered = False  # (an error proves nothing about the object: it stays)
                     try:
                         (ok,) = await source.backend.load([load.key], [[memoryview(head), payload]])
-                    except BackendError as exc:
+                    except Exception as exc:  # any failure of a backend: see the module docstring
                         self._observed(source, "load", started, False)
                         source.failed(exc, trio.current_time())
                         ok = False
                     else:
                         self._observed(source, "load", started, True)
+                        answered = True
                     if ok:
                         try:
                             await trio.to_thread.run_sync(
@@ -369,9 +418,10 @@ class L2Tier:
                                 extra=event("l2_corrupt", backend=source.label, error=str(exc)),
                             )
                             await self._delete(source, load.key)
-                    elif not load.scope.cancel_called:
-                        # It was there (locked) yet cannot be read at its size: truncated, or
-                        # evicted behind the lock's back. Either way it is of no use any more.
+                    elif answered and not load.scope.cancel_called:
+                        # The backend answered that it was there (locked) yet is not at its size:
+                        # truncated, or evicted behind the lock's back. Of no use any more. (A
+                        # failed read, by contrast, proves nothing: that object stays.)
                         source.count("unreadable")
                         await self._delete(source, load.key)
                     source.count("loads" if ok else "load_misses")
@@ -387,7 +437,7 @@ class L2Tier:
         started = trio.current_time()
         try:
             await health.backend.delete([key])
-        except BackendError as exc:
+        except Exception as exc:  # any failure of a backend: see the module docstring
             self._observed(health, "delete", started, False)
             health.failed(exc, trio.current_time())
         else:
@@ -410,7 +460,7 @@ class L2Tier:
             result.append(
                 L2Stats(
                     name=health.label,
-                    healthy=health.usable(now),
+                    healthy=health.usable(now) if health.known else None,
                     counters={k: float(v) for k, v in {**own, **health.counters}.items()},
                 )
             )
@@ -419,6 +469,15 @@ class L2Tier:
     @property
     def queued(self) -> int:
         return self._queued
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a backend failure: the message, with the type unless it is ours."""
+    if isinstance(exc, BackendError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _headers(

@@ -17,6 +17,7 @@ format runs in a worker thread.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 
 import trio
@@ -319,7 +320,7 @@ _BACKEND_COUNTERS = (
 def _l2_families(stats: StatsReply) -> Iterator[Metric]:
     healthy = GaugeMetricFamily(
         "kvtrio_l2_healthy",
-        "1 while an L2 backend is in use, 0 while it is skipped after failures.",
+        "1 while an L2 backend is in use, 0 while it is skipped after failures, NaN if unknown.",
         labels=["backend"],
     )
     moved = CounterMetricFamily(
@@ -336,7 +337,7 @@ def _l2_families(stats: StatsReply) -> Iterator[Metric]:
     }
     for backend in stats.l2:
         label = [backend.name]
-        healthy.add_metric(label, 1 if backend.healthy else 0)
+        healthy.add_metric(label, math.nan if backend.healthy is None else int(backend.healthy))
         moved.add_metric([backend.name, "stored"], backend.counters.get("store_bytes", 0))
         moved.add_metric([backend.name, "loaded"], backend.counters.get("load_bytes", 0))
         for key, family in usage.items():

@@ -102,6 +102,9 @@ class LeaseTable:
             del self._by_owner[lease.owner]
         if lease.kind is LeaseKind.LOOKUP:
             del self._lookups[(lease.request, lease.key)]
+        if len(self._expiry) > 2 * self.live + 1024:  # mostly removed leases: compact, O(1)
+            self._expiry = [entry for entry in self._expiry if entry[2].active]  # amortised
+            heapq.heapify(self._expiry)
 
     def pop_request(
         self, request: str, kinds: Iterable[LeaseKind] = tuple(LeaseKind)

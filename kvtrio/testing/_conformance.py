@@ -14,12 +14,24 @@ Use it from a backend package's tests (pytest with pytest-trio in trio mode)::
 Class attributes tune it: ``object_size`` (bytes per test object) and
 ``protects_locked_objects`` (False where the store may evict or delete a locked object anyway,
 like Redis under memory pressure: then a load of it is simply a miss).
+
+**Faults.** List in ``fault_kinds`` the faults your tests can cause, and implement
+:meth:`BackendConformance.fault` (an async context manager: the fault holds inside it, is gone
+after it). Cause them for real where you can (a read-only mount, a full small filesystem, Redis
+``maxmemory``, a stopped server), inject them only where you cannot (``EIO``). The kinds:
+``read_only``, ``full`` (``ENOSPC``, out of memory), ``eio``, ``dir_replaced`` (the storage
+directory replaced by a file), ``unavailable`` (the service is down). During a fault every
+operation must raise (any exception: the server turns each into a backend error) or answer a
+miss / ``False`` — never wrong data, never a visible half-written object; afterwards the backend
+works again by itself, with nothing left locked.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from typing import ClassVar
 
 import pytest
 import trio
@@ -49,6 +61,19 @@ class BackendConformance:
 
     object_size = 64 << 10
     protects_locked_objects = True
+    fault_kinds: ClassVar[tuple[str, ...]] = ()
+    """The faults :meth:`fault` can cause for this backend (see the module docstring)."""
+    FAULT_KINDS: ClassVar[tuple[str, ...]] = (
+        "read_only",
+        "full",
+        "eio",
+        "dir_replaced",
+        "unavailable",
+    )
+
+    def fault(self, backend: Backend, kind: str) -> AbstractAsyncContextManager[None]:
+        """Cause fault ``kind`` (one of :attr:`fault_kinds`) for the duration of the block."""
+        raise NotImplementedError(f"{type(self).__name__} lists {kind!r} but cannot cause it")
 
     @pytest.fixture
     async def backend(self) -> AsyncIterator[Backend]:
@@ -230,3 +255,55 @@ class BackendConformance:
         stats = backend.statistics()
         assert "locks" in stats
         assert all(isinstance(value, (int, float)) for value in stats.values())
+
+    # ----------------------------------------------------------------- faults
+
+    async def test_faults_are_errors_or_misses_never_wrong_data(self, backend: Backend) -> None:
+        assert set(self.fault_kinds) <= set(self.FAULT_KINDS), self.fault_kinds
+        for kind in self.fault_kinds:
+            await self._survive(backend, kind)
+
+    async def _survive(self, backend: Backend, kind: str) -> None:
+        before = _key(f"{kind}-before")
+        kept = await self.put(backend, before)
+        during = _key(f"{kind}-during")
+        head, payload = _object(during, self.object_size)
+        async with self.fault(backend, kind):
+            try:
+                stored = await backend.store([during], [_parts(head, payload)])
+            except Exception:
+                stored = [False]
+            assert stored == [False], f"{kind}: a store succeeded anyway"
+            try:
+                found = await backend.lookup_and_lock([before, during])
+            except Exception:
+                found = 0
+            else:
+                await backend.unlock([before, during][:found])
+            await self._load_is_right_or_nothing(backend, before, kept, kind)
+        # The fault is gone: the backend works again by itself (it may have lost objects).
+        with trio.fail_after(30):
+            while True:
+                try:
+                    after = _key(f"{kind}-after")
+                    fresh = await self.put(backend, after)
+                    break
+                except Exception:
+                    await trio.sleep(0.1)
+        assert await self.get(backend, after) == fresh, f"{kind}: not working again"
+        await self._load_is_right_or_nothing(backend, before, kept, kind)
+        if stored == [False]:
+            assert await backend.lookup_and_lock([during]) == 0, f"{kind}: a failed store shows"
+        assert self.locks(backend) == 0, f"{kind}: locks left"
+
+    async def _load_is_right_or_nothing(
+        self, backend: Backend, key: bytes, payload: bytearray, kind: str
+    ) -> None:
+        head, got = bytearray(HEADER_SIZE), bytearray(self.object_size)
+        try:
+            (ok,) = await backend.load([key], [[memoryview(head), memoryview(got)]])
+        except Exception:
+            return
+        if ok:
+            check(bytes(head), key, FINGERPRINT, memoryview(got))
+            assert got == payload, f"{kind}: a load returned other bytes"

@@ -1,13 +1,19 @@
-"""The disk backend beyond the conformance suite: a batch store that fails part-way."""
+"""The disk backend beyond the conformance suite: partial batches, foreign files, eviction cost,
+a path it cannot use, a full filesystem."""
 
 from __future__ import annotations
 
+import logging
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvtrio.config import ByteSize
 from kvtrio.l2 import BackendError
 from kvtrio.l2.disk import DiskBackend, DiskOptions
+from kvtrio.storage import LRU
 
 
 async def test_a_batch_store_failing_part_way_keeps_the_written_objects_only(
@@ -40,3 +46,112 @@ async def test_a_batch_store_failing_part_way_keeps_the_written_objects_only(
     stats = backend.statistics()
     assert (stats["objects"], stats["bytes"]) == (3, 3300)
     await backend.aclose()
+
+
+# --------------------------------------------------------------------------- issue 11
+
+
+def _obj(size: int = 1000) -> list[bytes]:
+    return [b"h" * 100, b"p" * (size - 100)]
+
+
+async def test_a_stray_file_in_the_tree_is_ignored_and_reported_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Was: "Not a directory" on the scan, and 0 of the stored objects found after a restart."""
+    backend = DiskBackend(DiskOptions(path=str(tmp_path)))
+    keys = [bytes([i]) * 32 for i in range(1, 6)]
+    assert await backend.store(keys, [_obj()] * 5) == [True] * 5
+    (tmp_path / "objects" / "README.txt").write_text("notes")
+    (tmp_path / "objects" / "01" / "not-a-key").write_text("x")
+    (tmp_path / "objects" / "zz").mkdir()
+    caplog.set_level(logging.WARNING, logger="kvtrio.l2.disk")
+    restarted = DiskBackend(DiskOptions(path=str(tmp_path)))
+    assert await restarted.lookup_and_lock(keys) == 5
+    await restarted.unlock(keys)
+    assert await restarted.lookup_and_lock(keys) == 5  # (reported once, not per call)
+    assert restarted.statistics()["foreign_files"] == 3
+    assert [r.getMessage() for r in caplog.records if "not objects" in r.getMessage()] != []
+    assert len([r for r in caplog.records if "not objects" in r.getMessage()]) == 1
+    assert (tmp_path / "objects" / "README.txt").read_text() == "notes"  # left alone
+
+
+async def test_an_l2_path_that_cannot_be_created_is_a_one_line_backend_error(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "file").write_text("x")
+    backend = DiskBackend(DiskOptions(path=str(tmp_path / "file" / "l2")))
+    with pytest.raises(BackendError, match=r"^disk: cannot use .*: Not a directory$"):
+        await backend.lookup_and_lock([b"k" * 32])
+
+
+class _CountingLRU(LRU):
+    """LRU that counts the keys it hands out as victims."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.examined = 0
+
+    def victims(self) -> Iterator[bytes]:
+        for key in super().victims():
+            self.examined += 1
+            yield key
+
+
+async def test_eviction_examines_only_the_objects_it_evicts(tmp_path: Path) -> None:
+    """Was: every store copied and walked the whole index (locked objects included)."""
+    policy = _CountingLRU()
+    backend = DiskBackend(
+        DiskOptions(path=str(tmp_path), capacity=ByteSize(2000 * 1000)), policy=policy
+    )
+    locked = [i.to_bytes(32, "big") for i in range(1999)]
+    for start in range(0, len(locked), 500):
+        batch = locked[start : start + 500]
+        assert await backend.store(batch, [_obj()] * len(batch)) == [True] * len(batch)
+    assert await backend.lookup_and_lock(locked) == len(locked)  # all but one slot locked
+    for i in range(50):  # each store must evict the one unlocked object before it
+        key = (10**6 + i).to_bytes(32, "big")
+        assert await backend.store([key], [_obj()]) == [True]
+    stats = backend.statistics()
+    assert stats["evictions"] == 49
+    assert policy.examined == 49
+    await backend.unlock(locked)
+    assert stats["objects"] == 2000
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A real 4 MiB tmpfs (needs root: mount). Skipped where mounting is not allowed."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+async def test_a_full_filesystem_lowers_the_capacity_and_evicts(small_filesystem: Path) -> None:
+    """Was: with the default 32 GiB capacity on a small filesystem, it stayed full for good."""
+    backend = DiskBackend(DiskOptions(path=str(small_filesystem / "l2")))
+    assert await backend.lookup_and_lock([]) == 0
+    assert backend.statistics()["capacity_bytes"] < 4 << 20  # measured at start-up
+    filler = small_filesystem / "filler"  # another writer takes most of the space meanwhile
+    stored = 0
+    for i in range(40):  # 40 × 200 kB: more than the filesystem holds
+        key = i.to_bytes(32, "big")
+        (ok,) = await backend.store([key], [_obj(200_000)])
+        stored += ok
+        if i == 5:
+            filler.write_bytes(b"f" * (2 << 20))
+    stats = backend.statistics()
+    assert stats["evictions"] > 0
+    assert stats["capacity_bytes"] < (4 << 20) - (2 << 20)
+    assert stored >= 30  # it kept working: evicted, then stored
+    assert await backend.lookup_and_lock([(39).to_bytes(32, "big")]) == 1

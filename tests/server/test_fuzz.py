@@ -88,7 +88,7 @@ garbage = st.lists(st.binary(max_size=64), min_size=1, max_size=4).map(lambda f:
 
 @pytest.fixture
 def fuzz_socket(server_process: Callable[..., ServerProcess]) -> Iterator[zmq.Socket[bytes]]:
-    server = server_process("--max-message-size", "4096")
+    server = server_process("--max-message-size", "1MiB")
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 10_000)

@@ -50,3 +50,13 @@ def test_expiry_respects_extensions() -> None:
     assert table.pop_expired(15.0) == [lease]
     assert table.expired_total == 1
     assert table.next_expiry() is None
+
+
+def test_removed_leases_do_not_pile_up_until_their_expiry() -> None:
+    """Was: every removed lease stayed in the expiry heap until its (distant) expiry."""
+    table = LeaseTable()
+    for i in range(20_000):
+        lease = table.add(LeaseKind.READ, f"r{i}", "s", i.to_bytes(32, "big"), 1, 1e9)
+        table.remove(lease)
+    assert table.live == 0
+    assert len(table._expiry) <= 1024 + 2

@@ -25,15 +25,17 @@ from kvtrio.protocol import (
     StoreReply,
 )
 from kvtrio.server import open_server
+from kvtrio.storage import token_chunk_hashes
 
 CHUNK = 256
 LAYOUT = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")  # 256 KiB chunks
 PROMPT_CHUNKS = 8
 
 
-def prompt(number: int) -> tuple[int, ...]:
+def prompt(number: int) -> tuple[bytes, ...]:
+    """The chunk hashes of prompt ``number`` (protocol 2 sends hashes, not tokens)."""
     start = 10_000 * (number + 1)
-    return tuple(range(start, start + PROMPT_CHUNKS * CHUNK))
+    return tuple(token_chunk_hashes(range(start, start + PROMPT_CHUNKS * CHUNK), CHUNK))
 
 
 @asynccontextmanager
@@ -43,7 +45,7 @@ async def running(config: ServerConfig) -> AsyncIterator[tuple[AsyncClient, Asyn
         open_client(server.endpoint) as worker,
         open_client(server.endpoint) as scheduler,
     ):
-        await worker.request(Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
+        await worker.request(Register("", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
         yield worker, scheduler
         server.stop()
 
@@ -53,15 +55,13 @@ async def fill_and_count(config: ServerConfig) -> tuple[int, int]:
     async with running(config) as (worker, scheduler):
         for number in range(6):
             request = f"p{number}"
-            tokens = prompt(number)
-            reply = await worker.call(Store(request, 0, len(tokens), tokens=tokens), StoreReply)
-            written = tuple(slot.chunk for slot in reply.slots if slot.status == "write")
+            hashes = prompt(number)
+            reply = await worker.call(Store(request, 0, len(hashes) * CHUNK, hashes), StoreReply)
+            written = tuple(hashes[slot.chunk] for slot in reply.slots if slot.status == "write")
             await worker.request(Commit(request, written=written))
         reachable = 0
         for number in range(6):
-            hits = await scheduler.call(
-                Lookup(f"q{number}", "m", 1, tokens=prompt(number)), LookupReply
-            )
+            hits = await scheduler.call(Lookup(f"q{number}", "m", 1, prompt(number)), LookupReply)
             reachable += hits.hit_chunks
             await scheduler.request(EndSession(f"q{number}", "m"))
         cache = (await worker.call(GetStats(), StatsReply)).cache

@@ -93,6 +93,24 @@ def _load(state: Path, name: str) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _run_group(
+    command: list[str], timeout: float, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run`` in a process group of its own, killed whole on timeout.
+
+    A GPU test that hangs may have started a ``kvtrio serve`` of its own: killing only pytest
+    would leave that server holding the GPU (and its port) after the kit has given up.
+    """
+    with subprocess.Popen(command, start_new_session=True, text=True, **kwargs) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def _output(command: list[str]) -> str | None:
     """The stripped stdout of ``command``, or None if it is missing or fails."""
     if shutil.which(command[0]) is None:
@@ -227,14 +245,7 @@ def run_tests(state: Path, dry_run: bool) -> None:
     log = state / "tests.log"
     with log.open("w") as out:
         try:
-            subprocess.run(
-                command,
-                cwd=ROOT,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                timeout=TIMEOUTS["tests"],
-                check=False,
-            )
+            _run_group(command, TIMEOUTS["tests"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         except subprocess.TimeoutExpired as exc:
             raise StepFailed(
                 f"the GPU tests did not finish in {exc.timeout:.0f} s ({log})"
@@ -288,13 +299,12 @@ def bench(state: Path, dry_run: bool, kernels: str) -> None:
     """Run bench/cuda_transfer.py with ``kernels``; record its rows (ratios to raw copies)."""
     command = [sys.executable, str(ROOT / "bench" / "cuda_transfer.py"), "--kernels", kernels]
     try:
-        result = subprocess.run(
+        result = _run_group(
             command,
+            TIMEOUTS["bench"],
             cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUTS["bench"],
-            check=False,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
     except subprocess.TimeoutExpired as exc:
         raise StepFailed(f"bench/cuda_transfer.py did not finish in {exc.timeout:.0f} s") from exc

@@ -112,7 +112,7 @@ class CacheService:
 
     async def register(self, session: Session, request: Register) -> Registered:
         check_registration(request, self.config.chunk_size, self.arena.size)
-        tenant_arena = self.arenas.for_tenant(request.tenant)
+        tenant_arena = await self.arenas.open(request.tenant)
         if request.device == "cuda" and tenant_arena.index != 0:
             raise RequestError(
                 ErrorCode.INCOMPATIBLE,

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 import numpy.typing as npt
+import trio
 
 from .._logging import event
 from ..errors import ErrorCode, RequestError
@@ -35,6 +36,8 @@ log = logging.getLogger("kvtrio.tenants")
 
 _SHIFT = 44
 """Arena ``i``'s virtual offsets start at ``i << _SHIFT`` (16 TiB apart)."""
+_ALLOCATE_LIMITER = trio.CapacityLimiter(1)
+"""Allocating the pages of tenants' arenas runs one arena at a time."""
 _NAMESPACE_SIZE = 16
 """An object key is a 16-byte namespace (model, tenant, profile, rank) and a chunk hash."""
 
@@ -47,6 +50,9 @@ class TenantArena:
     arena: SharedArena
     l1: L1Cache
     tenant: str | None = None
+    allocated: bool = True
+    """False until the pages of an arena created for a tenant are allocated (the first one's
+    are allocated by the server's start)."""
 
     @property
     def base(self) -> int:
@@ -110,7 +116,9 @@ class TenantArenas:
                     ErrorCode.INTERNAL, f"cannot create a tenant's L1 arena: {exc.strerror}"
                 ) from None
             index = len(self.all)
-            spare = TenantArena(index, arena, self._make_l1(arena.size, index << _SHIFT))
+            spare = TenantArena(
+                index, arena, self._make_l1(arena.size, index << _SHIFT), allocated=False
+            )
             self.all.append(spare)
         spare.tenant = tenant
         self._by_tenant[tenant] = spare
@@ -121,6 +129,26 @@ class TenantArenas:
             extra=event("tenant_arena", index=spare.index, bytes=spare.arena.size),
         )
         return spare
+
+    async def open(self, tenant: str) -> TenantArena:
+        """:meth:`for_tenant`, then allocate a new arena's pages in a worker thread (tmpfs
+        allocates on first write otherwise: a full ``/dev/shm`` would SIGBUS the writer later).
+
+        A failure to allocate is logged, not raised, as at the start. Cancellation: the thread
+        is abandoned and finishes by itself.
+        """
+        tenant_arena = self.for_tenant(tenant)
+        if not tenant_arena.allocated:
+            tenant_arena.allocated = True
+            try:
+                await trio.to_thread.run_sync(
+                    tenant_arena.arena.preallocate,
+                    limiter=_ALLOCATE_LIMITER,
+                    abandon_on_cancel=True,
+                )
+            except OSError as exc:
+                log.error("could not allocate a tenant L1 arena's memory: %s", exc.strerror)
+        return tenant_arena
 
     def bind(self, space: bytes, tenant_arena: TenantArena) -> None:
         """Objects of namespace ``space`` live in ``tenant_arena`` (a space names one tenant)."""

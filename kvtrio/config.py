@@ -402,6 +402,7 @@ def config_summary(config: ServerConfig) -> dict[str, Any]:
         "endpoint": config.endpoint,
         "chunk_size": config.chunk_size,
         "l1_size": config.l1_size,
+        "l1_tenants": config.l1_tenants,
         "eviction": config.eviction,
         "l2": [spec.name for spec in config.l2],
         "lookup_timeout": config.lookup_timeout,

@@ -25,6 +25,7 @@ from kvtrio.protocol import (
     StoreReply,
 )
 from kvtrio.server import open_server
+from kvtrio.storage.keys import token_chunk_hashes
 
 CHUNK = 256
 LAYOUT = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")  # 256 KiB chunks
@@ -54,16 +55,26 @@ async def fill_and_count(config: ServerConfig) -> tuple[int, int]:
         for number in range(6):
             request = f"p{number}"
             tokens = prompt(number)
-            reply = await worker.call(Store(request, 0, len(tokens), tokens=tokens), StoreReply)
-            written = tuple(slot.chunk for slot in reply.slots if slot.status == "write")
+            hashes = token_chunk_hashes(tokens, CHUNK)
+            reply = await worker.call(
+                Store(request, 0, len(tokens), chunk_hashes=tuple(hashes)), StoreReply
+            )
+            written = tuple(hashes[slot.chunk] for slot in reply.slots if slot.status == "write")
             await worker.request(Commit(request, written=written))
         reachable = 0
         for number in range(6):
             hits = await scheduler.call(
-                Lookup(f"q{number}", "m", 1, tokens=prompt(number)), LookupReply
+                Lookup(
+                    f"q{number}",
+                    "m",
+                    1,
+                    chunk_hashes=tuple(token_chunk_hashes(prompt(number), CHUNK)),
+                    engine="w",
+                ),
+                LookupReply,
             )
             reachable += hits.hit_chunks
-            await scheduler.request(EndSession(f"q{number}", "m"))
+            await scheduler.request(EndSession(f"q{number}", "m", engine="w"))
         cache = (await worker.call(GetStats(), StatsReply)).cache
         assert cache is not None
         return cache.l1_ready, reachable

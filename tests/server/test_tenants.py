@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtrio.client import AsyncClient, open_client
-from kvtrio.config import ServerConfig
+from kvtrio.config import BackendSpec, ServerConfig
 from kvtrio.errors import QuotaExceeded
 from kvtrio.protocol import (
     Commit,
@@ -33,6 +33,7 @@ from kvtrio.protocol import (
 from kvtrio.server import open_server
 from kvtrio.storage import SharedArena
 
+from ..conftest import await_async
 from .test_auth import tcp_config, tenant_clients
 
 CHUNK = 256
@@ -118,6 +119,49 @@ async def test_a_tenant_cannot_read_write_or_evict_another_tenants_l1(short_dir:
             assert stats is not None
             assert stats.l1_capacity_bytes == 2 * ARENA_CHUNKS * CHUNK_BYTES  # summed
             assert stats.l1_entries == 8 + ARENA_CHUNKS
+        finally:
+            a_arena.close()
+            b_arena.close()
+
+
+async def test_l2_loads_land_in_their_own_tenants_arena(short_dir: Path) -> None:
+    config = tcp_config(
+        l1_size=2 * ARENA_CHUNKS * CHUNK_BYTES,
+        l1_tenants=2,
+        l2=(BackendSpec("disk", {"path": str(short_dir / "l2")}),),
+        retrieve_timeout=5.0,
+    )
+    async with tenant_clients(short_dir, config) as (_server, tenant_a, tenant_b):
+        mine = await register(tenant_a, "acme")
+        theirs = await register(tenant_b, "victim")  # the second arena (virtual base 1 << 44)
+        a_arena = SharedArena.attach(mine.arena_path, mine.arena_size, populate=False)
+        b_arena = SharedArena.attach(theirs.arena_path, theirs.arena_size, populate=False)
+        try:
+            kept = hashes(7, 8)
+            assert await store(tenant_b, b_arena, "k", kept, 0x3C) == 8
+
+            async def written() -> bool:
+                reply = await tenant_b.call(GetStats(), StatsReply)
+                return reply.l2[0].counters.get("stores", 0) >= 8
+
+            await await_async(written, what="8 chunks written to L2")
+            for batch in range(8):  # evict them from L1 (B's own arena, twice over)
+                await store(tenant_b, b_arena, f"f{batch}", hashes(200 + batch, 8), 0x11)
+            found = await tenant_b.call(
+                Lookup("k2", "m", 1, chunk_hashes=kept, tenant="victim", engine="w"), LookupReply
+            )
+            assert found.hit_chunks == 8
+            got = await tenant_b.call(
+                Retrieve("k2", 0, 8 * CHUNK, chunk_hashes=kept), RetrieveReply
+            )
+            for slot in got.slots:
+                assert slot.status == "read"
+                assert (b_arena.view(slot.offset, slot.nbytes) == 0x3C).all()
+            await tenant_b.call(Release("k2", chunk_hashes=kept), Released)
+            stats = (await tenant_b.call(GetStats(), StatsReply)).cache
+            assert stats is not None
+            assert stats.lookup_l2_chunks > 0  # some did come back from L2
+            assert not (a_arena.buffer == 0x3C).any()
         finally:
             a_arena.close()
             b_arena.close()

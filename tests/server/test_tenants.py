@@ -12,7 +12,7 @@ import pytest
 
 from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import BackendSpec, ServerConfig
-from kvtrio.errors import QuotaExceeded
+from kvtrio.errors import ErrorCode, QuotaExceeded, RequestError
 from kvtrio.protocol import (
     Commit,
     CommitReply,
@@ -31,7 +31,8 @@ from kvtrio.protocol import (
     StoreReply,
 )
 from kvtrio.server import open_server
-from kvtrio.storage import SharedArena
+from kvtrio.server._tenants import TenantArenas
+from kvtrio.storage import Entry, L1Cache, Reservation, SharedArena
 
 from ..conftest import await_async
 from .test_auth import tcp_config, tenant_clients
@@ -203,3 +204,35 @@ async def test_one_tenant_keeps_one_arena_of_the_whole_l1(endpoint: str) -> None
         reply = await register(client, "")
         assert reply.arena_size == ARENA_CHUNKS * CHUNK_BYTES
         assert stat.S_IMODE(os.stat(reply.arena_path).st_mode) == 0o600
+
+
+def test_tenant_index_routes_by_namespace_and_offset(tmp_path: Path) -> None:
+    first = SharedArena.create(8 * CHUNK_BYTES, directory=str(tmp_path))
+    arenas = TenantArenas(
+        first, lambda size, base: L1Cache(size, base=base), limit=2, directory=str(tmp_path)
+    )
+    try:
+        a, b = arenas.for_tenant("a"), arenas.for_tenant("b")
+        arenas.bind(b"A" * 16, a)
+        arenas.bind(b"B" * 16, b)
+        l1, memory = arenas.l1, arenas.memory
+        # A key of no bound namespace is in no arena: never found, never reserved.
+        assert l1.reserve(b"C" * 32, CHUNK_BYTES) is Reservation.NO_SPACE
+        assert l1.get(b"C" * 32) is None
+        entry_a = l1.reserve(b"A" * 32, CHUNK_BYTES)
+        entry_b = l1.reserve(b"B" * 32, CHUNK_BYTES)
+        assert isinstance(entry_a, Entry)
+        assert isinstance(entry_b, Entry)
+        assert (a.local(entry_a.offset), b.local(entry_b.offset)) == (0, 0)
+        assert entry_b.offset == 1 << 44
+        memory.view(entry_b.offset, CHUNK_BYTES).fill(9)
+        assert (b.arena.view(0, CHUNK_BYTES) == 9).all()
+        assert not a.arena.buffer.any()
+        stats = l1.stats()
+        assert (stats.capacity_bytes, stats.writing) == (16 * CHUNK_BYTES, 2)
+        with pytest.raises(RequestError, match="--l1-tenants") as refused:
+            arenas.for_tenant("c")
+        assert refused.value.code is ErrorCode.QUOTA_EXCEEDED
+    finally:
+        arenas.close()
+    assert not list(tmp_path.iterdir())

@@ -111,7 +111,7 @@ class CacheService:
     # ----------------------------------------------------------------- registration
 
     async def register(self, session: Session, request: Register) -> Registered:
-        check_registration(request, self.config.chunk_size, self.arena.size)
+        check_registration(request, self.config.chunk_size, self.arenas.arena_size)
         tenant_arena = await self.arenas.open(request.tenant)
         if request.device == "cuda" and tenant_arena.index != 0:
             raise RequestError(

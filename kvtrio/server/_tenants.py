@@ -259,7 +259,7 @@ class TenantMemory(SharedArena):
     def __init__(self, arenas: TenantArenas) -> None:  # maps nothing of its own
         self._arenas = arenas
         self.path = ""
-        self.size = arenas.arena_size
+        self.size = arenas.arena_size * arenas.limit  # all of L1 (the L2 tier sizes its queue)
         self.buffer = np.empty(0, dtype=np.uint8)
 
     def _at(self, offset: int) -> tuple[SharedArena, int]:
@@ -282,4 +282,4 @@ class TenantMemory(SharedArena):
         self._arenas.close()
 
     def __repr__(self) -> str:
-        return f"<TenantMemory {len(self._arenas.all)} arenas of {self.size} bytes>"
+        return f"<TenantMemory {len(self._arenas.all)} arenas of {self._arenas.arena_size} bytes>"

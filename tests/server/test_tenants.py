@@ -6,11 +6,12 @@ from __future__ import annotations
 import grp
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from kvtrio.client import AsyncClient, open_client
+from kvtrio.client import AsyncClient, Client, open_client
 from kvtrio.config import BackendSpec, ServerConfig
 from kvtrio.errors import ErrorCode, QuotaExceeded, RequestError
 from kvtrio.protocol import (
@@ -34,7 +35,7 @@ from kvtrio.server import open_server
 from kvtrio.server._tenants import TenantArenas
 from kvtrio.storage import Entry, L1Cache, Reservation, SharedArena
 
-from ..conftest import await_async
+from ..conftest import ServerProcess, await_async
 from .test_auth import tcp_config, tenant_clients
 
 CHUNK = 256
@@ -236,3 +237,25 @@ def test_tenant_index_routes_by_namespace_and_offset(tmp_path: Path) -> None:
     finally:
         arenas.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_a_killed_servers_tenant_arenas_are_reclaimed_at_the_next_start(
+    server_process: Callable[..., ServerProcess], short_dir: Path
+) -> None:
+    shm = short_dir / "shm"
+    shm.mkdir()
+    server = server_process("--shm-dir", str(shm), "--l1-tenants", "2")
+    with (
+        Client(server.endpoint, timeout=5.0, heartbeat=False) as one,
+        Client(server.endpoint, timeout=5.0, heartbeat=False) as two,
+    ):  # ipc peers may use any tenant
+        for client, tenant in ((one, "a"), (two, "b")):
+            reply = client.request(
+                Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant)
+            )
+            assert isinstance(reply, Registered)
+        assert len(list(shm.iterdir())) == 2
+    server.kill()
+    assert len(list(shm.iterdir())) == 2  # nobody removed them
+    server.start()  # its own first arena reclaims both leftovers
+    assert len(list(shm.iterdir())) == 1

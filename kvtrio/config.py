@@ -214,6 +214,14 @@ class ServerConfig:
         validator=_positive,
         metadata={"help": "Capacity of the host-memory tier (e.g. 4GiB)."},
     )
+    l1_tenants: int = field(
+        default=1,
+        validator=[_positive, _at_most(1024)],
+        metadata={
+            "help": "Tenants whose CPU workers may use L1 at once: each gets its own arena of "
+            "--l1-size / N, created at its first registration (docs/security.md)."
+        },
+    )
     eviction: str = field(
         default=DEFAULT_EVICTION,
         validator=_one_of(*EVICTION_POLICIES),
@@ -394,6 +402,7 @@ def config_summary(config: ServerConfig) -> dict[str, Any]:
         "endpoint": config.endpoint,
         "chunk_size": config.chunk_size,
         "l1_size": config.l1_size,
+        "l1_tenants": config.l1_tenants,
         "eviction": config.eviction,
         "l2": [spec.name for spec in config.l2],
         "lookup_timeout": config.lookup_timeout,

@@ -43,7 +43,6 @@ from ..storage import (
     LeaseKind,
     LeaseTable,
     Reservation,
-    SharedArena,
 )
 from ._cuda import CudaTransfers
 from ._l2 import L2Tier
@@ -53,6 +52,7 @@ from ._quotas import Quotas, scrub
 from ._registry import Registration, Registry, request_key
 from ._session import Session
 from ._state import ServerState
+from ._tenants import TenantArenas
 
 __all__ = ["CacheService"]
 
@@ -70,25 +70,25 @@ class CacheService:
     def __init__(
         self,
         state: ServerState,
-        arena: SharedArena,
-        l1: L1Cache,
+        arenas: TenantArenas,
         l2: L2Tier,
         cuda: CudaTransfers | None = None,
     ) -> None:
         self.state = state
-        self.cuda = cuda if cuda is not None else CudaTransfers(arena)
+        self.cuda = cuda if cuda is not None else CudaTransfers(arenas.first)
         self.config: ServerConfig = state.config
-        self.arena = arena
-        self.l1 = l1
+        self.arenas = arenas  # one per tenant (docs/security.md)
+        self.arena = arenas.memory
+        self.l1: L1Cache = arenas.l1
         self.l2 = l2
         self.lookup_l2_chunks = 0
         self.lookup_timeouts = 0
         self.leases = LeaseTable()
-        self.quotas = Quotas(state, self.leases, l1)
+        self.quotas = Quotas(state, self.leases, self.l1)
         self.registry = Registry(state.config.chunk_size)
         self.limits = RequestLimits(state.config.max_requests, state.config.max_pins)
         self._watched: set[str] = set()  # sessions whose end releases their leases
-        self.prefetch = Prefetcher(l1, l2, state.config, self._pin_for_lookup)
+        self.prefetch = Prefetcher(self.l1, l2, state.config, self._pin_for_lookup)
         self.lookups = 0
         self.lookup_hit_chunks = 0
         self.lookup_miss_chunks = 0
@@ -111,9 +111,16 @@ class CacheService:
     # ----------------------------------------------------------------- registration
 
     async def register(self, session: Session, request: Register) -> Registered:
-        check_registration(request, self.config.chunk_size, self.arena.size)
+        check_registration(request, self.config.chunk_size, self.arenas.arena_size)
+        tenant_arena = await self.arenas.open(request.tenant)
+        if request.device == "cuda" and tenant_arena.index != 0:
+            raise RequestError(
+                ErrorCode.INCOMPATIBLE,
+                "CUDA workers are served in the first tenant's L1 arena only (not yet per tenant)",
+            )
         released = self._drop_registration(session.id, quarantine=False)
         registration = self.registry.register(session.id, request)
+        self.arenas.bind(registration.space, tenant_arena)
         self._watch(session)
         if registration.device == "cuda":
             try:
@@ -145,8 +152,8 @@ class CacheService:
         config = self.config
         return Registered(
             chunk_size=config.chunk_size,
-            arena_path=self.arena.path,
-            arena_size=self.arena.size,
+            arena_path=tenant_arena.arena.path,  # its own tenant's arena, never another's
+            arena_size=tenant_arena.arena.size,
             chunk_bytes=registration.chunk_bytes,
             reservation_ttl=config.reservation_ttl,
             pin_ttl=config.pin_ttl,
@@ -297,7 +304,7 @@ class CacheService:
             parent = object_key
             if isinstance(outcome, Entry):
                 self.leases.add(LeaseKind.WRITE, key, session.id, object_key, 1, expires)
-                slots.append(Slot(index, "write", outcome.offset, outcome.nbytes))
+                slots.append(Slot(index, "write", self._local(outcome.offset), outcome.nbytes))
                 reserved.append(outcome)
             elif outcome is Reservation.PRESENT:
                 slots.append(Slot(index, "present"))
@@ -360,7 +367,7 @@ class CacheService:
             consumed = self.leases.take_lookup(key, object_key)
             if consumed:
                 self.l1.unpin(object_key, consumed)
-            slots.append(Slot(index, "read", entry.offset, entry.nbytes))
+            slots.append(Slot(index, "read", self._local(entry.offset), entry.nbytes))
         if registration.cuda is not None:
             return self._cuda_retrieve(session, registration, request, key, hashes, blocks, slots)
         return RetrieveReply(tuple(slots))
@@ -530,6 +537,10 @@ class CacheService:
         key = self._worker_request(registration, request.request)
         self.limits.admit_request(self.leases, key)
         return key, hashes, chunks
+
+    def _local(self, offset: int) -> int:
+        """An L1 entry's offset in its tenant's arena file (what the worker maps)."""
+        return self.arenas.of_offset(offset).local(offset)
 
     def _undo(self, leases: Sequence[Lease], *, quarantine: bool) -> int:
         """Undo what removed leases held: unpin, or drop a reservation. Returns the count."""

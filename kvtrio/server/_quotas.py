@@ -89,7 +89,7 @@ class Quotas:
                 fresh += entry.nbytes
         if not fresh:
             return
-        stats = l1.stats()
+        stats = l1.index_for(keys[0]).stats()  # the share of the tenant's own arena
         held = (stats.pinned_entries + stats.writing) * chunk_bytes
         if held + fresh > self.share * self._capacity:
             self._refuse(

@@ -25,6 +25,7 @@ from ._metrics import ServerMetrics
 from ._operations import register_core_operations
 from ._router import Router
 from ._state import ServerState
+from ._tenants import TenantArenas
 
 __all__ = ["ServerHandle", "open_server", "serve"]
 
@@ -131,6 +132,7 @@ async def open_server(
     # CURVE: a context of the server's own, whose ZAP handler (bound before the ROUTER, or
     # libzmq would accept any key) answers for this server alone.
     context = zmq.Context() if auth.curve else None
+    arenas: TenantArenas | None = None
     try:
         with trio.CancelScope() as stop_scope:
             async with trio.open_nursery() as auth_tasks:
@@ -151,17 +153,25 @@ async def open_server(
                             extra=event("auth", mode=auth.mode, endpoint=endpoint),
                         )
                         register_core_operations(state)
-                        l1 = L1Cache(arena.size, policy=make_policy(config.eviction))
+                        arenas = TenantArenas(
+                            arena,
+                            lambda size, base: L1Cache(
+                                size, policy=make_policy(config.eviction), base=base
+                            ),
+                            limit=config.l1_tenants,
+                            directory=config.shm_dir or None,
+                            group=config.ipc_group,
+                        )
                         l2 = L2Tier(
                             backends,
-                            l1,
-                            arena,
+                            arenas.l1,
+                            arenas.memory,
                             queue_size=config.write_behind_queue,
                             flushers=2,
                             loaders=config.l2_loaders,
                         )
                         cuda = CudaTransfers(arena, cuda_runtime)
-                        cache = CacheService(state, arena, l1, l2, cuda)
+                        cache = CacheService(state, arenas, l2, cuda)
                         cache.install()
                         metrics = ServerMetrics(state)
                         metrics.install(l2)
@@ -185,6 +195,8 @@ async def open_server(
                     auth_tasks.cancel_scope.cancel()
     finally:
         arena.close()
+        if arenas is not None:
+            arenas.close()  # the tenants' arenas created since the start
         if http_socket is not None:
             http_socket.close()
         if context is not None:
@@ -244,7 +256,9 @@ def create_arena(config: ServerConfig) -> SharedArena:
             "container: --shm-size)"
         )
     try:
-        return SharedArena.create(config.l1_size, directory=directory)
+        # L1 is split into --l1-tenants arenas; this is the first, the others come with their
+        # tenants (the free space checked above is the whole --l1-size).
+        return SharedArena.create(config.l1_size // config.l1_tenants, directory=directory)
     except OSError as exc:
         raise ConfigError(f"cannot create the L1 arena in {directory}: {exc.strerror}") from None
 

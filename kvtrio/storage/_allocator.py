@@ -16,12 +16,13 @@ class ExtentAllocator:
     that fits is split. Synchronous, no I/O.
     """
 
-    def __init__(self, size: int, alignment: int = 4096) -> None:
+    def __init__(self, size: int, alignment: int = 4096, base: int = 0) -> None:
         self.size = size - size % alignment
         self.alignment = alignment
-        self._starts: list[int] = [0] if self.size else []  # sorted offsets of free ranges
-        self._length: dict[int, int] = {0: self.size} if self.size else {}
-        self._by_length: dict[int, set[int]] = {self.size: {0}} if self.size else {}
+        # ``base``: the first offset handed out (per-tenant arenas live at distinct bases).
+        self._starts: list[int] = [base] if self.size else []  # sorted offsets of free ranges
+        self._length: dict[int, int] = {base: self.size} if self.size else {}
+        self._by_length: dict[int, set[int]] = {self.size: {base}} if self.size else {}
         self.free_bytes = self.size
 
     def round(self, nbytes: int) -> int:

@@ -60,9 +60,14 @@ class L1Cache:
     """Index and allocator of the L1 arena. See the module docstring for the rules."""
 
     def __init__(
-        self, capacity: int, *, policy: EvictionPolicy | None = None, alignment: int = 4096
+        self,
+        capacity: int,
+        *,
+        policy: EvictionPolicy | None = None,
+        alignment: int = 4096,
+        base: int = 0,
     ) -> None:
-        self._allocator = ExtentAllocator(capacity, alignment)
+        self._allocator = ExtentAllocator(capacity, alignment, base)
         self._policy: EvictionPolicy = (
             policy if policy is not None else make_policy(DEFAULT_EVICTION)
         )
@@ -78,6 +83,10 @@ class L1Cache:
     @property
     def capacity(self) -> int:
         return self._allocator.size
+
+    def index_for(self, key: bytes) -> L1Cache:
+        """The index that holds ``key``: this one (a server's per-tenant L1 has several)."""
+        return self
 
     # ----------------------------------------------------------------- reading
 

@@ -235,7 +235,7 @@ class Driver:
 def driver(server_process: Callable[..., ServerProcess], short_dir: Path) -> Iterator[Driver]:
     server = server_process(
         "--chunk-size", str(CHUNK),
-        "--l1-size", "1MiB",  # 16 chunks: evicts
+        "--l1-size", "2MiB", "--l1-tenants", "2",  # 16 chunks per tenant: evicts
         "--l2", f"disk:path={short_dir / 'l2'}",
         "--heartbeat-timeout", "1",
         "--pin-ttl", "30",

@@ -184,12 +184,12 @@ async def test_tenant_spoofing_is_refused(short_dir: Path) -> None:
         assert isinstance(await acme.request(EndSession("r", "m", "acme")), Released)
         for request in (
             EndSession("r", "m", "victim"),
-            Lookup("r", "m", 1, (b"\x01" * 16,) * 2, tenant="victim"),
+            Lookup("r", "m", 1, chunk_hashes=(bytes(16),), tenant="victim"),
         ):
             with pytest.raises(Forbidden, match="tenant 'victim'"):
                 await acme.request(request)
         with pytest.raises(Forbidden):
-            await victim.request(Lookup("r", "m", 1, (b"\x01" * 16,) * 2, tenant="acme"))
+            await victim.request(Lookup("r", "m", 1, chunk_hashes=(bytes(16),), tenant="acme"))
 
 
 async def test_an_allowed_keys_file_maps_keys_to_tenants(short_dir: Path) -> None:

@@ -25,17 +25,16 @@ from kvtrio.protocol import (
     StoreReply,
 )
 from kvtrio.server import open_server
-from kvtrio.storage import token_chunk_hashes
+from kvtrio.storage.keys import token_chunk_hashes
 
 CHUNK = 256
 LAYOUT = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")  # 256 KiB chunks
 PROMPT_CHUNKS = 8
 
 
-def prompt(number: int) -> tuple[bytes, ...]:
-    """The chunk hashes of prompt ``number`` (protocol 2 sends hashes, not tokens)."""
+def prompt(number: int) -> tuple[int, ...]:
     start = 10_000 * (number + 1)
-    return tuple(token_chunk_hashes(range(start, start + PROMPT_CHUNKS * CHUNK), CHUNK))
+    return tuple(range(start, start + PROMPT_CHUNKS * CHUNK))
 
 
 @asynccontextmanager
@@ -45,7 +44,7 @@ async def running(config: ServerConfig) -> AsyncIterator[tuple[AsyncClient, Asyn
         open_client(server.endpoint) as worker,
         open_client(server.endpoint) as scheduler,
     ):
-        await worker.request(Register("", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
+        await worker.request(Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
         yield worker, scheduler
         server.stop()
 
@@ -55,15 +54,27 @@ async def fill_and_count(config: ServerConfig) -> tuple[int, int]:
     async with running(config) as (worker, scheduler):
         for number in range(6):
             request = f"p{number}"
-            hashes = prompt(number)
-            reply = await worker.call(Store(request, 0, len(hashes) * CHUNK, hashes), StoreReply)
+            tokens = prompt(number)
+            hashes = token_chunk_hashes(tokens, CHUNK)
+            reply = await worker.call(
+                Store(request, 0, len(tokens), chunk_hashes=tuple(hashes)), StoreReply
+            )
             written = tuple(hashes[slot.chunk] for slot in reply.slots if slot.status == "write")
             await worker.request(Commit(request, written=written))
         reachable = 0
         for number in range(6):
-            hits = await scheduler.call(Lookup(f"q{number}", "m", 1, prompt(number)), LookupReply)
+            hits = await scheduler.call(
+                Lookup(
+                    f"q{number}",
+                    "m",
+                    1,
+                    chunk_hashes=tuple(token_chunk_hashes(prompt(number), CHUNK)),
+                    engine="w",
+                ),
+                LookupReply,
+            )
             reachable += hits.hit_chunks
-            await scheduler.request(EndSession(f"q{number}", "m"))
+            await scheduler.request(EndSession(f"q{number}", "m", engine="w"))
         cache = (await worker.call(GetStats(), StatsReply)).cache
         assert cache is not None
         return cache.l1_ready, reachable

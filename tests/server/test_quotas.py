@@ -24,7 +24,8 @@ from kvtrio.protocol import (
 )
 from kvtrio.server import open_server
 from kvtrio.server._quotas import scrub
-from kvtrio.storage import Entry, EntryState, SharedArena, token_chunk_hashes
+from kvtrio.storage import Entry, EntryState, SharedArena
+from kvtrio.storage.keys import token_chunk_hashes
 
 from .test_auth import tcp_config, tenant_clients
 
@@ -34,23 +35,17 @@ CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 16 * 2  # 32 KiB
 L1 = 512 * CHUNK_BYTES  # 16 MiB: 512 chunks
 
 
-def prompt(seed: int, chunks: int) -> tuple[bytes, ...]:
-    """The chunk hashes of a prompt of ``chunks`` chunks (protocol 2 sends hashes)."""
-    tokens = range(seed * 1_000_000, seed * 1_000_000 + chunks * CHUNK)
+def hashes(tokens: tuple[int, ...]) -> tuple[bytes, ...]:
     return tuple(token_chunk_hashes(tokens, CHUNK))
 
 
-def store(request: str, hashes: tuple[bytes, ...]) -> Store:
-    return Store(request, 0, len(hashes) * CHUNK, hashes)
-
-
-def written(hashes: tuple[bytes, ...], reply: StoreReply) -> tuple[bytes, ...]:
-    return tuple(hashes[slot.chunk] for slot in reply.slots)
+def prompt(seed: int, chunks: int) -> tuple[int, ...]:
+    return tuple(range(seed * 1_000_000, seed * 1_000_000 + chunks * CHUNK))
 
 
 async def register(client: AsyncClient, tenant: str = "") -> Registered:
     reply = await client.call(
-        Register("", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant), Registered
+        Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant), Registered
     )
     assert reply.chunk_bytes == CHUNK_BYTES
     return reply
@@ -60,31 +55,42 @@ async def test_num_readers_is_capped_at_the_world_size(endpoint: str) -> None:
     config = ServerConfig(endpoint=endpoint, l1_size=L1, l2=())
     async with open_server(config) as server, open_client(server.endpoint) as client:
         await register(client)
-        hashes = prompt(1, 2)
-        reply = await client.call(store("a", hashes), StoreReply)
-        await client.call(Commit("a", written=written(hashes, reply)), CommitReply)
-        found = await client.call(Lookup("b", "m", 1, hashes, num_readers=1), LookupReply)
+        tokens = prompt(1, 2)
+        await client.call(Store("a", 0, len(tokens), chunk_hashes=hashes(tokens)), StoreReply)
+        await client.call(Commit("a", written=hashes(tokens)), CommitReply)
+        found = await client.call(
+            Lookup("b", "m", 1, chunk_hashes=hashes(tokens), engine="w", num_readers=1), LookupReply
+        )
         assert found.hit_chunks == 2
         with pytest.raises(QuotaExceeded, match="num_readers 1000"):
-            await client.request(Lookup("c", "m", 1, hashes, num_readers=1000))
+            await client.request(
+                Lookup("c", "m", 1, chunk_hashes=hashes(tokens), engine="w", num_readers=1000)
+            )
 
 
 async def test_reservation_flooding_by_one_key_leaves_room_for_another(short_dir: Path) -> None:
-    config = tcp_config(l1_size=L1)
+    config = tcp_config(l1_size=2 * L1, l1_tenants=2)  # an arena of L1 per tenant
     async with tenant_clients(short_dir, config) as (_server, attacker, victim):
         await register(attacker, "acme")
         await register(victim, "victim")
+        tokens = prompt(2, 512)
         with pytest.raises(QuotaExceeded, match="of L1"):  # all of L1 at once
-            await attacker.request(store("flood", prompt(2, 512)))
+            await attacker.request(Store("flood", 0, len(tokens), chunk_hashes=hashes(tokens)))
         held = 0
         for seed in range(10, 30):  # then as much as it can, never committing
+            tokens = prompt(seed, 32)
             try:
-                reply = await attacker.call(store(f"f{seed}", prompt(seed, 32)), StoreReply)
+                reply = await attacker.call(
+                    Store(f"f{seed}", 0, len(tokens), chunk_hashes=hashes(tokens)), StoreReply
+                )
             except QuotaExceeded:
                 break
             held += sum(slot.status == "write" for slot in reply.slots)
         assert 0 < held * CHUNK_BYTES <= 0.5 * L1
-        reply = await victim.call(store("v", prompt(3, 8)), StoreReply)
+        tokens = prompt(3, 8)
+        reply = await victim.call(
+            Store("v", 0, len(tokens), chunk_hashes=hashes(tokens)), StoreReply
+        )
         assert [slot.status for slot in reply.slots] == ["write"] * 8
 
 
@@ -92,12 +98,15 @@ async def test_pins_cannot_take_the_whole_of_l1(endpoint: str) -> None:
     config = ServerConfig(endpoint=endpoint, l1_size=L1, l2=(), lease_share=0.25)
     async with open_server(config) as server, open_client(server.endpoint) as client:
         await register(client)
-        hashes = prompt(4, 200)  # 200 chunks: more than a quarter of L1
-        reply = await client.call(store("big", hashes), StoreReply)
-        await client.request(Commit("big", written=written(hashes, reply)))
+        tokens = prompt(4, 200)  # 200 chunks: more than a quarter of L1
+        await client.call(Store("big", 0, len(tokens), chunk_hashes=hashes(tokens)), StoreReply)
+        await client.request(Commit("big", written=hashes(tokens)))
         with pytest.raises(QuotaExceeded, match="25% of L1"):
-            await client.request(Lookup("pin-all", "m", 1, hashes))
-        found = await client.call(Lookup("some", "m", 1, hashes[:100]), LookupReply)
+            await client.request(Lookup("pin-all", "m", 1, chunk_hashes=hashes(tokens), engine="w"))
+        found = await client.call(
+            Lookup("some", "m", 1, chunk_hashes=hashes(tokens[: 100 * CHUNK]), engine="w"),
+            LookupReply,
+        )
         assert found.hit_chunks == 100
 
 
@@ -108,18 +117,22 @@ async def test_a_store_slot_never_shows_a_previous_chunks_bytes(endpoint: str) -
         arena = SharedArena.attach(registered.arena_path, registered.arena_size, populate=False)
         try:
             for seed in range(6):  # fill L1 (and more) with committed, secret bytes
-                hashes = prompt(100 + seed, 128)
-                reply = await client.call(store(f"s{seed}", hashes), StoreReply)
+                tokens = prompt(100 + seed, 128)
+                reply = await client.call(
+                    Store(f"s{seed}", 0, len(tokens), chunk_hashes=hashes(tokens)), StoreReply
+                )
                 for slot in reply.slots:
                     arena.view(slot.offset, slot.nbytes).fill(0xAB)
-                await client.request(Commit(f"s{seed}", written=written(hashes, reply)))
+                await client.request(Commit(f"s{seed}", written=hashes(tokens)))
             # A new store evicts some of them and hands their slots out; unwritten, committed:
-            hashes = prompt(200, 8)
-            reply = await client.call(store("x", hashes), StoreReply)
+            tokens = prompt(200, 8)
+            reply = await client.call(
+                Store("x", 0, len(tokens), chunk_hashes=hashes(tokens)), StoreReply
+            )
             assert [slot.status for slot in reply.slots] == ["write"] * 8
             for slot in reply.slots:
                 assert not np.any(arena.view(slot.offset, slot.nbytes))
-            await client.request(Commit("x", written=written(hashes, reply)))
+            await client.request(Commit("x", written=hashes(tokens)))
         finally:
             arena.close()
 

@@ -1,0 +1,285 @@
+"""Per-tenant L1 arenas: no tenant's CPU worker maps, reads or evicts another tenant's chunks.
+
+Each tenant gets a shared-memory file of its own (``--l1-size / --l1-tenants`` bytes), with its
+own L1 index, allocator and eviction policy. The first arena is created at the server's start
+(so a single-tenant server is what it always was) and goes to the first tenant that registers;
+later tenants' arenas are created at their first registration, up to ``--l1-tenants``; beyond
+that a new tenant's registration gets ``quota_exceeded``. Arenas live as long as the server.
+
+Inside the server every arena's offsets live in one *virtual* offset space: arena ``i`` starts
+at ``i << 44``. :class:`TenantL1` (the index) and :class:`TenantMemory` (the bytes) route by
+object key and by offset, so the L2 tier, the prefetcher, quotas and scrubbing work unchanged;
+only replies to workers carry offsets local to the worker's own arena (:meth:`TenantArena.local`).
+No I/O in the routing; creating an arena creates and sizes a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from .._logging import event
+from ..errors import ErrorCode, RequestError
+from ..storage import Entry, L1Cache, L1Stats, Reservation, SharedArena
+
+__all__ = ["TenantArena", "TenantArenas", "TenantL1", "TenantMemory"]
+
+log = logging.getLogger("kvtrio.tenants")
+
+_SHIFT = 44
+"""Arena ``i``'s virtual offsets start at ``i << _SHIFT`` (16 TiB apart)."""
+_ALLOCATE_LIMITER = trio.CapacityLimiter(1)
+"""Allocating the pages of tenants' arenas runs one arena at a time."""
+_NAMESPACE_SIZE = 16
+"""An object key is a 16-byte namespace (model, tenant, profile, rank) and a chunk hash."""
+
+
+@attrs.define(eq=False)
+class TenantArena:
+    """One tenant's arena file and its L1 index (``tenant`` is None until assigned)."""
+
+    index: int
+    arena: SharedArena
+    l1: L1Cache
+    tenant: str | None = None
+    allocated: bool = True
+    """False until the pages of an arena created for a tenant are allocated (the first one's
+    are allocated by the server's start)."""
+
+    @property
+    def base(self) -> int:
+        return self.index << _SHIFT
+
+    def local(self, offset: int) -> int:
+        """A virtual offset of this arena as an offset into its file."""
+        return offset - self.base
+
+
+class TenantArenas:
+    """The server's tenant arenas; ``first`` (created at start) goes to the first tenant."""
+
+    def __init__(
+        self,
+        first: SharedArena,
+        make_l1: Callable[[int, int], L1Cache],
+        *,
+        limit: int = 1,
+        directory: str | None = None,
+        group: str = "",
+    ) -> None:
+        self.arena_size = first.size
+        self.limit = limit
+        self._make_l1 = make_l1
+        self._directory = directory
+        self._group = group
+        share(first, group)
+        self.all: list[TenantArena] = [TenantArena(0, first, make_l1(first.size, 0))]
+        self._by_tenant: dict[str, TenantArena] = {}
+        self._by_space: dict[bytes, TenantArena] = {}
+        self.l1 = TenantL1(self)
+        self.memory = TenantMemory(self)
+
+    @property
+    def first(self) -> SharedArena:
+        return self.all[0].arena
+
+    def for_tenant(self, tenant: str) -> TenantArena:
+        """The tenant's arena, created (or the start's arena assigned) on its first use.
+
+        Raises ``quota_exceeded`` beyond ``limit`` tenants, ``internal`` if the file cannot be
+        created. Synchronous: creating and sizing a tmpfs file takes microseconds.
+        """
+        found = self._by_tenant.get(tenant)
+        if found is not None:
+            return found
+        spare = next((a for a in self.all if a.tenant is None), None)
+        if spare is None:
+            if len(self.all) >= self.limit:
+                raise RequestError(
+                    ErrorCode.QUOTA_EXCEEDED,
+                    f"this server's L1 is split into {self.limit} tenant arena(s), all in use: "
+                    "start it with a larger --l1-tenants",
+                )
+            try:
+                arena = SharedArena.create(self.arena_size, directory=self._directory)
+                share(arena, self._group)
+            except OSError as exc:
+                raise RequestError(
+                    ErrorCode.INTERNAL, f"cannot create a tenant's L1 arena: {exc.strerror}"
+                ) from None
+            index = len(self.all)
+            spare = TenantArena(
+                index, arena, self._make_l1(arena.size, index << _SHIFT), allocated=False
+            )
+            self.all.append(spare)
+        spare.tenant = tenant
+        self._by_tenant[tenant] = spare
+        log.info(
+            "tenant arena %d (%s) for a tenant",
+            spare.index,
+            spare.arena.path,
+            extra=event("tenant_arena", index=spare.index, bytes=spare.arena.size),
+        )
+        return spare
+
+    async def open(self, tenant: str) -> TenantArena:
+        """:meth:`for_tenant`, then allocate a new arena's pages in a worker thread (tmpfs
+        allocates on first write otherwise: a full ``/dev/shm`` would SIGBUS the writer later).
+
+        A failure to allocate is logged, not raised, as at the start. Cancellation: the thread
+        is abandoned and finishes by itself.
+        """
+        tenant_arena = self.for_tenant(tenant)
+        if not tenant_arena.allocated:
+            tenant_arena.allocated = True
+            try:
+                await trio.to_thread.run_sync(
+                    tenant_arena.arena.preallocate,
+                    limiter=_ALLOCATE_LIMITER,
+                    abandon_on_cancel=True,
+                )
+            except OSError as exc:
+                log.error("could not allocate a tenant L1 arena's memory: %s", exc.strerror)
+        return tenant_arena
+
+    def bind(self, space: bytes, tenant_arena: TenantArena) -> None:
+        """Objects of namespace ``space`` live in ``tenant_arena`` (a space names one tenant)."""
+        self._by_space[space] = tenant_arena
+
+    def of_key(self, key: bytes) -> TenantArena | None:
+        return self._by_space.get(key[:_NAMESPACE_SIZE])
+
+    def of_offset(self, offset: int) -> TenantArena:
+        index = offset >> _SHIFT
+        if not 0 <= index < len(self.all):
+            raise ValueError(f"offset {offset} is in no arena")
+        return self.all[index]
+
+    def close(self) -> None:
+        """Unmap and remove every arena file (the start's one too)."""
+        for tenant_arena in self.all:
+            tenant_arena.arena.close()
+
+
+def share(arena: SharedArena, group: str) -> None:
+    """Let ``group`` (``--ipc-group``) map the arena too (0660); without a group it stays 0600."""
+    if not group:
+        return
+    gid = grp.getgrnam(group).gr_gid
+    with contextlib.suppress(FileNotFoundError):
+        os.chown(arena.path, -1, gid)
+        os.chmod(arena.path, 0o660)
+
+
+class TenantL1(L1Cache):
+    """The L1 index of every tenant arena, routed by object key (its namespace).
+
+    A key whose namespace no registration has bound is in no arena: it is never found, and a
+    reservation of it fails (``NO_SPACE``).
+    """
+
+    def __init__(self, arenas: TenantArenas) -> None:  # no L1Cache state of its own
+        self._arenas = arenas
+        self.evictions = 0
+        self.store_failures = 0
+
+    def _of(self, key: bytes) -> L1Cache:
+        tenant_arena = self._arenas.of_key(key)
+        if tenant_arena is None:
+            raise KeyError(key)
+        return tenant_arena.l1
+
+    @property
+    def capacity(self) -> int:
+        return self._arenas.arena_size
+
+    def index_for(self, key: bytes) -> L1Cache:
+        return self._of(key)
+
+    def get(self, key: bytes) -> Entry | None:
+        tenant_arena = self._arenas.of_key(key)
+        return None if tenant_arena is None else tenant_arena.l1.get(key)
+
+    def prefix(self, keys: Sequence[bytes]) -> int:
+        tenant_arena = self._arenas.of_key(keys[0]) if keys else None
+        return 0 if tenant_arena is None else tenant_arena.l1.prefix(keys)
+
+    def pin(self, key: bytes, count: int = 1) -> Entry:
+        return self._of(key).pin(key, count)
+
+    def unpin(self, key: bytes, count: int = 1) -> None:
+        self._of(key).unpin(key, count)
+
+    def reserve(
+        self, key: bytes, nbytes: int, *, parent: bytes | None = None
+    ) -> Entry | Reservation:
+        tenant_arena = self._arenas.of_key(key)
+        if tenant_arena is None:
+            return Reservation.NO_SPACE
+        return tenant_arena.l1.reserve(key, nbytes, parent=parent)
+
+    def commit(self, key: bytes) -> None:
+        self._of(key).commit(key)
+
+    def abort(self, key: bytes) -> None:
+        self._of(key).abort(key)
+
+    def abort_quarantined(self, key: bytes, until: float) -> None:
+        self._of(key).abort_quarantined(key, until)
+
+    def release_quarantine(self, now: float) -> int:
+        return sum(a.l1.release_quarantine(now) for a in self._arenas.all)
+
+    def next_quarantine_release(self) -> float | None:
+        times = [a.l1.next_quarantine_release() for a in self._arenas.all]
+        return min((t for t in times if t is not None), default=None)
+
+    def discard(self, key: bytes) -> bool:
+        tenant_arena = self._arenas.of_key(key)
+        return tenant_arena is not None and tenant_arena.l1.discard(key)
+
+    def stats(self) -> L1Stats:
+        """The sum over the arenas."""
+        parts = [a.l1.stats() for a in self._arenas.all]
+        fields = attrs.fields(L1Stats)
+        return L1Stats(**{f.name: sum(getattr(p, f.name) for p in parts) for f in fields})
+
+
+class TenantMemory(SharedArena):
+    """The bytes of every tenant arena, addressed by virtual offset (server side only)."""
+
+    def __init__(self, arenas: TenantArenas) -> None:  # maps nothing of its own
+        self._arenas = arenas
+        self.path = ""
+        self.size = arenas.arena_size * arenas.limit  # all of L1 (the L2 tier sizes its queue)
+        self.buffer = np.empty(0, dtype=np.uint8)
+
+    def _at(self, offset: int) -> tuple[SharedArena, int]:
+        tenant_arena = self._arenas.of_offset(offset)
+        return tenant_arena.arena, tenant_arena.local(offset)
+
+    def view(self, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
+        arena, local = self._at(offset)
+        return arena.view(local, nbytes)
+
+    def memory(self, offset: int, nbytes: int) -> memoryview:
+        arena, local = self._at(offset)
+        return arena.memory(local, nbytes)
+
+    def preallocate(self) -> None:
+        for tenant_arena in self._arenas.all:
+            tenant_arena.arena.preallocate()
+
+    def close(self) -> None:
+        self._arenas.close()
+
+    def __repr__(self) -> str:
+        return f"<TenantMemory {len(self._arenas.all)} arenas of {self._arenas.arena_size} bytes>"

@@ -1,0 +1,261 @@
+"""Per-tenant L1 arenas: the issue's shared-L1 attack, against a real server over real CURVE
+(tcp on loopback), with the arenas mapped as a CPU worker maps them."""
+
+from __future__ import annotations
+
+import grp
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvtrio.client import AsyncClient, Client, open_client
+from kvtrio.config import BackendSpec, ServerConfig
+from kvtrio.errors import ErrorCode, QuotaExceeded, RequestError
+from kvtrio.protocol import (
+    Commit,
+    CommitReply,
+    GetStats,
+    LayoutSpec,
+    Lookup,
+    LookupReply,
+    Register,
+    Registered,
+    Release,
+    Released,
+    Retrieve,
+    RetrieveReply,
+    StatsReply,
+    Store,
+    StoreReply,
+)
+from kvtrio.server import open_server
+from kvtrio.server._tenants import TenantArenas
+from kvtrio.storage import Entry, L1Cache, Reservation, SharedArena
+
+from ..conftest import ServerProcess, await_async
+from .test_auth import tcp_config, tenant_clients
+
+CHUNK = 256
+LAYOUT = LayoutSpec("flash_attn", 2, 64, 16, 2, 16, "float16")
+CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 16 * 2  # 32 KiB
+ARENA_CHUNKS = 64
+
+
+def hashes(seed: int, count: int) -> tuple[bytes, ...]:
+    return tuple(seed.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(count))
+
+
+async def register(client: AsyncClient, tenant: str) -> Registered:
+    return await client.call(
+        Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant), Registered
+    )
+
+
+async def store(
+    client: AsyncClient,
+    arena: SharedArena,
+    request: str,
+    chunk_hashes: tuple[bytes, ...],
+    fill: int,
+) -> int:
+    """Store chunks the way a CPU worker does (write the slots, commit); returns the count."""
+    reply = await client.call(
+        Store(request, 0, len(chunk_hashes) * CHUNK, chunk_hashes=chunk_hashes), StoreReply
+    )
+    written = []
+    for slot in reply.slots:
+        if slot.status == "write":
+            arena.view(slot.offset, slot.nbytes).fill(fill)
+            written.append(chunk_hashes[slot.chunk])
+    committed = await client.call(Commit(request, written=tuple(written)), CommitReply)
+    assert not committed.rejected
+    return committed.committed
+
+
+async def test_a_tenant_cannot_read_write_or_evict_another_tenants_l1(short_dir: Path) -> None:
+    config = tcp_config(l1_size=2 * ARENA_CHUNKS * CHUNK_BYTES, l1_tenants=2)
+    # Tenant A (the victim: key acme, tenant acme), tenant B (the attacker: key and tenant victim).
+    async with tenant_clients(short_dir, config) as (_server, tenant_a, tenant_b):
+        mine = await register(tenant_a, "acme")
+        theirs = await register(tenant_b, "victim")
+        # Registration replies only ever name the caller's own arena.
+        assert theirs.arena_path != mine.arena_path
+        a_arena = SharedArena.attach(mine.arena_path, mine.arena_size, populate=False)
+        b_arena = SharedArena.attach(theirs.arena_path, theirs.arena_size, populate=False)
+        try:
+            secret = hashes(1, 8)
+            assert await store(tenant_a, a_arena, "v", secret, 0xA5) == 8
+            # The attacker's whole mapping holds none of the victim's bytes...
+            assert not (b_arena.buffer == 0xA5).any()
+            # ...and asking for the victim's chunks by hash gets no hit and no slot.
+            found = await tenant_b.call(
+                Lookup("a", "m", 1, chunk_hashes=secret, tenant="victim", engine="w"), LookupReply
+            )
+            assert found.hit_chunks == 0
+            got = await tenant_b.call(
+                Retrieve("a", 0, 8 * CHUNK, chunk_hashes=secret), RetrieveReply
+            )
+            assert all(slot.status == "failed" for slot in got.slots)
+            # Flooding its own arena (twice over) evicts only the attacker's own chunks.
+            stored = 0
+            for batch in range(8):
+                flood = hashes(100 + batch, ARENA_CHUNKS // 4)
+                stored += await store(tenant_b, b_arena, f"f{batch}", flood, 0x5A)
+            assert stored == 2 * ARENA_CHUNKS
+            assert not (a_arena.buffer == 0x5A).any()
+            found = await tenant_a.call(
+                Lookup("v2", "m", 1, chunk_hashes=secret, tenant="acme", engine="w"), LookupReply
+            )
+            assert found.hit_chunks == 8
+            got = await tenant_a.call(
+                Retrieve("v2", 0, 8 * CHUNK, chunk_hashes=secret), RetrieveReply
+            )
+            for slot in got.slots:
+                assert slot.status == "read"
+                assert (a_arena.view(slot.offset, slot.nbytes) == 0xA5).all()
+            await tenant_a.call(Release("v2", chunk_hashes=secret), Released)
+            stats = (await tenant_a.call(GetStats(), StatsReply)).cache
+            assert stats is not None
+            assert stats.l1_capacity_bytes == 2 * ARENA_CHUNKS * CHUNK_BYTES  # summed
+            assert stats.l1_entries == 8 + ARENA_CHUNKS
+        finally:
+            a_arena.close()
+            b_arena.close()
+
+
+async def test_l2_loads_land_in_their_own_tenants_arena(short_dir: Path) -> None:
+    config = tcp_config(
+        l1_size=2 * ARENA_CHUNKS * CHUNK_BYTES,
+        l1_tenants=2,
+        l2=(BackendSpec("disk", {"path": str(short_dir / "l2")}),),
+        retrieve_timeout=5.0,
+    )
+    async with tenant_clients(short_dir, config) as (_server, tenant_a, tenant_b):
+        mine = await register(tenant_a, "acme")
+        theirs = await register(tenant_b, "victim")  # the second arena (virtual base 1 << 44)
+        a_arena = SharedArena.attach(mine.arena_path, mine.arena_size, populate=False)
+        b_arena = SharedArena.attach(theirs.arena_path, theirs.arena_size, populate=False)
+        try:
+            kept = hashes(7, 8)
+            assert await store(tenant_b, b_arena, "k", kept, 0x3C) == 8
+
+            async def written() -> bool:
+                reply = await tenant_b.call(GetStats(), StatsReply)
+                return reply.l2[0].counters.get("stores", 0) >= 8
+
+            await await_async(written, what="8 chunks written to L2")
+            for batch in range(8):  # evict them from L1 (B's own arena, twice over)
+                await store(tenant_b, b_arena, f"f{batch}", hashes(200 + batch, 8), 0x11)
+            found = await tenant_b.call(
+                Lookup("k2", "m", 1, chunk_hashes=kept, tenant="victim", engine="w"), LookupReply
+            )
+            assert found.hit_chunks == 8
+            got = await tenant_b.call(
+                Retrieve("k2", 0, 8 * CHUNK, chunk_hashes=kept), RetrieveReply
+            )
+            for slot in got.slots:
+                assert slot.status == "read"
+                assert (b_arena.view(slot.offset, slot.nbytes) == 0x3C).all()
+            await tenant_b.call(Release("k2", chunk_hashes=kept), Released)
+            stats = (await tenant_b.call(GetStats(), StatsReply)).cache
+            assert stats is not None
+            assert stats.lookup_l2_chunks > 0  # some did come back from L2
+            assert not (a_arena.buffer == 0x3C).any()
+        finally:
+            a_arena.close()
+            b_arena.close()
+
+
+async def test_more_tenants_than_arenas_are_refused(short_dir: Path) -> None:
+    config = tcp_config(l1_size=ARENA_CHUNKS * CHUNK_BYTES)  # --l1-tenants 1 (the default)
+    async with tenant_clients(short_dir, config) as (_server, first, second):
+        await register(first, "acme")
+        await register(first, "acme")  # its own arena again
+        with pytest.raises(QuotaExceeded, match="--l1-tenants"):
+            await second.request(
+                Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant="victim")
+            )
+
+
+async def test_tenant_arenas_are_private_and_removed_with_the_server(short_dir: Path) -> None:
+    shm = short_dir / "shm"
+    shm.mkdir()
+    group = grp.getgrgid(os.getgid()).gr_name
+    config = tcp_config(
+        l1_size=2 * ARENA_CHUNKS * CHUNK_BYTES, l1_tenants=2, shm_dir=str(shm), ipc_group=group
+    )
+    async with tenant_clients(short_dir, config) as (_server, one, two):
+        paths = [(await register(c, t)).arena_path for c, t in ((one, "acme"), (two, "victim"))]
+        for path in paths:
+            info = os.stat(path)
+            assert stat.S_IMODE(info.st_mode) == 0o660
+            assert info.st_gid == os.getgid()
+        assert len({os.path.basename(p) for p in paths}) == 2
+        # The arena created at the second tenant's registration has its pages before the reply.
+        assert os.stat(paths[1]).st_blocks * 512 >= ARENA_CHUNKS * CHUNK_BYTES
+    assert not list(shm.iterdir())
+
+
+async def test_one_tenant_keeps_one_arena_of_the_whole_l1(endpoint: str) -> None:
+    config = ServerConfig(endpoint=endpoint, l1_size=ARENA_CHUNKS * CHUNK_BYTES, l2=())
+    async with open_server(config) as server, open_client(server.endpoint) as client:
+        reply = await register(client, "")
+        assert reply.arena_size == ARENA_CHUNKS * CHUNK_BYTES
+        assert stat.S_IMODE(os.stat(reply.arena_path).st_mode) == 0o600
+
+
+def test_tenant_index_routes_by_namespace_and_offset(tmp_path: Path) -> None:
+    first = SharedArena.create(8 * CHUNK_BYTES, directory=str(tmp_path))
+    arenas = TenantArenas(
+        first, lambda size, base: L1Cache(size, base=base), limit=2, directory=str(tmp_path)
+    )
+    try:
+        a, b = arenas.for_tenant("a"), arenas.for_tenant("b")
+        arenas.bind(b"A" * 16, a)
+        arenas.bind(b"B" * 16, b)
+        l1, memory = arenas.l1, arenas.memory
+        # A key of no bound namespace is in no arena: never found, never reserved.
+        assert l1.reserve(b"C" * 32, CHUNK_BYTES) is Reservation.NO_SPACE
+        assert l1.get(b"C" * 32) is None
+        entry_a = l1.reserve(b"A" * 32, CHUNK_BYTES)
+        entry_b = l1.reserve(b"B" * 32, CHUNK_BYTES)
+        assert isinstance(entry_a, Entry)
+        assert isinstance(entry_b, Entry)
+        assert (a.local(entry_a.offset), b.local(entry_b.offset)) == (0, 0)
+        assert entry_b.offset == 1 << 44
+        memory.view(entry_b.offset, CHUNK_BYTES).fill(9)
+        assert (b.arena.view(0, CHUNK_BYTES) == 9).all()
+        assert not a.arena.buffer.any()
+        stats = l1.stats()
+        assert (stats.capacity_bytes, stats.writing) == (16 * CHUNK_BYTES, 2)
+        with pytest.raises(RequestError, match="--l1-tenants") as refused:
+            arenas.for_tenant("c")
+        assert refused.value.code is ErrorCode.QUOTA_EXCEEDED
+    finally:
+        arenas.close()
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_killed_servers_tenant_arenas_are_reclaimed_at_the_next_start(
+    server_process: Callable[..., ServerProcess], short_dir: Path
+) -> None:
+    shm = short_dir / "shm"
+    shm.mkdir()
+    server = server_process("--shm-dir", str(shm), "--l1-tenants", "2")
+    with (
+        Client(server.endpoint, timeout=5.0, heartbeat=False) as one,
+        Client(server.endpoint, timeout=5.0, heartbeat=False) as two,
+    ):  # ipc peers may use any tenant
+        for client, tenant in ((one, "a"), (two, "b")):
+            reply = client.request(
+                Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant)
+            )
+            assert isinstance(reply, Registered)
+        assert len(list(shm.iterdir())) == 2
+    server.kill()
+    assert len(list(shm.iterdir())) == 2  # nobody removed them
+    server.start()  # its own first arena reclaims both leftovers
+    assert len(list(shm.iterdir())) == 1

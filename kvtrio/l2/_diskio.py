@@ -48,7 +48,8 @@ def read_object(path: Path, parts: Buffers) -> bool | None:
 
 
 def _write_object(tmp_dir: Path, path: Path, parts: Buffers, fsync: bool) -> None:
-    """Write ``parts`` to a temporary file and rename it to ``path`` (atomic).
+    """Write ``parts`` to a temporary file and rename it to ``path`` (atomic). The bucket
+    directory is made by the scan; only if it has vanished since is it made again here.
 
     If anything fails (writing, creating the bucket, renaming), the temporary file is removed.
     """
@@ -68,8 +69,11 @@ def _write_object(tmp_dir: Path, path: Path, parts: Buffers, fsync: bool) -> Non
                 os.fsync(fd)
         finally:
             os.close(fd)
-        path.parent.mkdir(exist_ok=True)
-        os.replace(temp, path)
+        try:
+            os.replace(temp, path)
+        except FileNotFoundError:  # the bucket is gone (the scan makes all 256): make it again
+            path.parent.mkdir(exist_ok=True)
+            os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)
@@ -129,7 +133,8 @@ class Scan:
 
 
 def scan_tree(objects_dir: Path, tmp_dir: Path) -> Scan:
-    """Create the directories, clear ``tmp/``, list the objects (worker thread).
+    """Create the directories (with all 256 buckets), clear ``tmp/``, list the objects (worker
+    thread).
 
     Anything that is not an object file in its bucket (a stray file, a directory where a file
     belongs, a name that is not a key) is left alone and listed as foreign.
@@ -138,6 +143,8 @@ def scan_tree(objects_dir: Path, tmp_dir: Path) -> Scan:
     objects_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     objects_dir.mkdir(exist_ok=True)
     tmp_dir.mkdir(exist_ok=True)
+    for bucket_number in range(256):  # every bucket now, so a write is create + rename only
+        (objects_dir / f"{bucket_number:02x}").mkdir(exist_ok=True)
     for leftover in tmp_dir.iterdir():  # writes interrupted by a crash
         with contextlib.suppress(OSError):
             leftover.unlink()

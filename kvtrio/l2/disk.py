@@ -88,6 +88,7 @@ class DiskBackend:
             raise ValueError("threads must be at least 1")
         self.root = Path(os.path.expanduser(self.options.path))
         self._objects_dir = self.root / "objects"
+        self._objects_prefix = f"{self._objects_dir}/"
         self._tmp_dir = self.root / "tmp"
         self._io = trio.CapacityLimiter(self.options.threads)  # the "disk I/O" limiter
         self._index: dict[bytes, int] = {}  # every object on disk → its size
@@ -103,9 +104,10 @@ class DiskBackend:
 
     # ----------------------------------------------------------------- the index
 
-    def _path(self, key: bytes) -> Path:
+    def _path(self, key: bytes) -> str:
+        """The object's file (a str: pathlib's joins cost more than the rest of a lookup)."""
         name = key.hex()
-        return self._objects_dir / name[:2] / name
+        return f"{self._objects_prefix}{name[:2]}/{name}"
 
     async def _ensure_index(self) -> None:
         """Create the directories and scan them once (concurrent first callers wait for the one

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
+import functools
 import json
 import multiprocessing
 import os
@@ -316,4 +318,15 @@ def _own_server(options: BenchOptions, console: Console) -> Iterator[str]:
                 server.wait()
         if server.returncode not in (0, None, -signal.SIGTERM):
             console.print(log_path.read_text()[-2000:], highlight=False)
-        shutil.rmtree(workdir, ignore_errors=True)
+        _remove_tree(workdir)
+
+
+def _remove_tree(workdir: Path) -> None:
+    """Remove the bench's directory, the disk L2's buckets in parallel threads: after the
+    trace it holds ~175,000 object files, and one ``rmtree`` took longer than a minute."""
+    objects = workdir / "l2" / "objects"
+    with contextlib.suppress(OSError):
+        buckets = [entry.path for entry in os.scandir(objects) if entry.is_dir()]
+        with concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="bench-rm") as pool:
+            list(pool.map(functools.partial(shutil.rmtree, ignore_errors=True), buckets))
+    shutil.rmtree(workdir, ignore_errors=True)

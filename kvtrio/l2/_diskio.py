@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 
-def read_object(path: Path, parts: Buffers) -> bool | None:
+def read_object(path: str, parts: Buffers) -> bool | None:
     """Read the file into ``parts``; False if its size differs, None if it is gone."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -47,12 +47,13 @@ def read_object(path: Path, parts: Buffers) -> bool | None:
         os.close(fd)
 
 
-def _write_object(tmp_dir: Path, path: Path, parts: Buffers, fsync: bool) -> None:
-    """Write ``parts`` to a temporary file and rename it to ``path`` (atomic).
+def _write_object(tmp_dir: Path, path: str, parts: Buffers, fsync: bool) -> None:
+    """Write ``parts`` to a temporary file and rename it to ``path`` (atomic). The bucket
+    directory is made by the scan; only if it has vanished since is it made again here.
 
     If anything fails (writing, creating the bucket, renaming), the temporary file is removed.
     """
-    temp = tmp_dir / uuid.uuid4().hex
+    temp = f"{tmp_dir}/{uuid.uuid4().hex}"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
@@ -68,8 +69,12 @@ def _write_object(tmp_dir: Path, path: Path, parts: Buffers, fsync: bool) -> Non
                 os.fsync(fd)
         finally:
             os.close(fd)
-        path.parent.mkdir(exist_ok=True)
-        os.replace(temp, path)
+        try:
+            os.replace(temp, path)
+        except FileNotFoundError:  # the bucket is gone (the scan makes all 256): make it again
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.dirname(path))
+            os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temp)
@@ -86,7 +91,7 @@ class Written:
     """The filesystem's free and total bytes afterwards (None if unknown)."""
 
 
-def write_objects(tmp_dir: Path, objects: list[tuple[Path, Buffers]], fsync: bool) -> Written:
+def write_objects(tmp_dir: Path, objects: list[tuple[str, Buffers]], fsync: bool) -> Written:
     """Write the objects in order with :func:`_write_object`; stop at the first that fails;
     then measure the filesystem's free space (one ``statvfs``)."""
     written, error = len(objects), None
@@ -105,12 +110,12 @@ def write_objects(tmp_dir: Path, objects: list[tuple[Path, Buffers]], fsync: boo
     )
 
 
-def unlink_all(paths: list[Path]) -> tuple[int, OSError] | None:
+def unlink_all(paths: list[str]) -> tuple[int, OSError] | None:
     """Remove the files (missing ones are fine); return how many failed and the first error."""
     failed, first = 0, None
     for path in paths:
         try:
-            path.unlink()
+            os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as exc:
@@ -129,7 +134,8 @@ class Scan:
 
 
 def scan_tree(objects_dir: Path, tmp_dir: Path) -> Scan:
-    """Create the directories, clear ``tmp/``, list the objects (worker thread).
+    """Create the directories (with all 256 buckets), clear ``tmp/``, list the objects (worker
+    thread).
 
     Anything that is not an object file in its bucket (a stray file, a directory where a file
     belongs, a name that is not a key) is left alone and listed as foreign.
@@ -138,6 +144,8 @@ def scan_tree(objects_dir: Path, tmp_dir: Path) -> Scan:
     objects_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     objects_dir.mkdir(exist_ok=True)
     tmp_dir.mkdir(exist_ok=True)
+    for bucket_number in range(256):  # every bucket now, so a write is create + rename only
+        (objects_dir / f"{bucket_number:02x}").mkdir(exist_ok=True)
     for leftover in tmp_dir.iterdir():  # writes interrupted by a crash
         with contextlib.suppress(OSError):
             leftover.unlink()

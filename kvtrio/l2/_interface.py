@@ -67,6 +67,11 @@ class Backend(Protocol):
 
         An object is visible to lookups only once completely written (no torn objects), and a
         failed or cancelled store leaves no object behind. Storing an existing key replaces it.
+
+        Optional capability: a backend whose class sets ``accepts_parents = True`` is called as
+        ``store(keys, buffers, parents=…)``, ``parents`` index-aligned with ``keys``: the key of
+        the object before each one in its prompt (``None`` for a first chunk or unknown), for a
+        prefix-aware eviction policy. Backends without the flag are called without it.
         """
         ...
 

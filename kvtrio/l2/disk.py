@@ -5,11 +5,13 @@ overhead is negligible, the filesystem does allocation and reclaims space at onc
 (segments would need compaction), a torn or corrupt object damages nothing else, and reads go
 straight into L1 slots with ``readv``. Files are written to ``tmp/`` and renamed into
 ``objects/`` (atomic: a reader sees a whole object or none), optionally fsynced. The index
-(key → size) is rebuilt from the directory when the backend is first used (LRU order by
+(key → size) is rebuilt from the directory when the backend is first used (oldest first, by
 modification time), so a restarted server serves what it stored before; files that are not
 objects of ours are ignored and reported once. Eviction order is a :class:`kvtrio.storage.
-EvictionPolicy` over the unlocked objects (LRU), so a store evicts in O(1) amortised; locked
-objects are outside the policy until unlocked.
+EvictionPolicy` (option ``eviction``, the L1's default) over the unlocked objects, so a store
+evicts in O(1) amortised; locked objects are held out of it until unlocked. ``store`` takes each
+object's parent (``accepts_parents``), so prefix-aware policies evict a prompt tail first and
+the objects after an evicted one first of all; objects found by the scan have no known parent.
 
 Capacity is the smaller of the option and what the filesystem can hold (our bytes plus its free
 space, minus a 2% reserve), re-measured after every written batch: a full filesystem (``ENOSPC``)
@@ -32,7 +34,7 @@ import attrs
 import trio
 
 from ..config import ByteSize
-from ..storage import LRU, EvictionPolicy
+from ..storage import DEFAULT_EVICTION, EVICTION_POLICIES, EvictionPolicy, make_policy
 from ._diskio import (
     Written,
     filesystem_space,
@@ -60,7 +62,11 @@ class DiskOptions:
         metadata={"help": "Directory of the objects (created if missing)."},
     )
     capacity: ByteSize = attrs.field(
-        default=ByteSize(32 << 30), metadata={"help": "Bytes kept before evicting (LRU, unlocked)."}
+        default=ByteSize(32 << 30), metadata={"help": "Bytes kept before evicting (unlocked)."}
+    )
+    eviction: str = attrs.field(
+        default=DEFAULT_EVICTION,
+        metadata={"help": f"Eviction policy: {', '.join(sorted(EVICTION_POLICIES))}."},
     )
     fsync: bool = attrs.field(
         default=False, metadata={"help": "fsync every object before it becomes visible."}
@@ -71,6 +77,8 @@ class DiskOptions:
 class DiskBackend:
     name = "disk"
     Options = DiskOptions
+    accepts_parents = True
+    """``store`` takes ``parents=``: the eviction policy knows each object's prompt prefix."""
 
     def __init__(
         self, options: DiskOptions | None = None, *, policy: EvictionPolicy | None = None
@@ -80,10 +88,12 @@ class DiskBackend:
             raise ValueError("threads must be at least 1")
         self.root = Path(os.path.expanduser(self.options.path))
         self._objects_dir = self.root / "objects"
+        self._objects_prefix = f"{self._objects_dir}/"
         self._tmp_dir = self.root / "tmp"
         self._io = trio.CapacityLimiter(self.options.threads)  # the "disk I/O" limiter
         self._index: dict[bytes, int] = {}  # every object on disk → its size
-        self._policy = policy if policy is not None else LRU()  # the unlocked ones
+        # The unlocked objects; ValueError (naming the known ones) for an unknown name.
+        self._policy = policy if policy is not None else make_policy(self.options.eviction)
         self._locks = LocalLocks()
         self._bytes = 0
         self._capacity = int(self.options.capacity)  # lowered to what the filesystem holds
@@ -94,9 +104,10 @@ class DiskBackend:
 
     # ----------------------------------------------------------------- the index
 
-    def _path(self, key: bytes) -> Path:
+    def _path(self, key: bytes) -> str:
+        """The object's file (a str: pathlib's joins cost more than the rest of a lookup)."""
         name = key.hex()
-        return self._objects_dir / name[:2] / name
+        return f"{self._objects_prefix}{name[:2]}/{name}"
 
     async def _ensure_index(self) -> None:
         """Create the directories and scan them once (concurrent first callers wait for the one
@@ -160,8 +171,10 @@ class DiskBackend:
             if not self._visible(key):
                 break
             found += 1
+        for key in reversed(keys[:found]):  # a hit (last chunk first: the head ends newest)
+            self._policy.touch(key)
         for key in keys[:found]:
-            self._policy.discard(key)  # locked: not evictable until its last unlock
+            self._policy.hold(key)  # locked: not evictable until its last unlock
         self._locks.lock(keys[:found])
         return found
 
@@ -204,8 +217,18 @@ class DiskBackend:
             results.append(bool(ok))
         return results
 
-    async def store(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
+    async def store(
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Buffers],
+        *,
+        parents: Sequence[bytes | None] | None = None,
+    ) -> list[bool]:
         """Reserve room for each object in order, then write the batch in one worker thread.
+
+        ``parents`` (optional, index-aligned) names the object before each one in its prompt,
+        for the eviction policy: a prompt leaves tail first, and objects after an evicted one
+        (unreachable by a prefix lookup) go first.
 
         Objects written before a failing one are stored (and visible); the failing one and the
         rest are not. A full filesystem lowers the capacity and evicts down to it (the rest of
@@ -241,7 +264,7 @@ class DiskBackend:
                 self._locks.replaced(key)
                 self._index[key] = size
                 if not self._locks.is_locked(key):
-                    self._policy.add(key)
+                    self._policy.add(key, None if parents is None else parents[i])
                 self.counters["stores"] += 1
                 self.counters["store_bytes"] += size
                 results[i] = True

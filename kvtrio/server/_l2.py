@@ -1,7 +1,8 @@
 """The L2 tier in the server: write-behind, lookups across the backend cascade, L2→L1 loads.
 
 - **Write-behind**: a committed chunk is queued (bounded channel) to flusher tasks that frame it
-  and store it in every backend; while queued or being written it is pinned in L1. A full queue
+  and store it in every backend (with its L1 parent, to a backend that ``accepts_parents``);
+  while queued or being written it is pinned in L1. A full queue
   skips the chunk and counts it: never an unbounded queue.
 - **Lookup**: the chunks after the L1 prefix go to every backend's ``lookup_and_lock`` at once;
   the caller runs this inside the lookup's cancel scope, and a cancelled lookup unlocks (shielded)
@@ -247,6 +248,7 @@ class L2Tier:
         """Frame the (pinned) chunks in one worker thread and store them with one call per
         usable backend; count per key. Cancellation: the running store is cancelled."""
         keys: list[bytes] = []
+        parents: list[bytes | None] = []
         fingerprints: list[bytes] = []
         payloads: list[memoryview] = []
         for key, fingerprint in batch:
@@ -254,6 +256,7 @@ class L2Tier:
             if entry is None:  # cannot happen while pinned; be safe
                 continue
             keys.append(key)
+            parents.append(entry.parent)
             fingerprints.append(fingerprint)
             payloads.append(self.arena.memory(entry.offset, entry.nbytes))
         if not keys:
@@ -268,7 +271,10 @@ class L2Tier:
                 continue
             started = trio.current_time()
             try:
-                results = await health.backend.store(keys, buffers)
+                if getattr(health.backend, "accepts_parents", False):  # (optional: see Backend)
+                    results = await health.backend.store(keys, buffers, parents=parents)  # type: ignore[call-arg]
+                else:
+                    results = await health.backend.store(keys, buffers)
             except Exception as exc:  # any failure of a backend: see the module docstring
                 self._observed(health, "store", started, False)
                 health.failed(exc, trio.current_time())

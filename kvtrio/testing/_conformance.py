@@ -122,6 +122,25 @@ class BackendConformance:
         assert await backend.load(keys, buffers) == [True] * 5
         assert payloads == [p for _, p in objects]
 
+    async def test_a_store_with_parents_if_the_backend_takes_them(self, backend: Backend) -> None:
+        """``accepts_parents`` (optional): ``store(..., parents=)`` stores like a plain store."""
+        if not getattr(backend, "accepts_parents", False):
+            pytest.skip("the backend does not take parents (optional)")
+        keys = [_key(f"parents{i}") for i in range(3)]
+        objects = [_object(key, self.object_size) for key in keys]
+        parents = [None, keys[0], keys[1]]
+        store = backend.store
+        assert (
+            await store(  # type: ignore[call-arg]
+                keys, [_parts(h, p) for h, p in objects], parents=parents
+            )
+            == [True] * 3
+        )
+        assert await backend.lookup_and_lock(keys) == 3
+        await backend.unlock(keys)
+        for key, (_, payload) in zip(keys, objects, strict=True):
+            assert await self.get(backend, key) == payload
+
     async def test_prefix_semantics(self, backend: Backend) -> None:
         keys = [_key(f"prefix{i}") for i in range(4)]
         for key in (keys[0], keys[1], keys[3]):

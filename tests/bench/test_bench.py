@@ -164,3 +164,18 @@ def test_settings_that_cannot_work_are_refused_before_starting(
 ) -> None:
     with pytest.raises(BenchError, match=message):
         run_bench(options)
+
+
+def test_the_bench_directory_is_removed_with_its_l2_buckets(tmp_path: Path) -> None:
+    from kvtrio.bench._run import _remove_tree
+
+    workdir = tmp_path / "kvtrio-bench-x"
+    for bucket in ("00", "ab", "ff"):
+        (workdir / "l2" / "objects" / bucket).mkdir(parents=True)
+        for i in range(3):
+            (workdir / "l2" / "objects" / bucket / f"{bucket}{i}").write_bytes(b"x")
+    (workdir / "l2" / "tmp").mkdir()
+    (workdir / "server.log").write_text("log")
+    _remove_tree(workdir)
+    assert not workdir.exists()
+    _remove_tree(workdir)  # (gone already: nothing to do, no error)

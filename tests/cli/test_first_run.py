@@ -56,7 +56,7 @@ def test_help_shows_sizes_in_units_and_no_blank_defaults() -> None:
     assert "[default: ]" not in help_text
     assert "4294967296" not in help_text
     assert "[default: 34359738368]" not in run("backends").stdout
-    assert "capacity       Bytes kept before evicting (LRU, unlocked). [default: 32GiB]" in (
+    assert "capacity       Bytes kept before evicting (unlocked). [default: 32GiB]" in (
         run("backends").stdout
     )
 

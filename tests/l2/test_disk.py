@@ -1,5 +1,5 @@
 """The disk backend beyond the conformance suite: partial batches, foreign files, eviction cost,
-a path it cannot use, a full filesystem."""
+a path it cannot use, a full filesystem, prefix-aware eviction, bucket directories."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from kvtrio.config import ByteSize
 from kvtrio.l2 import BackendError
 from kvtrio.l2.disk import DiskBackend, DiskOptions
-from kvtrio.storage import LRU
+from kvtrio.storage import EVICTION_POLICIES, LRU
 
 
 async def test_a_batch_store_failing_part_way_keeps_the_written_objects_only(
@@ -23,6 +23,7 @@ async def test_a_batch_store_failing_part_way_keeps_the_written_objects_only(
     first, failing, last = b"\x00" * 32, b"\xff" * 32, b"\x01" * 32
     assert await backend.lookup_and_lock([]) == 0  # (the directories exist now)
     # A real fault: the failing object's bucket directory cannot be created (a file is there).
+    (tmp_path / "objects" / "ff").rmdir()  # (the scan made every bucket)
     (tmp_path / "objects" / "ff").write_bytes(b"not a directory")
     parts = [[b"h" * 100, b"p" * 1000]] * 3
     with pytest.raises(BackendError, match="writing an object failed"):
@@ -155,3 +156,80 @@ async def test_a_full_filesystem_lowers_the_capacity_and_evicts(small_filesystem
     assert stats["capacity_bytes"] < (4 << 20) - (2 << 20)
     assert stored >= 30  # it kept working: evicted, then stored
     assert await backend.lookup_and_lock([(39).to_bytes(32, "big")]) == 1
+
+
+# --------------------------------------------------------------------------- eviction= (disk2)
+
+
+def _chain(name: int, length: int) -> list[bytes]:
+    return [(name * 1000 + i).to_bytes(32, "big") for i in range(length)]
+
+
+async def _fill_with_chains(backend: DiskBackend, chains: list[list[bytes]]) -> None:
+    """Store each chain head first, with its parents, as the write-behind does."""
+    for chain in chains:
+        for i, key in enumerate(chain):
+            parent = chain[i - 1] if i else None
+            assert await backend.store([key], [_obj()], parents=[parent]) == [True]
+
+
+async def _reachable(backend: DiskBackend, chains: list[list[bytes]]) -> int:
+    """Objects a prefix lookup can reach (each chain's stored prefix)."""
+    total = 0
+    for chain in chains:
+        found = await backend.lookup_and_lock(chain)
+        await backend.unlock(chain[:found])
+        total += found
+    return total
+
+
+@pytest.mark.parametrize("eviction", sorted(set(EVICTION_POLICIES) - {"lru"}))
+async def test_a_full_disk_keeps_only_reachable_chains(tmp_path: Path, eviction: str) -> None:
+    """Was: the disk evicted LRU, heads first, leaving the tails of a prompt unreachable
+    (and taking up the room); now a prompt leaves tail first (its parent comes with the store)."""
+    backend = DiskBackend(
+        DiskOptions(path=str(tmp_path), capacity=ByteSize(10 * 1000), eviction=eviction)
+    )
+    chains = [_chain(n, 4) for n in range(3)]
+    await _fill_with_chains(backend, chains)
+    stats = backend.statistics()
+    assert (stats["objects"], stats["evictions"]) == (10, 2)
+    assert await _reachable(backend, chains) == 10  # every object on disk can still hit
+    await backend.aclose()
+
+
+async def test_lru_eviction_is_kept_for_comparison_and_strands_tails(tmp_path: Path) -> None:
+    backend = DiskBackend(
+        DiskOptions(path=str(tmp_path), capacity=ByteSize(10 * 1000), eviction="lru")
+    )
+    chains = [_chain(n, 4) for n in range(3)]
+    await _fill_with_chains(backend, chains)
+    assert backend.statistics()["objects"] == 10
+    assert await _reachable(backend, chains) == 8  # the first chain's head went first
+
+
+async def test_an_evicted_object_takes_its_stored_successors_first(tmp_path: Path) -> None:
+    """Objects after an evicted one can never hit: they go before anything reachable."""
+    backend = DiskBackend(DiskOptions(path=str(tmp_path), capacity=ByteSize(6 * 1000)))
+    chain, other = _chain(1, 4), _chain(2, 2)
+    await _fill_with_chains(backend, [chain, other])
+    await backend.delete([chain[1]])  # (e.g. found corrupt): chain[2:] are unreachable now
+    await _fill_with_chains(backend, [_chain(3, 3)])
+    assert await _reachable(backend, [chain, other]) == 3  # chain[0] and other stayed
+    assert backend.statistics()["evictions"] == 2  # chain[2], chain[3]; nothing reachable
+
+
+def test_an_unknown_eviction_policy_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"unknown eviction policy .fifo.*lru"):
+        DiskBackend(DiskOptions(path=str(tmp_path), eviction="fifo"))
+
+
+async def test_a_vanished_bucket_directory_is_made_again(tmp_path: Path) -> None:
+    backend = DiskBackend(DiskOptions(path=str(tmp_path)))
+    key = b"\xab" * 32
+    assert await backend.lookup_and_lock([key]) == 0  # (the scan made every bucket)
+    assert len(list((tmp_path / "objects").iterdir())) == 256
+    (tmp_path / "objects" / "ab").rmdir()
+    assert await backend.store([key], [_obj()]) == [True]
+    assert await backend.lookup_and_lock([key]) == 1
+    await backend.unlock([key])

@@ -35,7 +35,13 @@ def test_our_backends_are_registered_like_plugins() -> None:
     assert {"disk", "memory", "fault"} <= names
     disk = next(info for info in describe_backends() if info.name == "disk")
     assert disk.error is None
-    assert [option for option, _, _ in disk.options] == ["path", "capacity", "fsync", "threads"]
+    assert [option for option, _, _ in disk.options] == [
+        "path",
+        "capacity",
+        "eviction",
+        "fsync",
+        "threads",
+    ]
     assert all(text for _, _, text in disk.options)
 
 

@@ -273,3 +273,40 @@ async def test_chunks_queued_at_once_are_written_in_batches(config: ServerConfig
         assert (state.write_behind_skipped, state.write_behind_queued, state.l1_pins) == (0, 0, 0)
         assert counting.statistics()["objects"] == 10
         assert counting.store_calls < 10
+
+
+class _ParentsBackend(MemoryBackend):
+    """A real memory backend that takes (and records) each object's parent."""
+
+    accepts_parents = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parents: dict[bytes, bytes | None] = {}
+
+    async def store(
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Buffers],
+        *,
+        parents: Sequence[bytes | None] | None = None,
+    ) -> list[bool]:
+        assert parents is not None
+        assert len(parents) == len(keys)
+        self.parents.update(zip(keys, parents, strict=True))
+        return await super().store(keys, buffers)
+
+
+async def test_the_write_behind_gives_each_chunk_its_parent_to_a_backend_that_takes_it(
+    config: ServerConfig,
+) -> None:
+    """For the disk's prefix-aware eviction (a backend without ``accepts_parents`` is called
+    without them: the other tests here)."""
+    backend = _ParentsBackend()
+    async with running(config, backend) as (_, worker, _scheduler):
+        await store(worker, "a", 10)
+        await written_to_l2(worker, 10)
+    assert len(backend.parents) == 10
+    for key, parent in backend.parents.items():
+        space, chunk = key[: -len(HASHES[0])], HASHES.index(key[-len(HASHES[0]) :])
+        assert parent == (None if chunk == 0 else space + HASHES[chunk - 1])

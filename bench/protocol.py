@@ -44,6 +44,7 @@ from cattrs.preconf.msgpack import make_converter
 
 from kvtrio.client import Client, SchedulerAdapter
 from kvtrio.protocol import (
+    PROTOCOL_VERSION,
     Probe,
     ProbeReply,
     decode_header,
@@ -185,7 +186,7 @@ def codec_us() -> dict[str, float]:
     untuned = make_converter()
 
     def with_untuned() -> object:
-        header = msgpack.packb((1, 1, "probe"))
+        header = msgpack.packb((PROTOCOL_VERSION, 1, "probe"))
         body = msgpack.packb(untuned.unstructure(REQUEST))
         decode_header(header)
         return untuned.structure(msgpack.unpackb(body), Probe)

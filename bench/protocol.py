@@ -14,6 +14,10 @@ these machines are shared and noisy):
   answered; no cache work), sequentially and with 64 requests in flight;
 * the same over tcp on loopback with CURVE (the default for tcp) and with ``--insecure``: what
   authentication and encryption cost (keys in a temporary directory);
+* the request path of an engine's scheduler (``bench/_request_path.py``, the plain ``kvtrio``
+  row only): ``ping``; lookup → result (1-chunk and 128-chunk prompts) with a blocking and with
+  a spinning caller; lookups/s with 64 in flight; a burst of 64 new requests the way the vLLM
+  connector takes them (``--requests / 10`` round trips each, ratios to the raw rows);
 * with ``--baseline-src DIR`` (e.g. ``git archive main | tar -x -C DIR``), the same against the
   server of that source tree, in the same rounds: what a change costs on the request path.
 """
@@ -33,12 +37,14 @@ import timeit
 from collections.abc import Callable
 from pathlib import Path
 
+import _request_path as path_bench
 import msgpack
 import zmq
 from cattrs.preconf.msgpack import make_converter
 
-from kvtrio.client import Client
+from kvtrio.client import Client, SchedulerAdapter
 from kvtrio.protocol import (
+    PROTOCOL_VERSION,
     Probe,
     ProbeReply,
     decode_header,
@@ -157,6 +163,21 @@ def kvtrio_windowed(client: Client, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def request_path(client: Client, n: int) -> dict[str, float]:
+    """The scheduler's request path (see ``bench/_request_path.py``)."""
+    adapter = SchedulerAdapter(client.endpoint, "bench", 1, 0, 16, client=client, timeout=10)
+    row = {"ping": path_bench.ping(client, n)}
+    for chunks in (1, 128):
+        for spin in (False, True):
+            count = n if chunks == 1 else max(50, n // 10)
+            row[f"lookup{chunks}{'spin' if spin else ''}"] = path_bench.lookup(
+                adapter, chunks, count, spin=spin
+            )
+    row["lookup_rps"] = path_bench.lookups_per_second(client, "bench", n * 5)
+    row["burst"] = path_bench.burst(adapter, 5)
+    return row
+
+
 # --------------------------------------------------------------------------- codec
 
 
@@ -165,7 +186,7 @@ def codec_us() -> dict[str, float]:
     untuned = make_converter()
 
     def with_untuned() -> object:
-        header = msgpack.packb((1, 1, "probe"))
+        header = msgpack.packb((PROTOCOL_VERSION, 1, "probe"))
         body = msgpack.packb(untuned.unstructure(REQUEST))
         decode_header(header)
         return untuned.structure(msgpack.unpackb(body), Probe)
@@ -258,6 +279,8 @@ def main() -> None:
                         time.sleep(0.01)
                     row = kvtrio_sequential(client, n)
                     row["win_rps"] = kvtrio_windowed(client, n)
+                    if kind == "kvtrio":
+                        row.update(request_path(client, max(200, n // 10)))
                     results[kind].append(row)
             finally:
                 proc.kill()
@@ -305,12 +328,39 @@ def main() -> None:
         f"({(curve_p50 - plain_p50) * 1e6:+.1f} µs), 64-in-flight throughput "
         f"{med('tcp-curve', 'win_rps') / med('tcp-plain', 'win_rps'):.3f}×"
     )
+    request_path_table(med)
     if args.baseline_src is not None:
         base_p50, base_rps = med("baseline", "p50"), med("baseline", "win_rps")
         print(
             f"kvtrio / baseline server:             p50 {p50 / base_p50:.3f}×  "
             f"({(p50 - base_p50) * 1e6:+.1f} µs), 64-in-flight throughput {rps / base_rps:.3f}×"
         )
+
+
+def request_path_table(med: Callable[[str, str], float]) -> None:
+    rep, router = med("rep", "p50"), med("router", "p50")
+    print(f"\nrequest path (sync client){'p50 µs':>12}{'/ REQ/REP':>11}{'/ DEALER':>10}  target")
+    rows = [
+        ("ping", "ping", "≤ 1.5× REQ/REP"),
+        ("lookup 1 chunk, blocking", "lookup1", "≤ 2×"),
+        ("lookup 1 chunk, spinning", "lookup1spin", "≤ 2×"),
+        ("lookup 128 chunks, blocking", "lookup128", "≤ 3×"),
+        ("lookup 128 chunks, spinning", "lookup128spin", "≤ 3×"),
+    ]
+    for label, key, target in rows:
+        value = med("kvtrio", key)
+        print(f"{label:30}{value * 1e6:>8.1f}{value / rep:>11.2f}{value / router:>10.2f}  {target}")
+    rps, raw_rps = med("kvtrio", "lookup_rps"), med("router", "win_rps")
+    print(
+        f"lookups/s, 64 in flight: {rps:,.0f} ({rps / raw_rps:.2f} of raw DEALER/ROUTER "
+        f"{raw_rps:,.0f}; targets ≥ 15,000 and ≥ 0.5)"
+    )
+    one = med("kvtrio", "lookup1")
+    burst = med("kvtrio", "burst")
+    print(
+        f"burst of 64 new requests: scheduler time {burst * 1e6:,.0f} µs = "
+        f"{burst / one:.1f}× one blocking lookup round trip (target ≤ 3×)"
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -142,13 +143,23 @@ class SchedulerAdapter:
 
     def check_lookup_result(self, request_id: str, *, wait: float = 0.0) -> int | None:
         """Matched tokens of the lookup, or None while it is pending (0 if it failed); waits
-        up to ``wait`` seconds for a pending one."""
+        up to ``wait`` seconds for a pending one.
+
+        Without a wait it still makes progress: replies that arrived are received here, in the
+        calling thread (a busy scheduler thread never waits for another thread to get the GIL).
+        """
         with self._lock:
             future = self._lookups.get(request_id)
-        if future is not None and wait > 0:
-            concurrent.futures.wait([future], timeout=wait)
-        if future is None or not future.done():
+        if future is None:
             return None
+        if not future.done():
+            if wait > 0:
+                with contextlib.suppress(concurrent.futures.TimeoutError):
+                    future.exception(timeout=wait)  # receives in this thread
+            else:
+                self.client.poll()
+            if not future.done():
+                return None
         try:
             reply = future.result()
         except KvtrioError as exc:

@@ -1,37 +1,39 @@
 """The synchronous, thread-safe client for engine processes that do not run trio.
 
-A background I/O thread owns the DEALER socket (ZeroMQ sockets must stay in one thread). Any
-thread calls :meth:`Client.submit` and gets a :class:`concurrent.futures.Future`; the I/O thread
-sends the request, matches the reply by id, and settles the future. Every future settles: with
-the reply, a :class:`~kvtrio.errors.ServerError`, or a client error when its deadline passes, the
-connection drops, or the client closes — so ``future.result()`` never hangs.
+The caller does its own I/O: :meth:`Client.submit` sends the request from the calling thread
+when the socket is free, and a caller that needs a reply (``future.result()``, :meth:`request`,
+:meth:`Client.poll`) receives it itself. One lock guards the DEALER socket (ZeroMQ sockets may
+change threads behind the full memory barrier a lock gives); whoever holds it drains the socket
+and settles every reply that arrived, its own or others'. At most one waiting caller at a time
+(the leader) sleeps on the socket's file descriptor; others wait on their futures. A background
+thread follows the connection (monitor events, hello), sends heartbeats, expires deadlines, and
+receives replies only when no caller is waiting for the socket, so the request path never waits
+for it. Every future settles: with the reply, a :class:`~kvtrio.errors.ServerError`, or a client
+error when its deadline passes, the connection drops, or the client closes — so
+``future.result()`` never hangs.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import heapq
 import itertools
 import logging
 import os
+import select
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import (
     ClientClosed,
-    ConnectionLost,
     KvtrioError,
     ProtocolError,
-    RequestTimeout,
-    ServerUnavailable,
     TransportError,
 )
 from ..protocol import Goodbye, HelloReply, Ping, Pong, Reply, Request, encode_request
@@ -43,11 +45,9 @@ from ._common import (
     MONITOR_EVENTS,
     curve_options,
     dealer_options,
-    handshake_failure,
     hello_request,
-    read_reply_header,
-    reply_or_error,
 )
+from ._connection import Call, Connection, Outcome, ReplyFuture, settle
 
 __all__ = ["Client"]
 
@@ -57,25 +57,13 @@ _Rep = TypeVar("_Rep", bound=Reply)
 
 ServerChange = Callable[[HelloReply], None]
 
-
-class _Call:
-    __slots__ = ("deadline", "fail_fast", "frames", "future", "request_type", "sent")
-
-    def __init__(
-        self, request: Request, frames: list[bytes], deadline: float, fail_fast: bool
-    ) -> None:
-        self.request_type = type(request)
-        self.frames = frames
-        self.deadline = deadline
-        self.fail_fast = fail_fast
-        self.future: Future[Reply] = Future()
-        self.sent = False
+_POLLIN = select.POLLIN
 
 
 class Client:
-    """A thread-safe kvtrio client with its own I/O thread.
+    """A thread-safe kvtrio client; callers do their own I/O (see the module docstring).
 
-    ``on_server_change`` is called (in the I/O thread; it must not block, but may submit
+    ``on_server_change`` is called (in the background thread; it must not block, but may submit
     requests) each time the client meets a server instance it has not seen before: on the first
     connection and after the server restarted. The server's ``hello`` answer is in
     :attr:`server_info`. A malformed ``endpoint`` raises :class:`~kvtrio.errors.TransportError`
@@ -103,26 +91,34 @@ class Client:
         self.state = "connecting"
         """``connecting`` (never connected yet), ``connected`` or ``disconnected``."""
         self.in_flight = 0
-        """Requests sent and not answered yet (maintained by the I/O thread)."""
+        """Requests sent and not answered yet (maintained under the socket lock)."""
         self._on_server_change = on_server_change
         self._heartbeat = heartbeat
         self._ids = itertools.count(1)
-        self._outbox: collections.deque[tuple[int, _Call]] = collections.deque()
+        self._outbox: collections.deque[tuple[int, Call]] = collections.deque()
         self._closing = False
         self._lock = threading.Lock()  # orders submit() against close()
-        self._io_idle = False  # the I/O thread is (about to be) asleep in poll
+        self._socket_lock = threading.Lock()  # the DEALER socket and self._conn
+        self._lead_lock = threading.Lock()  # held by the one caller sleeping on the socket
+        self._leader: int | None = None  # that caller's thread id
+        self._io_wake_at = 0.0  # when the background thread wakes next (monotonic)
+        self._io_thread_id: int | None = None
+        self._io_watching = False  # the background thread sleeps on the socket
+        self._io_wanted = False  # a pending future has callbacks: the background must watch
         self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._lead_r, self._lead_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w, self._lead_r, self._lead_w):
+            os.set_blocking(fd, False)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._conn: Connection | None = None
+        self._dealer_fd = -1
         self._thread = threading.Thread(target=self._run, name="kvtrio-client-io", daemon=True)
         self._started = threading.Event()
         self._start_errors: list[zmq.ZMQError] = []
         self._thread.start()
         self._started.wait()
         if self._start_errors:  # the thread has ended; nothing left to clean up
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._close_pipes()
             error = self._start_errors[0].strerror
             raise TransportError(f"cannot connect to {endpoint}: {error}")
 
@@ -131,24 +127,47 @@ class Client:
     def submit(
         self, request: Request, *, timeout: float | None = None, fail_fast: bool = False
     ) -> Future[Reply]:
-        """Queue ``request``; the future settles with its reply or an error within ``timeout``.
+        """Send ``request`` (from this thread when the socket is free); the future settles with
+        its reply or an error within ``timeout``. Its ``result()`` receives in the calling
+        thread.
 
         With ``fail_fast``, a request made while the client is known to be disconnected fails at
         once with :class:`ServerUnavailable` instead of waiting for the connection to come back.
         """
         timeout = self.timeout if timeout is None else timeout
         request_id = next(self._ids)
-        call = _Call(
-            request, encode_request(request_id, request), time.monotonic() + timeout, fail_fast
-        )
+        future = ReplyFuture(self, time.monotonic() + timeout)
+        call = Call(request, encode_request(request_id, request), future, fail_fast)
         with self._lock:
             if self._closing:
-                call.future.set_exception(ClientClosed("the client is closed"))
-                return call.future
+                future.set_exception(ClientClosed("the client is closed"))
+                return future
             self._outbox.append((request_id, call))
-        if self._io_idle:  # see _IOLoop.wait for why no wakeup is lost
+        self.poll()
+        if call.deadline < self._io_wake_at:  # the background thread must expire it in time
             self._wake()
-        return call.future
+        return future
+
+    def poll(self) -> None:
+        """Make progress without waiting: send what is queued, receive and settle what arrived.
+
+        Does nothing when another thread holds the socket (it does the same work)."""
+        lock = self._socket_lock
+        while True:
+            if not lock.acquire(blocking=False):
+                return  # the holder looks at the outbox again after releasing
+            try:
+                conn = self._conn
+                if conn is None or conn.closed:
+                    return
+                conn.pump()
+                settled = conn.take_settled()
+            finally:
+                lock.release()
+            if settled:
+                self._settle(settled)
+            if not self._outbox:
+                return
 
     def request(
         self, request: Request, *, timeout: float | None = None, fail_fast: bool = False
@@ -172,10 +191,11 @@ class Client:
 
     def close(self) -> None:
         """Say goodbye (the server ends the session now, not at its heartbeat timeout; at most
-        ``GOODBYE_TIMEOUT``), stop the I/O thread; requests still pending fail with
+        ``GOODBYE_TIMEOUT``), stop the background thread; requests still pending fail with
         :class:`ClientClosed`.
 
-        Idempotent; must not be called from the I/O thread (an ``on_server_change`` callback).
+        Idempotent; must not be called from the background thread (an ``on_server_change``
+        callback).
         """
         if self.state == "connected" and not self._closing:
             with contextlib.suppress(KvtrioError):  # an older server: unknown_operation
@@ -186,8 +206,7 @@ class Client:
             self._closing = True
         self._wake()
         self._thread.join()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._close_pipes()
 
     @property
     def connected(self) -> bool:
@@ -199,14 +218,92 @@ class Client:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _close_pipes(self) -> None:
+        for fd in (self._wake_r, self._wake_w, self._lead_r, self._lead_w):
+            os.close(fd)
+
     def _wake(self) -> None:
-        # A full pipe means the I/O thread has wakeups pending anyway.
-        with contextlib.suppress(BlockingIOError):
+        # A full pipe means the background thread has wakeups pending anyway.
+        with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"\0")
 
-    # ----------------------------------------------------------------- the I/O thread
+    def _want_background(self) -> None:
+        self._io_wanted = True
+        if not self._io_watching:
+            self._wake()
+
+    def _settle(self, settled: list[Outcome]) -> None:
+        settle(settled)
+        leader = self._leader
+        if leader is not None and leader != threading.get_ident():
+            with contextlib.suppress(BlockingIOError, OSError):  # full: it wakes anyway
+                os.write(self._lead_w, b"\0")
+
+    def _wait(self, future: ReplyFuture, timeout: float | None) -> None:
+        """Receive until ``future`` settles or ``timeout`` passes, in this thread.
+
+        One waiting caller at a time sleeps on the socket (its FD, edge-triggered, re-armed by
+        every drain); others wait on their futures, which that leader, the holder of the socket
+        lock, or the background thread settles. On cancellation (KeyboardInterrupt) leadership
+        is handed back; nothing is lost (the reply is settled by whoever drains next).
+        """
+        end = None if timeout is None else time.monotonic() + timeout
+        while not future.done():
+            now = time.monotonic()
+            if end is not None and now >= end:
+                return
+            if not self._lead_lock.acquire(blocking=False):
+                remaining = None if end is None else end - now
+                wait = future.deadline - now + 0.001
+                with contextlib.suppress(Exception):
+                    Future.exception(future, min(wait, remaining or wait))
+                continue
+            try:
+                self._lead(future, end)
+            finally:
+                self._leader = None
+                self._lead_lock.release()
+                if self.in_flight:
+                    self._wake()  # the background thread watches the socket again
+
+    def _lead(self, future: ReplyFuture, end: float | None) -> None:
+        self._leader = threading.get_ident()
+        poller = select.poll()
+        poller.register(self._dealer_fd, _POLLIN)
+        poller.register(self._lead_r, _POLLIN)
+        while True:
+            self.poll()
+            if future.done() or self._closing:
+                return
+            now = time.monotonic()
+            wake_at = future.deadline if end is None else min(end, future.deadline)
+            if now >= wake_at:
+                if now >= future.deadline:  # expire it now, whoever holds the lock
+                    with self._socket_lock:
+                        if self._conn is not None and not self._conn.closed:
+                            self._conn.expire(now)
+                            settled = self._conn.take_settled()
+                        else:
+                            settled = []
+                    self._settle(settled)
+                    continue
+                return
+            events = poller.poll(max(1, int((wake_at - now) * 1000) + 1))
+            for fd, _ in events:
+                if fd == self._lead_r:
+                    with contextlib.suppress(BlockingIOError, OSError):
+                        os.read(self._lead_r, 4096)
+
+    # ----------------------------------------------------------------- the background thread
+
+    def _log_warning(self, failure: str) -> None:
+        log.warning("%s: %s", self.endpoint, failure)
+
+    def _log_lost(self) -> None:
+        log.info("lost connection to %s", self.endpoint)
 
     def _run(self) -> None:
+        self._io_thread_id = threading.get_ident()
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         for option, value in self._options.items():
@@ -216,6 +313,7 @@ class Client:
         monitor_endpoint = f"inproc://kvtrio-client-monitor-{uuid.uuid4().hex}"  # never reused
         dealer.monitor(monitor_endpoint, MONITOR_EVENTS)
         monitor.connect(monitor_endpoint)
+        conn = Connection(self, dealer, monitor)
         try:
             try:
                 dealer.connect(self.endpoint)
@@ -223,252 +321,132 @@ class Client:
                 self._start_errors.append(exc)
                 return
             finally:
+                self._dealer_fd = int(dealer.getsockopt(zmq.FD))
+                self._conn = conn
                 self._started.set()
-            _IOLoop(self, dealer, monitor).run()
+            _Background(self, conn).run()
         except BaseException:  # pragma: no cover - a bug; never leave futures hanging
-            log.exception("kvtrio client I/O thread failed")
+            log.exception("kvtrio client background thread failed")
             raise
         finally:
             self._closing = True
-            dealer.disable_monitor()  # before closing its reader: see transport.open_monitor
-            monitor.close(linger=0)
-            dealer.close(linger=0)
+            with self._socket_lock:
+                conn.take_outbox()
+                for call in conn.calls.values():
+                    conn.fail(call, ClientClosed("the client was closed"))
+                conn.closed = True
+                settled = conn.take_settled()
+                dealer.disable_monitor()  # before closing its reader: see transport.open_monitor
+                monitor.close(linger=0)
+                dealer.close(linger=0)
+            settle(settled)
 
 
-class _IOLoop:
-    """The I/O thread's state and loop (only ever touched by that thread)."""
+class _Background:
+    """The background thread's loop: connection events, heartbeats, deadlines, and replies
+    nobody is waiting for."""
 
-    def __init__(
-        self, client: Client, dealer: zmq.Socket[bytes], monitor: zmq.Socket[bytes]
-    ) -> None:
+    def __init__(self, client: Client, conn: Connection) -> None:
         self.client = client
-        self.dealer = dealer
-        self.monitor = monitor
-        self.calls: dict[int, _Call] = {}
-        self.unsent: collections.deque[tuple[int, _Call]] = collections.deque()
-        self.deadlines: list[tuple[float, int]] = []
-        self.last_send = time.monotonic()
+        self.conn = conn
+        conn.on_connected = self.on_connected
         self.poller = zmq.Poller()
-        self.watching_out = False
-        self.poller.register(dealer, zmq.POLLIN)
-        self.poller.register(monitor, zmq.POLLIN)
+        self.poller.register(conn.monitor, zmq.POLLIN)
         self.poller.register(client._wake_r, zmq.POLLIN)
+        self.watching = False
+        self.changes: collections.deque[HelloReply] = collections.deque()
 
     def run(self) -> None:
-        client = self.client
+        client, conn = self.client, self.conn
         while not client._closing:
-            self.take_outbox()
-            self.flush()
-            now = time.monotonic()
-            self.expire(now)
-            self.heartbeat(now)
-            events = self.wait(self.poll_timeout(now))
+            with client._socket_lock:
+                now = time.monotonic()
+                conn.read_monitor()
+                conn.pump()
+                conn.expire(now)
+                self.heartbeat(now)
+                conn.read_replies()  # the heartbeat's send may have consumed the socket's edge
+                settled = conn.take_settled()
+                timeout_ms = self.poll_timeout(now)
+            if settled:
+                client._settle(settled)
+            while self.changes:
+                self.new_server(self.changes.popleft())
+            if client._outbox:
+                continue
+            # Watch the socket only for replies no caller is waiting for (futures with
+            # callbacks); the others are received by their callers, or here at the next wake.
+            if not conn.calls:
+                client._io_wanted = False
+            watch = client._io_wanted and client._leader is None
+            if watch != self.watching:
+                self.watching = client._io_watching = watch
+                if watch:
+                    self.poller.register(client._dealer_fd, zmq.POLLIN)
+                else:
+                    self.poller.unregister(client._dealer_fd)
+            events = dict(self.poller.poll(timeout_ms))
             if events.get(client._wake_r):
                 with contextlib.suppress(BlockingIOError):
                     os.read(client._wake_r, 65536)
-            if events.get(self.monitor):
-                self.read_monitor()
-            if events.get(self.dealer):
-                self.read_replies()
-        self.take_outbox()
-        for call in self.calls.values():
-            _settle_error(call, ClientClosed("the client was closed"))
-
-    def pop(self, request_id: int) -> _Call | None:
-        """Forget a call (answered, expired or failed); keeps ``Client.in_flight`` exact."""
-        call = self.calls.pop(request_id, None)
-        if call is not None and call.sent:
-            self.client.in_flight -= 1
-        return call
-
-    def wait(self, timeout_ms: int) -> dict[Any, int]:
-        """Poll the sockets and the wakeup pipe.
-
-        Callers write to the pipe only while ``_io_idle`` is set, which saves a write and a
-        read per request while this thread is busy. No wakeup is lost: the flag is set *before*
-        the outbox is checked one last time, and a caller appends to the outbox *before* it
-        reads the flag, so either this check sees the new request or the caller sees the flag.
-        """
-        client = self.client
-        client._io_idle = True
-        try:
-            if client._outbox:
-                timeout_ms = 0
-            return dict(self.poller.poll(timeout_ms))
-        finally:
-            client._io_idle = False
 
     def poll_timeout(self, now: float) -> int:
-        # Requests left unsent while connected means the socket is at its high-water mark:
-        # wait for writability then (not while disconnected: the socket would always say yes).
-        watch_out = bool(self.unsent) and self.client.connected
-        if watch_out != self.watching_out:
-            self.watching_out = watch_out
-            self.poller.register(self.dealer, zmq.POLLIN | (zmq.POLLOUT if watch_out else 0))
-        wake_at = self.last_send + self.heartbeat_interval() if self.client._heartbeat else now + 1
-        if self.deadlines:
-            wake_at = min(wake_at, self.deadlines[0][0])
-        return max(0, min(1000, int((wake_at - now) * 1000) + 1))
+        client, conn = self.client, self.conn
+        if conn.unsent and client.connected:  # at the high-water mark: retry soon
+            wake_at = now + 0.005
+        elif client._heartbeat:
+            wake_at = conn.last_send + self.heartbeat_interval()
+        else:
+            wake_at = now + 1
+        if conn.deadlines:
+            wake_at = min(wake_at, conn.deadlines[0][0])
+        wake_at = min(wake_at, now + 1)
+        client._io_wake_at = wake_at
+        return max(0, int((wake_at - now) * 1000) + 1)
 
     def heartbeat_interval(self) -> float:
         info = self.client.server_info
         return info.heartbeat_timeout / 4 if info is not None else DEFAULT_HEARTBEAT_INTERVAL
-
-    def take_outbox(self) -> None:
-        outbox = self.client._outbox
-        while outbox:
-            request_id, call = outbox.popleft()
-            if call.future.cancelled():
-                continue
-            if call.fail_fast and self.client.state == "disconnected":
-                _settle_error(
-                    call,
-                    ServerUnavailable(
-                        _unreachable(self.client.endpoint, self.client.handshake_error)
-                    ),
-                )
-                continue
-            self.calls[request_id] = call
-            heapq.heappush(self.deadlines, (call.deadline, request_id))
-            self.unsent.append((request_id, call))
-
-    def flush(self) -> None:
-        """Send queued requests while the connection is up (see ``dealer_options``)."""
-        while self.unsent and self.client.connected:
-            request_id, call = self.unsent[0]
-            if request_id not in self.calls:  # expired while waiting to be sent
-                self.unsent.popleft()
-                continue
-            try:
-                self.dealer.send_multipart(call.frames, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.unsent.popleft()
-            call.sent = True
-            self.client.in_flight += 1
-            call.frames = []
-            self.last_send = time.monotonic()
-
-    def expire(self, now: float) -> None:
-        while self.deadlines and self.deadlines[0][0] <= now:
-            _, request_id = heapq.heappop(self.deadlines)
-            call = self.pop(request_id)
-            if call is None:
-                continue
-            endpoint = self.client.endpoint
-            if call.sent:
-                error: KvtrioError = RequestTimeout(
-                    f"no reply to {call.request_type.op!r} from {endpoint} in time"
-                )
-            else:
-                error = ServerUnavailable(_unreachable(endpoint))
-            _settle_error(call, error)
 
     def heartbeat(self, now: float) -> None:
         client = self.client
         if (
             client._heartbeat
             and client.connected
-            and now - self.last_send >= self.heartbeat_interval()
+            and now - self.conn.last_send >= self.heartbeat_interval()
         ):
-            self.internal(Ping(), self.on_pong)
+            self.internal(Ping(), self.on_pong, first=True)
 
-    def internal(self, request: Request, on_reply: Callable[[Reply], None]) -> None:
-        """Send a request of the client's own (hello, heartbeat) handled in this thread."""
-        request_id = next(self.client._ids)
-        call = _Call(
-            request,
-            encode_request(request_id, request),
-            time.monotonic() + self.client.timeout,
-            False,
-        )
+    def on_connected(self) -> None:
+        self.internal(hello_request(self.client.client_name), self.on_hello, first=True)
 
-        def done(future: Future[Reply]) -> None:
-            if not future.cancelled() and future.exception() is None:
-                on_reply(future.result())
-
-        call.future.add_done_callback(done)
-        self.calls[request_id] = call
-        heapq.heappush(self.deadlines, (call.deadline, request_id))
-        self.unsent.appendleft((request_id, call))
-        self.flush()
-
-    def read_replies(self) -> None:
-        while True:
-            try:
-                frames = self.dealer.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            header = read_reply_header(frames)
-            call = self.pop(header.request_id) if header is not None else None
-            if header is None or call is None:
-                continue
-            if call.future.cancelled():
-                continue
-            try:
-                result = reply_or_error(header, frames[1], call.request_type)
-            except ProtocolError as exc:
-                _settle_error(call, exc)
-                continue
-            if isinstance(result, Exception):
-                _settle_error(call, result)
-            elif call.future.set_running_or_notify_cancel():
-                call.future.set_result(result)
-
-    def read_monitor(self) -> None:
+    def internal(
+        self, request: Request, on_reply: Callable[[Reply], None], *, first: bool = False
+    ) -> None:
+        """Send a request of the client's own (hello, heartbeat); ``on_reply`` runs under the
+        socket lock, in whichever thread receives the reply."""
         client = self.client
-        while True:
-            try:
-                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))["event"]
-            except zmq.Again:
-                return
-            failure = handshake_failure(event)
-            if failure is not None and failure != client.handshake_error:
-                log.warning("%s: %s", client.endpoint, failure)
-            if failure is not None or event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                client.handshake_error = failure  # kept through the disconnections that follow
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                client.state = "connected"
-                self.internal(hello_request(client.client_name), self.on_hello)
-                continue
-            if client.connected:
-                log.info("lost connection to %s", client.endpoint)
-            client.state = "disconnected"
-            self.fail_unsent_fail_fast()
-            if event == zmq.EVENT_DISCONNECTED:
-                self.read_replies()  # replies that arrived before the close are still good
-                for request_id, call in list(self.calls.items()):
-                    if call.sent:
-                        self.pop(request_id)
-                        _settle_error(call, ConnectionLost(f"connection to {client.endpoint} lost"))
-
-    def unreachable(self) -> str:
-        return _unreachable(self.client.endpoint, self.client.handshake_error)
-
-    def fail_unsent_fail_fast(self) -> None:
-        """Requests that may not wait for a connection fail once the server is known down."""
-        for request_id, call in list(self.calls.items()):
-            if call.fail_fast and not call.sent:
-                self.pop(request_id)
-                _settle_error(
-                    call,
-                    ServerUnavailable(
-                        _unreachable(self.client.endpoint, self.client.handshake_error)
-                    ),
-                )
+        request_id = next(client._ids)
+        future = ReplyFuture(None, time.monotonic() + client.timeout)
+        call = Call(request, encode_request(request_id, request), future, False)
+        call.on_reply = on_reply
+        self.conn.add(request_id, call, first=first)
+        client._want_background()  # nobody else waits for this reply
 
     def on_hello(self, reply: Reply) -> None:
         assert isinstance(reply, HelloReply)
         previous = self.client.server_info
         self.client.server_info = reply
         if previous is None or previous.instance_id != reply.instance_id:
-            self.new_server(reply)
+            self.changes.append(reply)  # on_server_change runs in this thread, unlocked
+            if threading.get_ident() != self.client._io_thread_id:
+                self.client._wake()
 
     def on_pong(self, reply: Reply) -> None:
         assert isinstance(reply, Pong)
         info = self.client.server_info
         if info is not None and info.instance_id != reply.instance_id:  # restarted unnoticed
-            self.internal(hello_request(self.client.client_name), self.on_hello)
+            self.internal(hello_request(self.client.client_name), self.on_hello, first=True)
 
     def new_server(self, info: HelloReply) -> None:
         log.info(
@@ -482,14 +460,3 @@ class _IOLoop:
                 self.client._on_server_change(info)
             except Exception:
                 log.exception("on_server_change callback failed")
-
-
-def _settle_error(call: _Call, error: BaseException) -> None:
-    if call.future.set_running_or_notify_cancel():
-        call.future.set_exception(error)
-
-
-def _unreachable(endpoint: str, handshake_error: str | None = None) -> str:
-    if handshake_error is not None:
-        return f"cannot reach {endpoint}: {handshake_error}"
-    return f"cannot reach {endpoint} (no connection; is the server running?)"

@@ -144,6 +144,7 @@ class WorkerAdapter:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._registering = False  # a registration is under way (sent, or reply not attached)
+        self._register_target: str | None = None  # server instance the last Register went to
         self._attach_queue: tuple[Registered, int, str | None] | None = None
         self._retry_delay = _RETRY_FIRST
         self._retry: threading.Timer | None = None
@@ -192,10 +193,13 @@ class WorkerAdapter:
     def _register(self) -> Future[Reply]:
         assert self._layout is not None
         layout = self._layout
+        info = self.client.server_info
         with self._lock:
             self._generation += 1
             generation = self._generation
             self._registering = True
+            # None: sent before any hello, so it reaches the first server the client meets.
+            self._register_target = info.instance_id if info is not None else None
         request = Register(
             engine=self.engine_id,
             model=self.model_name,
@@ -334,9 +338,18 @@ class WorkerAdapter:
     def _on_server_change(self, info: HelloReply) -> None:
         # In the client's I/O thread: only queue the registration, never wait here. Registering
         # bumps the generation, so the old arena (meaningless to the new server) stops being
-        # used at once.
-        if self._layout is not None:
-            self._register()
+        # used at once. The registration already made for this very server (register_kv_caches
+        # before the first hello) is not repeated: that made the server see register →
+        # unregister → register within milliseconds.
+        if self._layout is None:
+            return
+        with self._lock:
+            if (self._registering or self._current() is not None) and (
+                self._register_target in (None, info.instance_id)
+            ):
+                self._register_target = info.instance_id
+                return
+        self._register()
 
     def _current(self) -> _Mapped | None:
         """The arena of the current registration, if it is attached."""

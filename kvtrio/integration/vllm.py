@@ -120,6 +120,7 @@ class KvtrioConnector(KVConnectorBase_V1):
         # Scheduler side.
         self._plans: dict[str, RequestPlan] = {}
         self._requests: dict[str, Request] = {}
+        self._step_waited = False  # a lookup was waited for in this scheduler step
         self._ready: list[Transfer] = []
         self._warned_chunk = False
         # Worker side.
@@ -159,7 +160,15 @@ class KvtrioConnector(KVConnectorBase_V1):
             return 0, False
         tokens = request.all_token_ids
         self._scheduler.maybe_submit_lookup_request(request.request_id, token_ids=tokens)
-        hit = self._scheduler.check_lookup_result(request.request_id, wait=self.options.lookup_wait)
+        hit = self._scheduler.check_lookup_result(request.request_id)
+        if hit is None and not self._step_waited:
+            # At most one wait per scheduler step: in a burst of new requests the others'
+            # lookups are already on their way and are collected at the next step, not waited
+            # for one after another.
+            self._step_waited = True
+            hit = self._scheduler.check_lookup_result(
+                request.request_id, wait=self.options.lookup_wait
+            )
         if hit is None:
             return None, False
         chunk_size = self._chunk_size
@@ -244,6 +253,7 @@ class KvtrioConnector(KVConnectorBase_V1):
         """This step's transfers: the loads planned at allocation, and a store for each
         scheduled request that completes whole chunks in this step."""
         transfers, self._ready = self._ready, []
+        self._step_waited = False  # the step is scheduled: the next one may wait again
         preempted = frozenset(scheduler_output.preempted_req_ids or ())
         manager = self._kv_cache_manager
         if manager is None:

@@ -1,0 +1,114 @@
+"""The sync client's caller-does-its-own-I/O path: callers receive their own replies; every way
+of waiting (blocking, spinning, callbacks) gets exactly its own reply, from many threads."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import pytest
+
+from kvtrio.client import Client, _sync
+from kvtrio.errors import RequestTimeout
+from kvtrio.protocol import Ping, Pong, Probe, ProbeReply, Reply
+
+from ..conftest import ServerProcess, wait_for
+
+
+def test_a_spinning_caller_receives_its_own_reply(
+    server_process: Callable[..., ServerProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The old client received every reply in its I/O thread, which a caller holding the GIL
+    # in a busy loop starved (6-33 ms per lookup). Now the spinning caller receives it.
+    server = server_process()
+    settled_in: list[int] = []
+    real_settle = _sync.settle
+
+    def recording(outcomes: list[_sync.Outcome]) -> None:
+        settled_in.extend(threading.get_ident() for _ in outcomes)
+        real_settle(outcomes)
+
+    monkeypatch.setattr(_sync, "settle", recording)
+    with Client(server.endpoint, heartbeat=False) as client:
+        wait_for(lambda: client.server_info is not None, what="hello")
+        for _ in range(20):
+            settled_in.clear()
+            future = client.submit(Ping())
+            deadline = time.monotonic() + 10
+            while not future.done():  # holds the GIL but for the switch interval
+                client.poll()
+                assert time.monotonic() < deadline
+            assert isinstance(future.result(), Pong)
+            assert settled_in == [threading.get_ident()]
+
+
+def test_every_way_of_waiting_gets_its_own_reply(
+    server_process: Callable[..., ServerProcess],
+) -> None:
+    server = server_process()
+    with Client(server.endpoint) as client:
+
+        def probe(n: int) -> Probe:
+            return Probe(tokens=tuple(range(n)), block_ids=tuple(range(n % 7)))
+
+        def blocking(seed: int) -> int:
+            ok = 0
+            for i in range(150):
+                n = seed * 1000 + i
+                reply = client.request(probe(n))
+                ok += reply == ProbeReply(n, n % 7)
+            return ok
+
+        def spinning(seed: int) -> int:
+            ok = 0
+            for i in range(150):
+                n = seed * 1000 + i
+                future = client.submit(probe(n))
+                while not future.done():
+                    client.poll()
+                ok += future.result() == ProbeReply(n, n % 7)
+            return ok
+
+        def callbacks(seed: int) -> int:
+            done = threading.Semaphore(0)
+            ok: list[bool] = []
+
+            def check(n: int) -> Callable[[Future[Reply]], None]:
+                def on_done(future: Future[Reply]) -> None:
+                    ok.append(future.result() == ProbeReply(n, n % 7))
+                    done.release()
+
+                return on_done
+
+            for i in range(150):
+                n = seed * 1000 + i
+                client.submit(probe(n)).add_done_callback(check(n))
+            for _ in range(150):
+                assert done.acquire(timeout=30)
+            return sum(ok)
+
+        kinds = [blocking, spinning, callbacks] * 3
+        with concurrent.futures.ThreadPoolExecutor(len(kinds)) as pool:
+            results = list(pool.map(lambda k: k[1](k[0] + 1), enumerate(kinds)))
+    assert results == [150] * len(kinds)
+
+
+def test_a_blocked_caller_times_out_at_its_deadline(
+    server_process: Callable[..., ServerProcess],
+) -> None:
+    server = server_process()
+    with Client(server.endpoint, heartbeat=False) as client:
+        wait_for(lambda: client.server_info is not None, what="hello")
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)  # connected, never answering
+        try:
+            start = time.monotonic()
+            with pytest.raises(RequestTimeout):
+                client.request(Ping(), timeout=0.3)
+            assert time.monotonic() - start < 5
+        finally:
+            server.proc.send_signal(signal.SIGCONT)

@@ -42,24 +42,24 @@ class Router:
         self.answer_now = self.outbox.answer_now
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Receive and route messages until cancelled."""
+        """Receive and route (or answer) messages until cancelled; the socket must have been
+        opened with ``pump=False`` (this task is its one reader)."""
         task_status.started()
         socket = self._socket
-        if self._state.auth.curve:  # each message with the user id of its connection
-            while True:
-                await socket.wait_readable()
-                for _ in range(_BATCH):
-                    message = socket.try_recv_authenticated()
+        receive = socket.try_recv_authenticated if self._state.auth.curve else None
+        while True:
+            await socket.wait_edge()  # this task owns the socket's edge: drain it all
+            for _ in range(_BATCH):  # then let other tasks run, and come back at once
+                if receive is not None:  # each message with the user id of its connection
+                    message = receive()
                     if message is None:
                         break
                     self.route(*message)
-        while True:
-            self.route(await socket.recv_multipart())
-            for _ in range(_BATCH - 1):
-                frames = socket.try_recv_multipart()
-                if frames is None:
-                    break
-                self.route(frames)
+                else:
+                    frames = socket.try_recv_multipart()
+                    if frames is None:
+                        break
+                    self.route(frames)
 
     def route(self, frames: list[bytes], user: str = "") -> None:
         """Hand one message to its session, or answer/drop it here. Never waits.

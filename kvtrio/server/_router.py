@@ -17,7 +17,7 @@ from typing import cast
 import trio
 
 from ..errors import ErrorCode, ProtocolError, RequestError
-from ..protocol import HeaderError, decode_header
+from ..protocol import HeaderError, read_request_header
 from ..transport import Socket
 from ._outbox import Outbox
 from ._session import Incoming, Session
@@ -73,16 +73,14 @@ class Router:
             return
         now = trio.current_time()
         try:
-            header = decode_header(parts[0])
+            request_id, kind = read_request_header(parts[0])
         except HeaderError as exc:
             if exc.request_id is None:
                 self._drop(identity, exc.message)
                 return
             item = Incoming(exc.request_id, "?", b"", exc, now)
         else:
-            item = Incoming(
-                header.request_id, header.kind, parts[-1], _check_frames(parts, state), now
-            )
+            item = Incoming(request_id, kind, parts[-1], _check_frames(parts, state), now)
         state.counters.requests += 1
         session = cast("Session | None", state.sessions.get(identity))  # (only ours are there)
         if session is not None and session.ending:

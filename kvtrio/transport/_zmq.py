@@ -172,8 +172,15 @@ class Socket:
     def try_recv_multipart(self) -> list[bytes] | None:
         """Receive one message if one is queued, else return None. Never waits."""
         self._check_open()
+        recv = self._zsock.recv
         try:
-            frames = self._zsock.recv_multipart(_NOBLOCK)
+            # Frame by frame, ``more`` from the frame: pyzmq's recv_multipart reads RCVMORE
+            # through enum conversions (twice the cost for a 3-frame request, measured).
+            frame = recv(_NOBLOCK, copy=False)
+            frames = [frame.bytes]
+            while frame.more:  # the rest of a multipart message is always there already
+                frame = recv(_NOBLOCK, copy=False)
+                frames.append(frame.bytes)
         except zmq.Again:
             return None
         except zmq.ZMQError as exc:

@@ -37,6 +37,7 @@ from ._codec import (
     encode_error,
     encode_reply,
     encode_request,
+    read_request_header,
 )
 from ._messages import (
     PROTOCOL_VERSION,
@@ -115,4 +116,5 @@ __all__ = [
     "encode_error",
     "encode_reply",
     "encode_request",
+    "read_request_header",
 ]

@@ -15,7 +15,7 @@ where they are used, by the C code that packs them (see :func:`as_int_array`).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import cattrs
@@ -39,6 +39,7 @@ __all__ = [
     "encode_error",
     "encode_reply",
     "encode_request",
+    "read_request_header",
 ]
 
 ERROR_KIND = "error"
@@ -137,11 +138,27 @@ def as_int_array(values: Sequence[int], typecode: str, what: str) -> array[int]:
         raise ProtocolError(f"{what}: every element must be an integer in range ({exc})") from None
 
 
+_STRUCTURE: dict[type, Callable[[Any, Any], Any]] = {}
+_UNSTRUCTURE: dict[type, Callable[[Any], Any]] = {}
+"""The converter's hooks, looked up once per message type (not per message)."""
+
+
+def _unstructure(message: object) -> Any:
+    cls = type(message)
+    hook = _UNSTRUCTURE.get(cls)
+    if hook is None:
+        hook = _UNSTRUCTURE[cls] = converter.get_unstructure_hook(cls)
+    return hook(message)
+
+
 def _structure(body: object, cls: type[_M], what: str) -> _M:
     if type(body) is not dict:
         raise ProtocolError(f"{what}: the body must be a msgpack map, got {_msgpack_type(body)}")
     try:
-        return converter.structure(body, cls)
+        hook = _STRUCTURE.get(cls)
+        if hook is None:
+            hook = _STRUCTURE[cls] = converter.get_structure_hook(cls)
+        return cast(_M, hook(body, cls))
     except Exception as exc:
         details = cattrs.transform_error(exc, path="body", format_exception=_format_error)
         raise ProtocolError(f"{what}: {'; '.join(details) or exc}") from None
@@ -171,10 +188,33 @@ def decode_header(frame: bytes) -> Header:
     Raises :class:`HeaderError` (with ``request_id`` when it could be read) for a malformed
     header or a protocol version other than :data:`PROTOCOL_VERSION`.
     """
+    return Header(PROTOCOL_VERSION, *read_request_header(frame))
+
+
+def read_request_header(frame: bytes) -> tuple[int, str]:
+    """:func:`decode_header` for the server's hot path: ``(request_id, kind)``, no object built.
+
+    Raises :class:`HeaderError` as :func:`decode_header` does.
+    """
     try:
         raw = _unpack(frame)
     except Exception:
         raise HeaderError("the header frame is not valid msgpack", None) from None
+    if type(raw) is tuple and len(raw) == 3:
+        version, request_id, kind = raw
+        if (
+            version == PROTOCOL_VERSION
+            and type(version) is int
+            and type(request_id) is int
+            and type(kind) is str
+            and 0 <= request_id <= _MAX_REQUEST_ID
+        ):
+            return request_id, kind
+    return _header_error(raw)
+
+
+def _header_error(raw: Any) -> tuple[int, str]:
+    """Raise the :class:`HeaderError` that says what is wrong with a decoded header."""
     if type(raw) is not tuple or len(raw) < 2:
         raise HeaderError("the header must be the array [version, request_id, kind]", None)
     request_id = raw[1]
@@ -182,7 +222,7 @@ def decode_header(frame: bytes) -> Header:
         raise HeaderError("the request id must be an unsigned 64-bit integer", None)
     if len(raw) != 3:
         raise HeaderError("the header must be the array [version, request_id, kind]", request_id)
-    version, _, kind = raw
+    version = raw[0]
     if type(version) is not int:
         raise HeaderError("the protocol version must be an integer", request_id)
     if version != PROTOCOL_VERSION:
@@ -192,9 +232,7 @@ def decode_header(frame: bytes) -> Header:
             request_id,
             ErrorCode.UNSUPPORTED_VERSION,
         )
-    if type(kind) is not str:
-        raise HeaderError("the operation name must be a string", request_id)
-    return Header(version, request_id, kind)
+    raise HeaderError("the operation name must be a string", request_id)
 
 
 # --------------------------------------------------------------------------- requests
@@ -204,7 +242,7 @@ def encode_request(request_id: int, request: Request) -> list[bytes]:
     """The frames of a request (without the routing id the ROUTER socket adds)."""
     return [
         _pack((PROTOCOL_VERSION, request_id, request.op)),
-        _pack(converter.unstructure(request)),
+        _pack(_unstructure(request)),
     ]
 
 
@@ -228,7 +266,7 @@ def decode_request(op: str, body: bytes) -> Request:
 
 def encode_reply(request_id: int, op: str, reply: Reply) -> list[bytes]:
     """The frames of a successful reply to request ``request_id`` of operation ``op``."""
-    return [_pack((PROTOCOL_VERSION, request_id, op)), _pack(converter.unstructure(reply))]
+    return [_pack((PROTOCOL_VERSION, request_id, op)), _pack(_unstructure(reply))]
 
 
 def encode_error(request_id: int, code: ErrorCode, message: str) -> list[bytes]:

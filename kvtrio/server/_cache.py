@@ -48,10 +48,10 @@ from ._cuda import CudaTransfers
 from ._l2 import L2Tier
 from ._limits import RequestLimits, check_registration
 from ._prefetch import Prefetcher
-from ._quotas import Quotas, scrub
+from ._quotas import Quotas, scrub, scrub_now
 from ._registry import Registration, Registry, request_key
 from ._session import Session
-from ._state import ServerState
+from ._state import Later, ServerState
 from ._tenants import TenantArenas
 
 __all__ = ["CacheService"]
@@ -98,13 +98,14 @@ class CacheService:
         state = self.state
         state.register(Register, self.register)
         state.register(Unregister, self.unregister)
-        state.register(Lookup, self.lookup, concurrent=True)
-        state.register(Store, self.store)
-        state.register(Commit, self.commit)
+        # Inline: answered in the router's round; a Later part (L2, a large scrub) in a task.
+        state.register_inline(Lookup, self.lookup, concurrent=True)
+        state.register_inline(Store, self.store)
+        state.register_inline(Commit, self.commit)
         state.register(Retrieve, self.retrieve)
-        state.register(Release, self.release)
-        state.register(FreeLookupLocks, self.free_lookup_locks)
-        state.register(EndSession, self.end_session)
+        state.register_inline(Release, self.release)
+        state.register_inline(FreeLookupLocks, self.free_lookup_locks)
+        state.register_inline(EndSession, self.end_session)
         state.cache_stats = self.stats
         state.l2_stats = self.l2.stats
 
@@ -211,7 +212,8 @@ class CacheService:
 
     # ----------------------------------------------------------------- lookup
 
-    async def lookup(self, session: Session, request: Lookup) -> LookupReply:
+    def lookup(self, session: Session, request: Lookup) -> LookupReply | Later:
+        """Pin the L1 prefix now; L2 work, if any, is left to a :class:`Later`."""
         hashes = _checked_hashes(request.chunk_hashes)
         model = self.registry.engine_model(request.engine, request.model, request.tenant)
         if model is None:
@@ -244,27 +246,42 @@ class CacheService:
             for space in model.spaces:
                 self._pin_for_lookup(key, session.id, space + chunk_hash, readers, expires)
         self._watch(session)
-        loaded = 0
         if self.l2.enabled and hit < len(hashes):
-            sources: list[list[Any]] = []
-            with trio.move_on_after(self.config.lookup_timeout) as scope:
-                sources = await self.l2.lookup(model.spaces, hashes[hit:])
-            if scope.cancelled_caught:
-                self.lookup_timeouts += 1  # (l2.lookup unlocked what it had locked)
-            loaded = await self.prefetch.start(
-                session.id,
-                key,
-                model.spaces,
-                hashes[hit : hit + len(sources)],
-                sources,
-                readers,
-                model.profile.digest(),
-                self._chunk_bytes(model.spaces),
-            )
+            return Later(lambda: self._lookup_l2(session, key, model, hashes, hit, readers))
+        return self._lookup_done(len(hashes), hit, 0)
+
+    async def _lookup_l2(
+        self,
+        session: Session,
+        key: str,
+        model: Any,
+        hashes: Sequence[bytes],
+        hit: int,
+        readers: int,
+    ) -> LookupReply:
+        """The L2 part of a lookup: find the missing chunks there and start their loads."""
+        sources: list[list[Any]] = []
+        with trio.move_on_after(self.config.lookup_timeout) as scope:
+            sources = await self.l2.lookup(model.spaces, hashes[hit:])
+        if scope.cancelled_caught:
+            self.lookup_timeouts += 1  # (l2.lookup unlocked what it had locked)
+        loaded = await self.prefetch.start(
+            session.id,
+            key,
+            model.spaces,
+            hashes[hit : hit + len(sources)],
+            sources,
+            readers,
+            model.profile.digest(),
+            self._chunk_bytes(model.spaces),
+        )
+        return self._lookup_done(len(hashes), hit, loaded)
+
+    def _lookup_done(self, chunks: int, hit: int, loaded: int) -> LookupReply:
         self.lookups += 1
         self.lookup_hit_chunks += hit + loaded
         self.lookup_l2_chunks += loaded
-        self.lookup_miss_chunks += len(hashes) - hit - loaded
+        self.lookup_miss_chunks += chunks - hit - loaded
         total = hit + loaded
         return LookupReply(hit_tokens=total * self.config.chunk_size, hit_chunks=total)
 
@@ -287,7 +304,8 @@ class CacheService:
 
     # ----------------------------------------------------------------- store
 
-    async def store(self, session: Session, request: Store) -> StoreReply:
+    def store(self, session: Session, request: Store) -> StoreReply | Later:
+        """Reserve the slots now; zeroing too many bytes to do inline is left to a Later."""
         registration = self._registration(session)
         key, hashes, chunks = self._chunks(registration, request)
         if registration.cuda is not None:
@@ -314,10 +332,17 @@ class CacheService:
                 slots.append(Slot(index, "failed"))
         if registration.cuda is not None:
             return self._cuda_store(session, registration, request, key, hashes, blocks, slots)
-        await scrub(self.arena, reserved)  # an unwritten slot never shows a previous chunk
-        return StoreReply(tuple(slots), self.config.reservation_ttl)
+        reply = StoreReply(tuple(slots), self.config.reservation_ttl)
+        # An unwritten slot never shows a previous chunk.
+        if scrub_now(self.arena, reserved):
+            return reply
+        return Later(lambda: self._scrubbed(reserved, reply))
 
-    async def commit(self, session: Session, request: Commit) -> CommitReply:
+    async def _scrubbed(self, reserved: list[Entry], reply: StoreReply) -> StoreReply:
+        await scrub(self.arena, reserved)
+        return reply
+
+    def commit(self, session: Session, request: Commit) -> CommitReply:
         registration = self._registration(session)
         key = self._worker_request(registration, request.request)
         committed, rejected = 0, []
@@ -372,7 +397,7 @@ class CacheService:
             return self._cuda_retrieve(session, registration, request, key, hashes, blocks, slots)
         return RetrieveReply(tuple(slots))
 
-    async def release(self, session: Session, request: Release) -> Released:
+    def release(self, session: Session, request: Release) -> Released:
         registration = self._registration(session)
         key = self._worker_request(registration, request.request)
         leases = []
@@ -386,11 +411,11 @@ class CacheService:
 
     # ----------------------------------------------------------------- request ends
 
-    async def free_lookup_locks(self, session: Session, request: FreeLookupLocks) -> Released:
+    def free_lookup_locks(self, session: Session, request: FreeLookupLocks) -> Released:
         key = request_key(request.engine, request.model, request.tenant, request.request)
         return Released(self._end_lookup(key))
 
-    async def end_session(self, session: Session, request: EndSession) -> Released:
+    def end_session(self, session: Session, request: EndSession) -> Released:
         # A worker's store or retrieve may still be under way (engines save asynchronously):
         # its reservations and read pins are its own leases, ended by its commit/release.
         key = request_key(request.engine, request.model, request.tenant, request.request)

@@ -1,4 +1,6 @@
-"""Handlers of the operations every server has: ping, hello, get_chunk_size, stats."""
+"""Handlers of the operations every server has: ping, hello, get_chunk_size, stats.
+
+None of them waits: they are plain functions, answered inline by the router."""
 
 from __future__ import annotations
 
@@ -32,11 +34,11 @@ log = logging.getLogger("kvtrio.server")
 _MAX_NAME = 128
 
 
-async def ping(session: Session, request: Ping) -> Pong:
+def ping(session: Session, request: Ping) -> Pong:
     return Pong(session.state.instance_id)
 
 
-async def hello(session: Session, request: Hello) -> HelloReply:
+def hello(session: Session, request: Hello) -> HelloReply:
     if request.protocol_version != PROTOCOL_VERSION:
         raise RequestError(
             ErrorCode.UNSUPPORTED_VERSION,
@@ -69,29 +71,30 @@ async def hello(session: Session, request: Hello) -> HelloReply:
     )
 
 
-async def get_chunk_size(session: Session, request: GetChunkSize) -> ChunkSize:
+def get_chunk_size(session: Session, request: GetChunkSize) -> ChunkSize:
     return ChunkSize(session.state.config.chunk_size)
 
 
-async def probe(session: Session, request: Probe) -> ProbeReply:
+def probe(session: Session, request: Probe) -> ProbeReply:
     tokens = as_int_array(request.tokens, "q", "tokens")
     block_ids = as_int_array(request.block_ids, "q", "block_ids")
     return ProbeReply(len(tokens), len(block_ids))
 
 
-async def stats(session: Session, request: GetStats) -> StatsReply:
-    return session.state.stats()
+def stats(session: Session, request: GetStats) -> StatsReply:
+    return session.state.stats(session)
 
 
-async def goodbye(session: Session, request: Goodbye) -> Pong:
-    """The session ends right after this reply (see ``Session._handle``)."""
+def goodbye(session: Session, request: Goodbye) -> Pong:
+    """The session ends right after this reply (see ``Session.handle_now``)."""
     return Pong(session.state.instance_id)
 
 
 def register_core_operations(state: ServerState) -> None:
-    state.register(Ping, ping)
-    state.register(Goodbye, goodbye)
-    state.register(Hello, hello)
-    state.register(GetChunkSize, get_chunk_size)
-    state.register(GetStats, stats)
-    state.register(Probe, probe)
+    """Register the core operations: none of them waits, so all are answered inline."""
+    state.register_inline(Ping, ping)
+    state.register_inline(Goodbye, goodbye)
+    state.register_inline(Hello, hello)
+    state.register_inline(GetChunkSize, get_chunk_size)
+    state.register_inline(GetStats, stats)
+    state.register_inline(Probe, probe)

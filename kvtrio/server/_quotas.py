@@ -121,6 +121,15 @@ async def scrub(arena: SharedArena, entries: Sequence[Entry]) -> None:
     await trio.to_thread.run_sync(_zero, arena, entries, limiter=_SCRUB_LIMITER)
 
 
+def scrub_now(arena: SharedArena, entries: Sequence[Entry]) -> bool:
+    """Zero the slots now if they are few enough for the trio thread; False (nothing done)
+    if they must be zeroed with :func:`scrub` in a worker thread."""
+    if sum(entry.nbytes for entry in entries) > _INLINE_SCRUB_BYTES:
+        return False
+    _zero(arena, entries)
+    return True
+
+
 def _zero(arena: SharedArena, entries: Sequence[Entry]) -> None:
     for entry in entries:
         arena.view(entry.offset, entry.nbytes).fill(0)

@@ -1,20 +1,25 @@
-"""The router task: owns the ROUTER socket, reads headers, routes requests to session tasks.
+"""The router task: owns the ROUTER socket's receiving side, reads headers, answers or routes.
 
-The router never waits on a client: a request goes into its session's bounded queue without
-blocking (a full queue is answered ``busy``), so one slow client cannot stall another. Session
-tasks send their own replies through :meth:`Router.reply`; a client whose receive queue is full
-delays only its own session.
+The router is the task that consumes the socket's readiness edge: on each wake-up it drains the
+socket (non-blocking receives until it is empty) and, for every request, either answers it
+inline (operations whose handler never waits, when the session has nothing queued before it)
+or puts it in its session's bounded queue without blocking (a full queue is answered ``busy``).
+So a burst of pings costs one scheduling round, not four per request, and one slow client
+cannot stall another. Replies go out through the :class:`Outbox`; a client whose receive queue
+is full delays only its own session.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import trio
 
-from ..errors import ErrorCode, PeerUnreachable, ProtocolError, RequestError
-from ..protocol import HeaderError, decode_header, encode_error
+from ..errors import ErrorCode, ProtocolError, RequestError
+from ..protocol import HeaderError, read_request_header
 from ..transport import Socket
+from ._outbox import Outbox
 from ._session import Incoming, Session
 from ._state import ServerState
 
@@ -26,7 +31,6 @@ MAX_HEADER_SIZE = 1024
 """A header frame larger than this cannot be valid; such a message is dropped unread."""
 _BATCH = 64
 """Messages routed per wakeup before the router yields to other tasks."""
-_MAX_BACKOFF = 0.05
 
 
 class Router:
@@ -34,26 +38,28 @@ class Router:
         self._state = state
         self._socket = socket
         self._sessions = sessions
+        self.outbox = Outbox(state, socket)
+        self.answer_now = self.outbox.answer_now
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Receive and route messages until cancelled."""
+        """Receive and route (or answer) messages until cancelled; the socket must have been
+        opened with ``pump=False`` (this task is its one reader)."""
         task_status.started()
         socket = self._socket
-        if self._state.auth.curve:  # each message with the user id of its connection
-            while True:
-                await socket.wait_readable()
-                for _ in range(_BATCH):
-                    message = socket.try_recv_authenticated()
+        receive = socket.try_recv_authenticated if self._state.auth.curve else None
+        while True:
+            await socket.wait_edge()  # this task owns the socket's edge: drain it all
+            for _ in range(_BATCH):  # then let other tasks run, and come back at once
+                if receive is not None:  # each message with the user id of its connection
+                    message = receive()
                     if message is None:
                         break
                     self.route(*message)
-        while True:
-            self.route(await socket.recv_multipart())
-            for _ in range(_BATCH - 1):
-                frames = socket.try_recv_multipart()
-                if frames is None:
-                    break
-                self.route(frames)
+                else:
+                    frames = socket.try_recv_multipart()
+                    if frames is None:
+                        break
+                    self.route(frames)
 
     def route(self, frames: list[bytes], user: str = "") -> None:
         """Hand one message to its session, or answer/drop it here. Never waits.
@@ -67,18 +73,16 @@ class Router:
             return
         now = trio.current_time()
         try:
-            header = decode_header(parts[0])
+            request_id, kind = read_request_header(parts[0])
         except HeaderError as exc:
             if exc.request_id is None:
                 self._drop(identity, exc.message)
                 return
             item = Incoming(exc.request_id, "?", b"", exc, now)
         else:
-            item = Incoming(
-                header.request_id, header.kind, parts[-1], _check_frames(parts, state), now
-            )
+            item = Incoming(request_id, kind, parts[-1], _check_frames(parts, state), now)
         state.counters.requests += 1
-        session = state.sessions.get(identity)
+        session = cast("Session | None", state.sessions.get(identity))  # (only ours are there)
         if session is not None and session.ending:
             session = None  # ended but not cleaned up yet: this message starts a new session
         if state.draining:
@@ -111,6 +115,11 @@ class Router:
                 return
             session = started
         session.touch(now)
+        if session.idle and item.error is None:
+            operation = state.inline_operations.get(item.kind)
+            if operation is not None:
+                session.handle_now(item, operation)
+                return
         if session.offer(item):
             state.accepted()
         else:
@@ -137,7 +146,7 @@ class Router:
             self._state.counters.sessions_refused += 1
             self.answer_now(identity, item.request_id, ErrorCode.BUSY, refusal, item.kind)
             return None
-        session = Session(identity, self._state, self, principal)
+        session = Session(identity, self._state, self.outbox, principal)
         auth.sessions_by_user[principal.user_id] += 1
         self._state.sessions[identity] = session
         self._state.counters.sessions_started += 1
@@ -147,45 +156,6 @@ class Router:
     def _drop(self, identity: bytes, why: str) -> None:
         self._state.counters.frames_dropped += 1
         log.debug("dropped a message from %s: %s", identity.hex(), why)
-
-    def answer_now(
-        self, identity: bytes, request_id: int, code: ErrorCode, message: str, kind: str = "?"
-    ) -> None:
-        """Send an error reply to a ``kind`` request without waiting; if the client cannot take
-        it now, count it."""
-        self._state.counters.error(code)
-        if self._state.observe_request is not None:
-            self._state.observe_request(kind, code, 0.0)
-        try:
-            sent = self._socket.try_send_multipart(
-                [identity, *encode_error(request_id, code, message)]
-            )
-        except PeerUnreachable:
-            sent = False
-        if not sent:
-            self._state.counters.replies_undeliverable += 1
-
-    async def reply(self, session: Session, frames: list[bytes]) -> None:
-        """Send a reply to ``session``'s client.
-
-        If the client's receive queue is full, retry with backoff for up to the heartbeat
-        timeout; a reply to a client that disconnected, or that never drains its queue, is
-        dropped and counted. Does not checkpoint when the reply goes out at once.
-        """
-        message = [session.identity, *frames]
-        try:
-            if self._socket.try_send_multipart(message):
-                return
-            delay = 0.0005
-            with trio.move_on_after(self._state.config.heartbeat_timeout):
-                while True:
-                    await trio.sleep(delay)
-                    if self._socket.try_send_multipart(message):
-                        return
-                    delay = min(delay * 2, _MAX_BACKOFF)
-        except PeerUnreachable:
-            pass
-        self._state.counters.replies_undeliverable += 1
 
 
 def _check_frames(parts: list[bytes], state: ServerState) -> RequestError | None:

@@ -144,6 +144,7 @@ async def open_server(
                         options=_router_options(config, auth),
                         linger=_REPLY_LINGER_MS,
                         context=context,
+                        pump=False,  # the router owns the socket's edge
                     ) as socket:
                         endpoint = socket.bind(config.endpoint, ipc_group=config.ipc_group)
                         state = ServerState(config, endpoint, auth)

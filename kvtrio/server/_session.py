@@ -6,9 +6,7 @@ import hashlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
-import attrs
 import trio
 
 from .._logging import event
@@ -22,10 +20,8 @@ from ..protocol import (
     encode_reply,
 )
 from ._auth import Principal, check_tenant
-
-if TYPE_CHECKING:
-    from ._router import Router
-    from ._state import Operation, ServerState
+from ._outbox import Outbox
+from ._state import Later, Operation, ServerState
 
 __all__ = ["CLEANUP_TIMEOUT", "Incoming", "Session"]
 
@@ -37,36 +33,53 @@ CLEANUP_TIMEOUT = 5.0
 """Seconds a session's shielded cleanup may take before it is abandoned (and logged)."""
 
 Cleanup = Callable[[], Awaitable[None]]
+_GOODBYE = Goodbye.op
 
 
-@attrs.frozen(eq=False)
 class Incoming:
     """A request as the router hands it to a session: header already read, body not decoded.
 
     ``error`` is set when the router already knows the request must fail (bad framing, too
-    large); the session then answers it with that error, in order.
+    large); the session then answers it with that error, in order. A plain class with slots:
+    one is made per message.
     """
 
-    request_id: int
-    kind: str
-    body: bytes
-    error: RequestError | None = None
-    received: float = 0.0
-    """``trio.current_time()`` when the router read it (request latency starts here)."""
+    __slots__ = ("body", "error", "frames", "kind", "later", "received", "request_id")
+
+    def __init__(
+        self,
+        request_id: int,
+        kind: str,
+        body: bytes,
+        error: RequestError | None = None,
+        received: float = 0.0,
+    ) -> None:
+        self.request_id = request_id
+        self.kind = kind
+        self.body = body
+        self.error = error
+        self.received = received
+        """``trio.current_time()`` when the router read it (request latency starts here)."""
+        self.frames: list[bytes] | None = None
+        """Set when it was answered inline but the client could not take the reply then."""
+        self.later: Later | None = None
+        """Set when an inline handler left the rest to the session's task."""
 
 
 class Session:
     """The server side of one client connection (one ZeroMQ routing id).
 
     Requests are handled one after the other, so a worker's STORE and RETRIEVE stay ordered,
-    except operations registered as concurrent, which run as child tasks. The session ends when
-    its client has been silent for ``heartbeat_timeout`` (the cancel scope's deadline, pushed
-    back by every message), when :meth:`end` is called, or when the server stops; then its
-    cleanups run, shielded and bounded by :data:`CLEANUP_TIMEOUT`.
+    except operations registered as concurrent, which run as child tasks. Requests of inline
+    operations are answered by the router itself (:meth:`handle_now`) while the session has
+    nothing queued; otherwise they queue behind the earlier ones. The session ends when its
+    client has been silent for ``heartbeat_timeout`` (the cancel scope's deadline, pushed back
+    by every message), when :meth:`end` is called, or when the server stops; then its cleanups
+    run, shielded and bounded by :data:`CLEANUP_TIMEOUT`.
     """
 
     def __init__(
-        self, identity: bytes, state: ServerState, router: Router, principal: Principal
+        self, identity: bytes, state: ServerState, outbox: Outbox, principal: Principal
     ) -> None:
         self.identity = identity
         self.principal = principal
@@ -75,7 +88,7 @@ class Session:
         """Names the session in stats, logs and the cache's tables; reveals nothing of the
         routing id (which a client could otherwise use to take over another's connection)."""
         self.state = state
-        self._router = router
+        self._outbox = outbox
         self._send, self._receive = trio.open_memory_channel[Incoming](
             state.config.session_queue_size
         )
@@ -87,8 +100,12 @@ class Session:
         self.client_version = ""
         self.requests = 0
         self.errors = 0
+        self.idle = False
+        """True while the session's task waits on an empty queue: a request may then be
+        answered inline without overtaking an earlier one. Cleared by :meth:`offer`."""
+        self._children: trio.Nursery | None = None
         self._active: set[Incoming] = set()
-        """Requests taken from the queue and not answered yet."""
+        """Requests taken from the queue (or deferred) and not answered yet."""
         self.end_reason: str | None = None
         self._cleanups: list[Cleanup] = []
         self._heartbeat_timeout = state.config.heartbeat_timeout
@@ -125,11 +142,68 @@ class Session:
 
     def offer(self, item: Incoming) -> bool:
         """Queue a request without waiting; False if the session's queue is full."""
+        self.idle = False
         try:
             self._send.send_nowait(item)
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
             return False
         return True
+
+    def handle_now(self, item: Incoming, operation: Operation) -> None:
+        """Answer a request of an inline operation in the caller's scheduling round.
+
+        Only while :attr:`idle` (nothing queued before it). A reply the client cannot take now,
+        and the :class:`Later` part of a handler, go to the session's task, in order; every
+        request still gets exactly one reply. Never waits.
+        """
+        self.requests += 1
+        state = self.state
+        goodbye = False
+        try:
+            request = decode_request(item.kind, item.body)
+            tenant = getattr(request, "tenant", None)
+            if isinstance(tenant, str):
+                check_tenant(self.principal, tenant)
+            result = operation.handler(self, request)
+            if type(result) is Later:
+                self._defer(item, result, operation.concurrent)
+                return
+            frames = encode_reply(item.request_id, item.kind, result)
+            code = None
+            goodbye = item.kind == _GOODBYE
+        except RequestError as exc:
+            code = exc.code
+            frames = encode_error(item.request_id, code, exc.message)
+        except Exception:
+            code, frames = self._failed(item)
+        if code is not None:
+            self.errors += 1
+            state.counters.error(code)
+        if state.observe_request is not None:
+            state.observe_request(item.kind, code, trio.current_time() - item.received)
+        if not self._outbox.try_send(self.identity, frames):
+            item.frames = frames  # the client's queue is full: the session task retries
+            if self.offer(item):
+                state.accepted()
+            else:
+                state.counters.replies_undeliverable += 1
+        if goodbye:
+            self.end("goodbye")
+
+    def _defer(self, item: Incoming, later: Later, concurrent: bool) -> None:
+        """Finish ``item`` with ``later`` in a child task (concurrent) or the session's task."""
+        self.state.accepted()
+        self._active.add(item)
+        if concurrent and self._children is not None:
+            self._children.start_soon(self._run_later, item, later)
+            return
+        item.later = later
+        if not self.offer(item):  # (idle: the queue was empty)
+            self._active.discard(item)
+            self._outbox.answer_now(
+                self.identity, item.request_id, ErrorCode.BUSY, "retry later", item.kind
+            )
+            self.state.settled()
 
     # ----------------------------------------------------------------- used by handlers
 
@@ -167,8 +241,11 @@ class Session:
         try:
             with self.scope:
                 async with trio.open_nursery() as children:
+                    self._children = children
                     await self._serve_queue(children)
         finally:
+            self._children = None
+            self.idle = False
             if self.scope.cancelled_caught and self.end_reason is None:
                 self.end_reason = "heartbeat timeout"
                 self.state.counters.sessions_expired += 1
@@ -185,6 +262,7 @@ class Session:
                 item = receive.receive_nowait()
             except trio.WouldBlock:
                 burst = 0
+                self.idle = True  # the router may answer the next request inline
                 try:
                     item = await receive.receive()
                 except trio.EndOfChannel:
@@ -199,6 +277,16 @@ class Session:
             await self._dispatch(item, children)
 
     async def _dispatch(self, item: Incoming, children: trio.Nursery) -> None:
+        if item.frames is not None:  # answered inline; the client's queue was full
+            try:
+                await self._outbox.reply(self.identity, item.frames)
+            finally:
+                item.frames = None
+                self.state.settled()
+            return
+        if item.later is not None:  # an inline handler's remaining part, in order
+            await self._run_later(item, item.later)
+            return
         self.requests += 1
         self._active.add(item)
         try:
@@ -212,10 +300,48 @@ class Session:
         except RequestError as exc:
             await self._finish(item, encode_error(item.request_id, exc.code, exc.message), exc.code)
             return
-        if operation.concurrent:
+        if operation.inline:
+            await self._handle_inline(item, request, operation, children)
+        elif operation.concurrent:
             children.start_soon(self._handle, item, request, operation)
         else:
             await self._handle(item, request, operation)
+
+    async def _handle_inline(
+        self, item: Incoming, request: Request, operation: Operation, children: trio.Nursery
+    ) -> None:
+        """An inline operation's request that was queued (its session was busy)."""
+        code: ErrorCode | None
+        try:
+            result = operation.handler(self, request)
+        except RequestError as exc:
+            code = exc.code
+            frames = encode_error(item.request_id, code, exc.message)
+        except Exception:
+            code, frames = self._failed(item)
+        else:
+            if type(result) is Later:
+                if operation.concurrent:
+                    children.start_soon(self._run_later, item, result)
+                else:
+                    await self._run_later(item, result)
+                return
+            code, frames = None, encode_reply(item.request_id, item.kind, result)
+        await self._finish(item, frames, code)
+        if code is None and type(request) is Goodbye:
+            self.end("goodbye")
+
+    async def _run_later(self, item: Incoming, later: Later) -> None:
+        code: ErrorCode | None = None
+        try:
+            reply = await later.run()
+            frames = encode_reply(item.request_id, item.kind, reply)
+        except RequestError as exc:
+            code = exc.code
+            frames = encode_error(item.request_id, exc.code, exc.message)
+        except Exception:
+            code, frames = self._failed(item)
+        await self._finish(item, frames, code)
 
     async def _handle(self, item: Incoming, request: Request, operation: Operation) -> None:
         code: ErrorCode | None = None
@@ -226,13 +352,15 @@ class Session:
             code = exc.code
             frames = encode_error(item.request_id, exc.code, exc.message)
         except Exception:
-            log.exception("%s: %r request %d failed", self, item.kind, item.request_id)
-            code = ErrorCode.INTERNAL
-            message = f"the server failed while handling {item.kind!r} (see its log)"
-            frames = encode_error(item.request_id, code, message)
+            code, frames = self._failed(item)
         await self._finish(item, frames, code)
         if type(request) is Goodbye:  # answered: end now, not at the heartbeat timeout
             self.end("goodbye")
+
+    def _failed(self, item: Incoming) -> tuple[ErrorCode, list[bytes]]:
+        log.exception("%s: %r request %d failed", self, item.kind, item.request_id)
+        message = f"the server failed while handling {item.kind!r} (see its log)"
+        return ErrorCode.INTERNAL, encode_error(item.request_id, ErrorCode.INTERNAL, message)
 
     async def _finish(self, item: Incoming, frames: list[bytes], code: ErrorCode | None) -> None:
         self._active.discard(item)
@@ -241,7 +369,7 @@ class Session:
             self.errors += 1
             state.counters.error(code)
         try:
-            await self._router.reply(self, frames)
+            await self._outbox.reply(self.identity, frames)
         finally:
             state.settled()
             if state.observe_request is not None:
@@ -253,11 +381,11 @@ class Session:
             del self.state.sessions[self.identity]
         self.state.auth.sessions_by_user[self.principal.user_id] -= 1  # counted at its start
         self._send.close()
-        unanswered = list(self._active)
+        unanswered = set(self._active)
         self._active.clear()
         while True:
             try:
-                unanswered.append(self._receive.receive_nowait())
+                unanswered.add(self._receive.receive_nowait())
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
         self._receive.close()
@@ -267,7 +395,10 @@ class Session:
             code = ErrorCode.SESSION_ENDED
             message = f"the session ended ({self.end_reason}) before answering; retry"
         for item in unanswered:  # exactly one reply each, also now
-            self._router.answer_now(self.identity, item.request_id, code, message, item.kind)
+            if item.frames is not None:  # answered already, not delivered yet
+                self._outbox.send_or_count(self.identity, item.frames)
+            else:
+                self._outbox.answer_now(self.identity, item.request_id, code, message, item.kind)
         self.state.settled(len(unanswered))
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + CLEANUP_TIMEOUT

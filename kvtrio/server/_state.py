@@ -6,7 +6,7 @@ import collections
 import os
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import trio
@@ -14,27 +14,64 @@ import trio
 from .._version import __version__
 from ..config import ServerConfig, config_summary
 from ..errors import ErrorCode
-from ..protocol import CacheStats, L2Stats, Reply, Request, ServerCounters, StatsReply
-from ._auth import ServerAuth
+from ..protocol import (
+    CacheStats,
+    L2Stats,
+    Reply,
+    Request,
+    ServerCounters,
+    SessionStats,
+    StatsReply,
+)
+from ..transport import ANY_TENANT
+from ._auth import Principal, ServerAuth
 from ._status import storage_summary
 
-if TYPE_CHECKING:
-    from ._session import Session
-
-__all__ = ["Counters", "Handler", "Operation", "ServerState"]
+__all__ = ["Counters", "Handler", "InlineHandler", "Later", "Operation", "ServerState"]
 
 _R = TypeVar("_R", bound=Request)
-Handler = Callable[["Session", Any], Awaitable[Reply]]
+Handler = Callable[[Any, Any], Awaitable[Reply]]
 """``async def handler(session, request) -> reply``; raise ``RequestError`` to answer an error."""
+
+
+class Later:
+    """What an inline handler returns when the rest of its work must wait: ``run()`` finishes
+    it in a task (a child task of the session for a concurrent operation, else the session's
+    own task, in order)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Callable[[], Awaitable[Reply]]) -> None:
+        self.run = run
+
+
+InlineHandler = Callable[[Any, Any], "Reply | Later"]
+"""``def handler(session, request) -> reply or Later``: never waits; answered by the router in
+the same scheduling round the request arrived in (see ``Session.handle_now``)."""
 
 
 @attrs.frozen
 class Operation:
     """How the server runs one operation."""
 
-    handler: Handler
+    handler: Callable[[Any, Any], Any]
+    """A :data:`Handler`, or an :data:`InlineHandler` if ``inline``."""
     concurrent: bool = False
     """Run as a child task of the session (replies may overtake earlier requests' replies)."""
+    inline: bool = False
+
+
+class SessionView(Protocol):
+    """What the state needs of a live session (the session module imports the state, not
+    the other way round)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def principal(self) -> Principal: ...
+
+    def stats(self, now: float) -> SessionStats: ...
 
 
 @attrs.define
@@ -71,8 +108,10 @@ class ServerState:
         self.instance_id = uuid.uuid4().hex
         self.started_at = trio.current_time()
         self.counters = Counters()
-        self.sessions: dict[bytes, Session] = {}
+        self.sessions: dict[bytes, SessionView] = {}
         self.operations: dict[type[Request], Operation] = {}
+        self.inline_operations: dict[str, Operation] = {}
+        """Operation name → operation, for those the router answers inline."""
         self.cache_stats: Callable[[], CacheStats] | None = None
         """Set by the cache service: its part of the ``stats`` reply."""
         self.l2_stats: Callable[[], tuple[L2Stats, ...]] | None = None
@@ -88,12 +127,29 @@ class ServerState:
     def register(
         self,
         request_type: type[_R],
-        handler: Callable[[Session, _R], Awaitable[Reply]],
+        handler: Callable[[Any, _R], Awaitable[Reply]],
         *,
         concurrent: bool = False,
     ) -> None:
         """Declare the handler of ``request_type`` (one per type; later registrations replace)."""
         self.operations[request_type] = Operation(handler, concurrent)
+        self.inline_operations.pop(request_type.op, None)
+
+    def register_inline(
+        self,
+        request_type: type[_R],
+        handler: Callable[[Any, _R], Reply | Later],
+        *,
+        concurrent: bool = False,
+    ) -> None:
+        """Declare a handler that never waits (it may hand what must wait to a :class:`Later`).
+
+        Its requests are answered by the router as they are read, when their session has
+        nothing queued before them; ``concurrent`` says where a :class:`Later` runs.
+        """
+        operation = Operation(handler, concurrent, inline=True)
+        self.operations[request_type] = operation
+        self.inline_operations[request_type.op] = operation
 
     @property
     def phase(self) -> str:
@@ -120,8 +176,19 @@ class ServerState:
 
     # ----------------------------------------------------------------- stats
 
-    def stats(self) -> StatsReply:
+    def stats(self, caller: SessionView | None = None) -> StatsReply:
+        """The ``stats`` reply as ``caller`` may see it (None: an operator, who sees all).
+
+        A caller that may use every tenant (the local user of an ipc server, an admin key)
+        sees every session; a client key sees only its own key's sessions, an anonymous
+        client only its own session: client names and request counts of other tenants are
+        not its business.
+        """
         now = trio.current_time()
+        sessions = list(self.sessions.values())
+        if caller is not None and ANY_TENANT not in caller.principal.tenants:
+            user = caller.principal.user_id
+            sessions = [s for s in sessions if user and s.principal.user_id == user] or [caller]
         c = self.counters
         return StatsReply(
             server_version=__version__,
@@ -139,7 +206,7 @@ class ServerState:
                 sessions_ended=c.sessions_ended,
                 sessions_expired=c.sessions_expired,
             ),
-            sessions=tuple(session.stats(now) for session in self.sessions.values()),
+            sessions=tuple(session.stats(now) for session in sessions),
             cache=self.cache_stats() if self.cache_stats is not None else None,
             l2=self.l2_stats() if self.l2_stats is not None else (),
         )

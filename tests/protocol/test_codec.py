@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgpack
 import pytest
 from hypothesis import given
@@ -33,6 +35,7 @@ from kvtrio.protocol import (
     encode_error,
     encode_reply,
     encode_request,
+    read_request_header,
 )
 
 REQUESTS = [
@@ -106,15 +109,26 @@ def test_hello_round_trips_any_strings_and_ids(request_id: int, name: str, versi
         (msgpack.packb([PROTOCOL_VERSION, 5]), 5, "array"),
         (msgpack.packb([PROTOCOL_VERSION, 5, "ping", 0]), 5, "array"),
         (msgpack.packb(["1", 5, "ping"]), 5, "version must be an integer"),
+        (msgpack.packb([float(PROTOCOL_VERSION), 5, "ping"]), 5, "version must be an integer"),
+        (msgpack.packb([PROTOCOL_VERSION, True, "ping"]), None, "unsigned"),
         (msgpack.packb([PROTOCOL_VERSION, 5, 3]), 5, "operation name must be a string"),
         (msgpack.packb([PROTOCOL_VERSION, 5, "ping"]) + b"\x00", None, "not valid msgpack"),
     ],
 )
-def test_bad_headers(frame: bytes, request_id: int | None, fragment: str) -> None:
+@pytest.mark.parametrize("decode", [decode_header, read_request_header])
+def test_bad_headers(
+    frame: bytes, request_id: int | None, fragment: str, decode: Callable[[bytes], object]
+) -> None:
     with pytest.raises(HeaderError, match=fragment) as info:
-        decode_header(frame)
+        decode(frame)
     assert info.value.request_id == request_id
     assert info.value.code is ErrorCode.BAD_REQUEST
+
+
+def test_the_servers_header_reader_builds_no_header_object() -> None:
+    frame = msgpack.packb([PROTOCOL_VERSION, 2**64 - 1, "lookup"])
+    assert read_request_header(frame) == (2**64 - 1, "lookup")
+    assert decode_header(frame).request_id == 2**64 - 1
 
 
 def test_other_protocol_version_is_refused_with_the_request_id() -> None:

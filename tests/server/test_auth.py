@@ -192,6 +192,33 @@ async def test_tenant_spoofing_is_refused(short_dir: Path) -> None:
             await victim.request(Lookup("r", "m", 1, chunk_hashes=(bytes(16),), tenant="acme"))
 
 
+async def test_stats_shows_a_client_key_only_its_own_sessions(short_dir: Path) -> None:
+    # A leak across tenants: stats listed every session's client name to any caller.
+    async with tenant_clients(short_dir, tcp_config()) as (server, acme, victim):
+        for client in (acme, victim):  # both sessions are up
+            assert isinstance(await client.request(Ping()), Pong)
+        assert len(server.state.stats().sessions) == 2  # the operator sees all
+        mine = await acme.request(GetStats())
+        theirs = await victim.request(GetStats())
+        assert isinstance(mine, StatsReply)
+        assert isinstance(theirs, StatsReply)
+        assert len(mine.sessions) == len(theirs.sessions) == 1
+        assert mine.sessions[0].session_id != theirs.sessions[0].session_id
+
+
+async def test_the_local_user_of_an_ipc_server_sees_every_session(short_dir: Path) -> None:
+    config = ServerConfig(endpoint=f"ipc://{short_dir}/s.sock", l1_size=16 << 20, l2=())
+    async with (
+        open_server(config) as server,
+        open_client(server.endpoint, client_name="one") as one,
+        open_client(server.endpoint, client_name="two") as two,
+    ):
+        assert isinstance(await two.request(Ping()), Pong)
+        stats = await one.request(GetStats())
+        assert isinstance(stats, StatsReply)
+        assert sorted(s.client_name for s in stats.sessions) == ["one", "two"]
+
+
 async def test_an_allowed_keys_file_maps_keys_to_tenants(short_dir: Path) -> None:
     keys = short_dir / "file"
     server_pair = write_keypair(keys, "server")

@@ -32,6 +32,7 @@ from kvtrio.protocol import (
     encode_request,
 )
 from kvtrio.server import ServerHandle, Session, serve
+from kvtrio.server._state import Later
 from kvtrio.transport import Socket, open_socket
 
 from ..conftest import await_condition
@@ -184,6 +185,78 @@ async def test_a_slow_client_does_not_stall_another(
         gate.release.set()
     assert results[0] == ChunkSize(1)
     assert isinstance(results[1], Pong)
+
+
+async def _replies_in_order(raw: Socket, count: int) -> list[tuple[int, str]]:
+    received = []
+    with trio.fail_after(5):
+        while len(received) < count:
+            header_frame, _ = await raw.recv_multipart()
+            h = decode_reply_header(header_frame)
+            received.append((h.request_id, h.kind))
+    return received
+
+
+async def test_inline_requests_keep_their_place_behind_a_waiting_one(
+    server: ServerHandle, raw: Socket
+) -> None:
+    gate = Gate()
+    server.state.register(GetChunkSize, gate)  # waits: the session is busy while it does
+    await raw.send_multipart(encode_request(1, GetChunkSize()))
+    await await_condition(lambda: gate.entered == 1, what="the waiting request to start")
+    await raw.send_multipart(encode_request(2, Ping()))  # inline, but queued behind 1
+    await raw.send_multipart(encode_request(3, Probe(tokens=(1,), block_ids=())))
+    await trio.testing.wait_all_tasks_blocked()
+    gate.release.set()
+    assert await _replies_in_order(raw, 3) == [(1, "get_chunk_size"), (2, "ping"), (3, "probe")]
+
+
+async def test_the_waiting_part_of_an_inline_request_keeps_its_order(
+    server: ServerHandle, raw: Socket
+) -> None:
+    gate = Gate()
+    started: list[int] = []
+
+    def inline(session: Session, request: GetChunkSize) -> Later:
+        started.append(1)
+        return Later(lambda: gate(session, request))
+
+    server.state.register_inline(GetChunkSize, inline)
+    await raw.send_multipart(encode_request(1, GetChunkSize()))
+    await raw.send_multipart(encode_request(2, Ping()))
+    await await_condition(lambda: gate.entered == 1, what="the Later part to start")
+    assert started == [1]
+    gate.release.set()
+    assert await _replies_in_order(raw, 2) == [(1, "get_chunk_size"), (2, "ping")]
+
+
+class SessionSteps:
+    """Counts the scheduling rounds of session tasks."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.startswith("kvtrio session"):
+            self.steps += 1
+
+
+async def test_requests_of_an_idle_session_never_wake_its_task(
+    server: ServerHandle, raw: Socket
+) -> None:
+    # Answered inline by the router: no round trip through the session's task (and its queue).
+    await raw.send_multipart(encode_request(0, Ping()))
+    assert await _replies_in_order(raw, 1) == [(0, "ping")]
+    await trio.testing.wait_all_tasks_blocked()  # the session's task is parked
+    counter = SessionSteps()
+    trio.lowlevel.add_instrument(counter)
+    try:
+        for request_id in range(1, 101):
+            await raw.send_multipart(encode_request(request_id, Ping()))
+            assert await _replies_in_order(raw, 1) == [(request_id, "ping")]
+    finally:
+        trio.lowlevel.remove_instrument(counter)
+    assert counter.steps == 0
 
 
 @pytest.mark.parametrize("server_config", [{"session_queue_size": 2}], indirect=True)

@@ -38,7 +38,17 @@ def raw_router(endpoint: str) -> AsyncIterator[zmq.Socket[bytes]]:
     sock.close(linger=0)
 
 
-async def _lost_wakeup_scenario(dealer: Socket, router: zmq.Socket[bytes]) -> bytes | None:
+async def _recv_as_edge_owner(socket: Socket) -> list[bytes]:
+    while True:
+        await socket.wait_edge()
+        frames = socket.try_recv_multipart()
+        if frames is not None:
+            return frames
+
+
+async def _lost_wakeup_scenario(
+    dealer: Socket, router: zmq.Socket[bytes], *, edge_owner: bool = False
+) -> bytes | None:
     """Reproduce the lost wakeup; return what the parked reader got (None if it never woke).
 
     1. a reader task parks in recv (no message yet);
@@ -53,14 +63,17 @@ async def _lost_wakeup_scenario(dealer: Socket, router: zmq.Socket[bytes]) -> by
     the scenario blocks the whole event loop for 10 ms first, which also keeps the pump from
     running. In a server this happens whenever a reply goes out after a quiet millisecond.
     """
-    await dealer.send_multipart([b"who am i"])
+    assert dealer.try_send_multipart([b"who am i"])
     assert router.poll(5000)
     identity, _ = router.recv_multipart()
     got: list[bytes] = []
     woke = trio.Event()
 
     async def reader() -> None:
-        got.extend(await dealer.recv_multipart())
+        if edge_owner:
+            got.extend(await _recv_as_edge_owner(dealer))
+        else:
+            got.extend(await dealer.recv_multipart())
         woke.set()
 
     async with trio.open_nursery() as nursery:
@@ -97,6 +110,35 @@ async def test_adapter_survives_the_lost_wakeup_scenario(
     async with open_socket(zmq.DEALER) as dealer:
         dealer.connect(endpoint)
         assert await _lost_wakeup_scenario(dealer, raw_router) == b"the reply"
+
+
+async def test_an_edge_owning_reader_survives_the_lost_wakeup_scenario(
+    raw_router: zmq.Socket[bytes], endpoint: str
+) -> None:
+    # The server's router reads this way: no pump, the reader waits on the FD itself.
+    async with open_socket(zmq.DEALER, pump=False) as dealer:
+        dealer.connect(endpoint)
+        assert await _lost_wakeup_scenario(dealer, raw_router, edge_owner=True) == b"the reply"
+
+
+async def test_an_edge_owning_reader_is_woken_by_close(endpoint: str) -> None:
+    async with open_socket(zmq.DEALER, pump=False) as dealer:
+        dealer.connect(endpoint)
+        with pytest.raises(RuntimeError):
+            await dealer.recv_multipart()  # no pump: only wait_edge() may wait
+        raised: list[BaseException] = []
+
+        async def reader() -> None:
+            try:
+                await _recv_as_edge_owner(dealer)
+            except trio.ClosedResourceError as exc:
+                raised.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.testing.wait_all_tasks_blocked()
+            dealer.close()
+        assert len(raised) == 1
 
 
 @pytest.fixture

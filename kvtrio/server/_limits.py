@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..errors import ErrorCode, RequestError
 from ..protocol import Register
 from ..storage import LeaseTable
-from ..transfer import KVLayout
+from ._registry import layout_of
 
 __all__ = ["RequestLimits", "check_registration"]
 
@@ -40,18 +40,7 @@ def check_registration(request: Register, chunk_size: int, arena_size: int) -> N
             raise RequestError(
                 ErrorCode.BAD_REQUEST, f"{name} must be an integer in 1…{limit}, got {value!r}"
             )
-    try:
-        layout = KVLayout(
-            kind=spec.kind,
-            num_layers=spec.num_layers,
-            num_blocks=spec.num_blocks,
-            block_size=spec.block_size,
-            num_heads=spec.num_heads,
-            head_dim=spec.head_dim,
-            dtype=spec.dtype,
-        )
-    except (ValueError, TypeError) as exc:
-        raise RequestError(ErrorCode.BAD_REQUEST, f"invalid layout: {exc}") from None
+    layout = layout_of(spec)
     if chunk_size % layout.block_size:
         return  # (the registry refuses it, saying why)
     chunk_bytes = layout.chunk_nbytes(chunk_size)

@@ -12,7 +12,7 @@ from ..protocol import LayoutSpec, Register
 from ..storage import HASH_SCHEME_TOKENS, ModelProfile, namespace
 from ..transfer import KVLayout
 
-__all__ = ["ModelEntry", "Registration", "Registry", "request_key"]
+__all__ = ["ModelEntry", "Registration", "Registry", "layout_of", "request_key"]
 
 
 def request_key(engine: str, model: str, tenant: str, request: str) -> str:
@@ -97,7 +97,7 @@ class Registry:
         Raises :class:`RequestError` (``bad_request`` or ``incompatible``) with a message that
         says what is wrong.
         """
-        layout = _layout(request.layout)
+        layout = layout_of(request.layout)
         if request.device not in ("cpu", "cuda"):
             raise RequestError(
                 ErrorCode.BAD_REQUEST,
@@ -201,7 +201,8 @@ class Registry:
         return registration
 
 
-def _layout(spec: LayoutSpec) -> KVLayout:
+def layout_of(spec: LayoutSpec) -> KVLayout:
+    """The layout a registration describes, or ``bad_request`` saying what is wrong."""
     try:
         return KVLayout(
             kind=spec.kind,

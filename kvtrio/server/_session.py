@@ -413,7 +413,7 @@ class Session:
         reason = self.end_reason or "server stopping"
         log.info(
             "session %s ended (%s)",
-            self,
+            self.id,
             reason,
             extra=event(
                 "session_end",

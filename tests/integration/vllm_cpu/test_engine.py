@@ -95,7 +95,10 @@ def kvtrio(workdir: Path) -> Iterator[ServerProcess]:
         "KVTRIO_DRAIN_TIMEOUT": "1",
     }
     args = ["--chunk-size", str(CHUNK), "--l1-size", "128MiB"]
-    server = ServerProcess(f"ipc://{workdir}/kvtrio.sock", args, env, log_path=workdir / "kv.log")
+    # tcp on loopback: CURVE on, with the suite's default keys (KVTRIO_KEY_DIR), which the
+    # server creates and vLLM's connector finds, as a user's engines would.
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = ServerProcess(endpoint, args, env, log_path=workdir / "kv.log")
     server.start()
     yield server
     server.stop()

@@ -338,11 +338,13 @@ class ArenaWorker:
         keep_before: int,
         loaded: set[int],
         causes: dict[int, str],
+        copied: Callable[[], None] = lambda: None,
     ) -> None:
         """Copy the chunks the server has into the engine's blocks, leaving the tokens before
         ``keep_before`` alone. Each chunk copied is added to ``loaded``; chunks the server did
-        not answer get the cause in ``causes``. The read pins are released at the end (not
-        waited for), also when a copy raised.
+        not answer get the cause in ``causes``; ``copied`` is called when that is all
+        (unless a copy raised). The read pins are released then (not waited for), also when
+        a copy raised.
 
         Partial retrieves: the server answers at once what is in L1 (the whole range, when no
         L2 load is under way), else as soon as the first chunk's load is done; the chunks still
@@ -381,6 +383,7 @@ class ArenaWorker:
                     if blocks:
                         scatter(layout, self.arrays, blocks, data)
                     loaded.add(slot.chunk)
+            copied()
         finally:
             if read:
                 self._send(Release(rid, tuple(read)))

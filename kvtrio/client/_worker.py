@@ -408,9 +408,16 @@ class WorkerAdapter:
 
         The future is done when the blocks are in place or reported failed (it never raises)."""
         engine_event = self._cuda.record() if self._cuda is not None else b""
+        done: Future[None] = Future()
         with self._lock:
             self._pending_retrieves[request_id] += 1
-        return self._transfers.submit(self._run_retrieve, request_id, op, engine_event)
+        try:
+            self._transfers.submit(self._run_retrieve, request_id, op, engine_event, done)
+        except RuntimeError:  # shut down: nothing will run it
+            with self._lock:
+                self._pending_retrieves[request_id] -= 1
+            raise
+        return done
 
     def batched_submit_store_requests(
         self, request_ids: Sequence[str], ops: Sequence[LoadStoreOp], event: object = None
@@ -544,11 +551,33 @@ class WorkerAdapter:
         assert mapped.arena is not None
         return self._arena.store(mapped.arena, self._span(mapped, request_id, op))
 
-    def _run_retrieve(self, request_id: str, op: LoadStoreOp, engine_event: bytes = b"") -> None:
+    def _run_retrieve(
+        self, request_id: str, op: LoadStoreOp, engine_event: bytes, done: Future[None]
+    ) -> None:
         first, last = op.start // self.chunk_size, op.end // self.chunk_size
         loaded: set[int] = set()
         causes: dict[int, str] = {}  # chunks of batches the server refused
         cause = ""
+
+        def finished() -> None:
+            """Report the retrieve (once): which blocks failed, and that it is done."""
+            if done.done():
+                return
+            kept = set(op.block_ids[: (op.start + op.skip_first_n_tokens) // self.block_size])
+            missing = [c for c in range(first, last) if c not in loaded]
+            failed = {b for c in missing for b in self._blocks_of(op, c) if b not in kept}
+            for reason, count in collections.Counter(
+                causes.get(c, cause or "missing") for c in missing
+            ).items():
+                self.failures.retrieve(reason, count)
+            with self._lock:
+                self._failed_blocks.update(failed)
+                self._pending_retrieves[request_id] -= 1
+                if not self._pending_retrieves[request_id]:
+                    del self._pending_retrieves[request_id]
+                    self._retrieves_done.add(request_id)
+            done.set_result(None)
+
         try:
             mapped = self._await_registration(time.monotonic() + self.timeout)
             if mapped is None:
@@ -564,7 +593,10 @@ class WorkerAdapter:
                 else:
                     assert self._arena is not None
                     assert mapped.arena is not None
-                    self._arena.retrieve(mapped.arena, span, keep_before, loaded, causes)
+                    # (reported before its release is sent: the engine need not wait for that)
+                    self._arena.retrieve(
+                        mapped.arena, span, keep_before, loaded, causes, copied=finished
+                    )
         except NotRegistered:
             cause = "not_registered"
             self._reregister()
@@ -578,19 +610,7 @@ class WorkerAdapter:
             cause = "internal"
             log.exception("retrieve of %s failed", request_id)
         finally:
-            kept = set(op.block_ids[: (op.start + op.skip_first_n_tokens) // self.block_size])
-            missing = [c for c in range(first, last) if c not in loaded]
-            failed = {b for c in missing for b in self._blocks_of(op, c) if b not in kept}
-            for reason, count in collections.Counter(
-                causes.get(c, cause or "missing") for c in missing
-            ).items():
-                self.failures.retrieve(reason, count)
-            with self._lock:
-                self._failed_blocks.update(failed)
-                self._pending_retrieves[request_id] -= 1
-                if not self._pending_retrieves[request_id]:
-                    del self._pending_retrieves[request_id]
-                    self._retrieves_done.add(request_id)
+            finished()
 
     def _cuda_retrieve(
         self,

@@ -35,14 +35,14 @@ def test_batches_double_up_to_the_byte_limit() -> None:
     def span(chunks: int, chunk_bytes: int) -> Span:
         return Span("r", 0, (b"h" * 16,) * chunks, b"", CHUNK, chunk_bytes, PER_CHUNK, ())
 
-    assert span(10, 1 << 10).batches() == [range(0, 1), range(1, 3), range(3, 7), range(7, 10)]
+    assert span(10, 1 << 10).batches() == [range(1), range(1, 3), range(3, 7), range(7, 10)]
     assert span(7, 1 << 20).batches(limit=2 << 20) == [
-        range(0, 1),
+        range(1),
         range(1, 3),
         range(3, 5),
         range(5, 7),
     ]
-    assert span(3, 64 << 20).batches(limit=16 << 20) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert span(3, 64 << 20).batches(limit=16 << 20) == [range(1), range(1, 2), range(2, 3)]
     assert span(0, 1 << 10).batches() == []
 
 
@@ -56,7 +56,9 @@ async def scheduler(server: ServerHandle) -> AsyncIterator[AsyncClient]:
 async def worker(server: ServerHandle) -> AsyncIterator[tuple[WorkerAdapter, list[np.ndarray]]]:
     rng = np.random.default_rng(17)
     shape = (2, BLOCKS, BLOCK, 2, 8)  # flash_attn
-    arrays = [rng.integers(0, 1 << 16, shape, dtype=np.uint16).view(np.float16) for _ in range(2)]
+    arrays = [
+        rng.integers(0, 1 << 16, shape, dtype=np.uint16).view(np.float16) for _ in range(LAYERS)
+    ]
     adapter = WorkerAdapter(server.endpoint, "m", 1, 0, BLOCK)
     caches = {f"layer.{i}": a for i, a in enumerate(arrays)}
     await trio.to_thread.run_sync(lambda: adapter.register_kv_caches(caches))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -106,7 +107,8 @@ class Server:
     endpoint (and the options, so a disk L2 keeps its objects)."""
 
     def __init__(self, *options: str, home: str | None = None) -> None:
-        self.endpoint = f"ipc://{tempfile.mkdtemp(prefix='kvb-', dir='/tmp')}/kvtrio.sock"
+        self.directory = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
+        self.endpoint = f"ipc://{self.directory}/kvtrio.sock"
         self.options = options
         self.home = home
         """``HOME`` of the server (where a backend's default paths go), if not ours."""
@@ -142,3 +144,4 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)

@@ -39,6 +39,12 @@ _METAVARS = {
     "shm_dir": "DIR",
     "log_level": "LEVEL",
     "log_format": "FORMAT",
+    "eviction": "POLICY",
+    "curve_secret_key": "FILE",
+    "curve_allowed_keys": "PATH",
+    "ipc_group": "GROUP",
+    "lease_share": "SHARE",
+    "lease_share_per_key": "SHARE",
 }
 _SHOWN_DEFAULTS = {
     "shm_dir": "/dev/shm, else the temporary directory",
@@ -66,7 +72,7 @@ def _shown_default(field: attrs.Attribute[Any]) -> str:
     if field.type in _SIZE_TYPES:
         return format_size(cast(int, field.default))
     if field.type in (float, "float"):
-        return f"{field.default:g}s"
+        return f"{field.default:g}s" if _metavar(field) == "SECONDS" else f"{field.default:g}"
     return str(field.default) if field.default != "" else "none"
 
 

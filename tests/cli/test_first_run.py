@@ -55,6 +55,12 @@ def test_help_shows_sizes_in_units_and_no_blank_defaults() -> None:
     assert "[default: 16MiB]" in help_text
     assert "--chunk-size TOKENS" in help_text
     assert "--lookup-timeout SECONDS" in help_text
+    assert "--eviction POLICY" in help_text
+    assert "--curve-secret-key FILE" in help_text
+    assert "--ipc-group GROUP" in help_text
+    assert "--lease-share SHARE" in help_text
+    assert "[default: 0.9]" in help_text  # a share, not seconds
+    assert "SHARE Share of L1 that pins and reservations together may take" in help_text
     assert "[default: ]" not in help_text
     assert "4294967296" not in help_text
     assert "[default: 34359738368]" not in run("backends").stdout

@@ -1,0 +1,83 @@
+"""The shared-memory arena's mapping: populated for workers, without stopping their threads."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtrio.storage import SharedArena
+from kvtrio.storage import _arena as arena_module
+
+SIZE = 256 << 20
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux", reason="page tables are populated on Linux"
+)
+
+
+@pytest.fixture
+def arena(tmp_path: Path) -> Iterator[SharedArena]:
+    shm = Path("/dev/shm")
+    created = SharedArena.create(SIZE, directory=str(shm if shm.is_dir() else tmp_path))
+    created.preallocate()  # as the server does
+    yield created
+    created.close()
+
+
+def resident(path: str) -> int:
+    """Bytes of this process's mappings of ``path`` in memory (``Rss`` in /proc/self/smaps)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+            inside = line.endswith(path)
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.parametrize("kernel", ["madvise", "before 5.14"])
+def test_attach_populates_the_whole_mapping(
+    arena: SharedArena, kernel: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if kernel == "before 5.14":  # no MADV_POPULATE_WRITE: pages are touched from numpy
+        monkeypatch.setattr(arena_module, "_MADV_POPULATE_WRITE", -1)  # EINVAL, like old kernels
+    lazy = SharedArena.attach(arena.path, SIZE, populate=False)
+    populated = SharedArena.attach(arena.path, SIZE)
+    try:
+        assert resident(arena.path) >= SIZE  # the populated mapping (the others: untouched)
+        populated.view(SIZE - 8, 8)[:] = 7  # and writable
+        assert bytes(lazy.view(SIZE - 8, 8)) == b"\x07" * 8
+    finally:
+        lazy.close()
+        populated.close()
+
+
+def test_other_threads_run_while_a_mapping_is_populated(arena: SharedArena) -> None:
+    """``mmap(MAP_POPULATE)`` held the GIL throughout: a client's heartbeat thread stopped."""
+    ticks: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        while not ticks:
+            time.sleep(0.001)
+        started = time.monotonic()
+        attached = SharedArena.attach(arena.path, SIZE)
+        finished = time.monotonic()
+    finally:
+        done.set()
+        thread.join()
+    attached.close()
+    during = [t for t in ticks if started < t < finished]
+    assert len(during) >= 5, f"{len(during)} ticks in {finished - started:.3f}s of populating"

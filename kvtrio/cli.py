@@ -39,15 +39,26 @@ _METAVARS = {
     "shm_dir": "DIR",
     "log_level": "LEVEL",
     "log_format": "FORMAT",
+    "eviction": "POLICY",
+    "curve_secret_key": "FILE",
+    "curve_allowed_keys": "PATH",
+    "ipc_group": "GROUP",
+    "lease_share": "SHARE",
+    "lease_share_per_key": "SHARE",
 }
-_SHOWN_DEFAULTS = {"shm_dir": "/dev/shm, else the temporary directory", "http": "not served"}
+_SHOWN_DEFAULTS = {
+    "shm_dir": "/dev/shm, else the temporary directory",
+    "http": "not served",
+    "l1_size": "auto",
+}
+_SIZE_TYPES = (ByteSize, "ByteSize", "ByteSize | None")
 
 
 def _metavar(field: attrs.Attribute[Any]) -> str:
     """What a flag takes: sizes take units, durations seconds, counts a number."""
     if field.name in _METAVARS:
         return _METAVARS[field.name]
-    if field.type in (ByteSize, "ByteSize"):
+    if field.type in _SIZE_TYPES:
         return "SIZE"
     if field.type in (float, "float"):
         return "SECONDS"
@@ -58,10 +69,10 @@ def _shown_default(field: attrs.Attribute[Any]) -> str:
     """A default as a person reads it: ``4GiB`` not 4294967296, ``off`` not a blank."""
     if field.name in _SHOWN_DEFAULTS:
         return _SHOWN_DEFAULTS[field.name]
-    if field.type in (ByteSize, "ByteSize"):
+    if field.type in _SIZE_TYPES:
         return format_size(cast(int, field.default))
     if field.type in (float, "float"):
-        return f"{field.default:g}s"
+        return f"{field.default:g}s" if _metavar(field) == "SECONDS" else f"{field.default:g}"
     return str(field.default) if field.default != "" else "none"
 
 
@@ -237,7 +248,7 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 async def _run_server(config: ServerConfig) -> None:
-    from .server import describe_storage, serve, storage_summary
+    from .server import describe_storage, serve
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
@@ -255,7 +266,7 @@ async def _run_server(config: ServerConfig) -> None:
                     instance=handle.instance_id,
                 ),
             )
-            storage = storage_summary(config)
+            storage = handle.state.storage()
             log.info(
                 "data: %s",
                 describe_storage(storage),

@@ -209,10 +209,14 @@ class ServerConfig:
         validator=[_positive, _at_most(1 << 20), _multiple_of(CHUNK_MULTIPLE)],
         metadata={"help": "Tokens per cached chunk (a multiple of 16)."},
     )
-    l1_size: ByteSize = field(
-        default=ByteSize(4 << 30),
-        validator=_positive,
-        metadata={"help": "Capacity of the host-memory tier (e.g. 4GiB)."},
+    l1_size: ByteSize | None = field(
+        default=None,
+        validator=attrs.validators.optional(_positive),
+        metadata={
+            "help": "Capacity of the host-memory tier, shared memory committed at start (e.g. "
+            "8GiB). auto: the smallest of 4GiB, half the shm dir's free space and a quarter of "
+            "the memory available, at least 256MiB per tenant arena."
+        },
     )
     l1_tenants: int = field(
         default=1,
@@ -462,6 +466,13 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(float, number(float))
     conv.register_structure_hook(str, string)
     conv.register_structure_hook(ByteSize, lambda v, _: ByteSize(parse_size(v)))
+
+    def optional_size(value: Any, _: Any) -> ByteSize | None:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
+            return None  # the default: sized from the machine at start (server/_l1size.py)
+        return ByteSize(parse_size(value))
+
+    conv.register_structure_hook_func(lambda t: t == ByteSize | None, optional_size)
 
     def http_address(value: Any, _: Any) -> HttpAddress:
         if isinstance(value, int) and not isinstance(value, bool):

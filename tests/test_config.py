@@ -29,6 +29,19 @@ def test_precedence(tmp_path: Path) -> None:
     assert config.log_level == "warning"  # flag beats file
 
 
+def test_the_l1_size_is_auto_unless_given(tmp_path: Path) -> None:
+    """None: sized from the machine when the server starts (tests/server/test_l1size.py)."""
+    assert load_config(environ={}).l1_size is None
+    assert load_config({"l1_size": "auto"}, environ={"KVTRIO_L1_SIZE": "2GiB"}).l1_size is None
+    assert load_config(environ={"KVTRIO_L1_SIZE": "AUTO"}).l1_size is None
+    file = tmp_path / "kvtrio.toml"
+    file.write_text('l1_size = "auto"\n')
+    assert load_config(config_file=file, environ={"KVTRIO_L1_SIZE": "2GiB"}).l1_size is None
+    assert load_config({"l1_size": "768MiB"}, environ={}).l1_size == 768 << 20
+    with pytest.raises(ConfigError, match=r"l1_size = '0' \(from --l1-size\): must be greater"):
+        load_config({"l1_size": "0"}, environ={})
+
+
 @pytest.mark.parametrize(
     ("text", "size"),
     [

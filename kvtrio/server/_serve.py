@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
+import attrs
 import trio
 import zmq
 
 from .._logging import event
-from ..config import ServerConfig
+from ..config import ByteSize, ServerConfig
 from ..errors import ConfigError
 from ..l2 import Backend, create_backend
 from ..storage import L1Cache, SharedArena, default_shm_dir, make_policy
@@ -20,6 +20,7 @@ from ._auth import ServerAuth, configure_auth
 from ._cache import CacheService
 from ._cuda import CudaTransfers, RuntimeFactory
 from ._http import bind_http, serve_http
+from ._l1size import L1Plan, measure_room, plan_l1
 from ._l2 import L2Tier
 from ._metrics import ServerMetrics
 from ._operations import register_core_operations
@@ -119,12 +120,15 @@ async def open_server(
     replaces the CUDA runtime the first CUDA registration creates (tests pass a simulated one).
     """
     ensure_endpoint_free(config.endpoint)
+    config, plan = size_l1(config)
+    if plan.warning:
+        log.warning("%s", plan.warning, extra=event("l1_size", warning=plan.warning))
     auth = configure_auth(config)  # first: a bad key file stops the start before anything runs
     http_socket = bind_http(config.http) if config.http else None
     try:
         if backends is None:
             backends = [(spec.name, create_backend(spec.name, spec.options)) for spec in config.l2]
-        arena = create_arena(config)
+        arena = create_arena(plan)
     except BaseException:
         if http_socket is not None:
             http_socket.close()
@@ -148,6 +152,7 @@ async def open_server(
                     ) as socket:
                         endpoint = socket.bind(config.endpoint, ipc_group=config.ipc_group)
                         state = ServerState(config, endpoint, auth)
+                        state.l1_sizing = plan.sizing
                         log.info(
                             "%s",
                             auth.describe(endpoint),
@@ -237,31 +242,26 @@ async def _preallocate(arena: SharedArena) -> None:
     log.debug("L1 arena allocated in %.2fs", trio.current_time() - started)
 
 
-def create_arena(config: ServerConfig) -> SharedArena:
-    """Create the shared-memory L1 arena, refusing a size the directory cannot hold.
+def create_arena(plan: L1Plan) -> SharedArena:
+    """Create the first shared-memory L1 arena of ``plan`` (the others come with their tenants).
 
-    Pages of a tmpfs file are allocated when first written; if ``/dev/shm`` is smaller than the
-    arena, a worker writing into it later dies of SIGBUS. So the free space is checked up front
-    (the usual culprit is a container's 64 MiB default ``/dev/shm``).
+    Its pages are allocated by :func:`_preallocate` once the server runs; ``plan`` was checked
+    against the directory's free space (a tmpfs smaller than the arena would SIGBUS a worker
+    writing into it later; the usual culprit is a container's 64 MiB default ``/dev/shm``).
     """
-    directory = config.shm_dir or default_shm_dir()
     try:
-        stat = os.statvfs(directory)
+        return SharedArena.create(plan.arena, directory=plan.directory)
     except OSError as exc:
-        raise ConfigError(f"shm_dir {directory}: {exc.strerror}") from None
-    free = stat.f_bavail * stat.f_frsize
-    if free < config.l1_size:
         raise ConfigError(
-            f"the L1 arena needs {config.l1_size / 2**30:.2f} GiB in {directory}, which has "
-            f"{free / 2**30:.2f} GiB free: lower --l1-size, or give it more room (for a "
-            "container: --shm-size)"
-        )
-    try:
-        # L1 is split into --l1-tenants arenas; this is the first, the others come with their
-        # tenants (the free space checked above is the whole --l1-size).
-        return SharedArena.create(config.l1_size // config.l1_tenants, directory=directory)
-    except OSError as exc:
-        raise ConfigError(f"cannot create the L1 arena in {directory}: {exc.strerror}") from None
+            f"cannot create the L1 arena in {plan.directory}: {exc.strerror}"
+        ) from None
+
+
+def size_l1(config: ServerConfig) -> tuple[ServerConfig, L1Plan]:
+    """``config`` with ``l1_size`` decided (``--l1-size``, or sized from the machine: see
+    ``_l1size``), and the plan that says why. :class:`ConfigError` if it does not fit."""
+    plan = plan_l1(config, measure_room(config.shm_dir or default_shm_dir()))
+    return attrs.evolve(config, l1_size=ByteSize(plan.size)), plan
 
 
 async def serve(

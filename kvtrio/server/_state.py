@@ -122,6 +122,8 @@ class ServerState:
         """Set by the metrics: ``(operation, error code or None, seconds)`` per answered request."""
         self.pending = 0
         """Requests accepted by the router that have not been answered (or dropped) yet."""
+        self.l1_sizing = ""
+        """Why L1 has its size (``default``, ``configured``, ``50% of /dev/shm's 3GiB free``)."""
         self._idle = trio.Event()
 
     def register(
@@ -176,6 +178,10 @@ class ServerState:
 
     # ----------------------------------------------------------------- stats
 
+    def storage(self) -> dict[str, Any]:
+        """Where the server keeps data, how much it may take, and why L1 has its size."""
+        return storage_summary(self.config, self.l1_sizing)
+
     def stats(self, caller: SessionView | None = None) -> StatsReply:
         """The ``stats`` reply as ``caller`` may see it (None: an operator, who sees all).
 
@@ -195,7 +201,7 @@ class ServerState:
             instance_id=self.instance_id,
             uptime_seconds=now - self.started_at,
             phase=self.phase,
-            config={**config_summary(self.config), "storage": storage_summary(self.config)},
+            config={**config_summary(self.config), "storage": self.storage()},
             counters=ServerCounters(
                 requests=c.requests,
                 errors=c.errors,

@@ -24,9 +24,11 @@ _WHERE_KEYS = ("path", "url", "endpoint", "bucket")
 """Backend options that say where the data goes; never the others (they may be credentials)."""
 
 
-def storage_summary(config: ServerConfig) -> dict[str, Any]:
-    """Where a server keeps data and how much it may take: L1's size and directory, each L2
-    backend's location (its options, defaults filled in, passwords in URLs masked) and capacity.
+def storage_summary(config: ServerConfig, l1_sizing: str = "") -> dict[str, Any]:
+    """Where a server keeps data and how much it may take: L1's size, directory and why it has
+    that size (``l1_sizing``, if known), each L2 backend's location (its options, defaults
+    filled in, passwords in URLs masked) and capacity. ``l1_size`` None (not sized yet) shows
+    as ``auto``.
 
     Never raises for an unknown backend (it is listed by name alone).
     """
@@ -51,10 +53,10 @@ def storage_summary(config: ServerConfig) -> dict[str, Any]:
             with contextlib.suppress(ValueError):
                 entry["capacity_bytes"] = parse_size(values["capacity"])
         backends.append(entry)
-    return {
-        "l1": {"bytes": config.l1_size, "directory": config.shm_dir or default_shm_dir()},
-        "l2": backends,
-    }
+    l1: dict[str, Any] = {"bytes": config.l1_size, "directory": config.shm_dir or default_shm_dir()}
+    if l1_sizing:
+        l1["sizing"] = l1_sizing
+    return {"l1": l1, "l2": backends}
 
 
 def _masked(value: str) -> str:
@@ -70,12 +72,18 @@ def _masked(value: str) -> str:
 
 
 def describe_storage(storage: dict[str, Any]) -> str:
-    """One line for the start-up log: ``L1 4GiB of shared memory in /dev/shm (committed now); L2
-    disk /home/me/.cache/kvtrio/l2 (up to 32GiB)``."""
+    """One line for the start-up log: ``L1 4GiB (default) of shared memory in /dev/shm,
+    committed now; L2 disk /home/me/.cache/kvtrio/l2 (up to 32GiB)``."""
     l1 = storage["l1"]
-    text = f"L1 {format_size(l1['bytes'])} of shared memory in {l1['directory']} (committed now)"
+    text = f"L1 {_l1_size(l1)} of shared memory in {l1['directory']}, committed now"
     tiers = [_describe_backend(entry) for entry in storage["l2"]]
     return f"{text}; L2 {', then '.join(tiers) if tiers else 'none'}"
+
+
+def _l1_size(l1: dict[str, Any]) -> str:
+    """``4GiB (default)``, ``1.5GiB (50% of /dev/shm's 3GiB free)``, ``auto``."""
+    size = "auto" if l1.get("bytes") is None else format_size(l1["bytes"])
+    return f"{size} ({l1['sizing']})" if l1.get("sizing") else size
 
 
 def _describe_backend(entry: dict[str, Any]) -> str:
@@ -180,12 +188,14 @@ def status_summary(document: dict[str, Any]) -> str:
         l1, lookups = document["l1"], document.get("lookups", {})
         storage = config.get("storage", {}).get("l1", {})
         where = f" in {storage['directory']}" if "directory" in storage else ""
+        size = _l1_size({"bytes": l1["capacity_bytes"], **storage})
         ratio = lookups.get("hit_ratio")
         lines += [
             "",
             "# L1",
-            f"used: {format_size(l1['used_bytes'])} of {format_size(l1['capacity_bytes'])}"
-            f"{where} ({l1['chunks']} chunks, {l1['evictions']} evicted)",
+            f"size: {size}{where}",
+            f"used: {format_size(l1['used_bytes'])} of {format_size(l1['capacity_bytes'])} "
+            f"({l1['chunks']} chunks, {l1['evictions']} evicted)",
             f"lookups: {lookups.get('lookups', 0)}, hit ratio "
             f"{'n/a' if ratio is None else f'{ratio:.1%}'} ({lookups.get('hit_chunks_l1', 0)} "
             f"chunks from L1, {lookups.get('hit_chunks_l2', 0)} from L2, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import functools
 import mmap
 import os
 import sys
@@ -25,25 +26,43 @@ import numpy.typing as npt
 
 __all__ = ["SharedArena", "default_shm_dir", "reclaim_stale_arenas"]
 
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
-_MADV_POPULATE_WRITE = 23
-"""Linux's ``MADV_POPULATE_WRITE`` (5.14+); Python 3.11's ``mmap`` does not name it."""
-_POPULATE_SLICE = 256 << 20
 _SUFFIX = ".l1"
+_MADV_POPULATE_WRITE = 23
+"""Linux ≥ 5.14: fault in the page tables of a range, as if written (``linux/mman.h``)."""
 
 
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    """``madvise(2)`` through ctypes (which releases the GIL), or None off Linux."""
-    if not sys.platform.startswith("linux"):  # pragma: no cover
-        return None
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise``, called through ctypes (which releases the GIL), or None."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):  # pragma: no cover
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover - no libc symbols
         return None
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    madvise.restype = ctypes.c_int
-    return cast(Callable[[int, int, int], int], madvise)
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return cast("Callable[[int, int, int], int]", function)
+
+
+def populate_pages(buffer: npt.NDArray[np.uint8]) -> None:
+    """Fill the page tables of the shared mapping behind ``buffer`` (Linux; elsewhere nothing),
+    without holding the GIL, so that the process's other threads (a client's heartbeats, an
+    engine's forward) run meanwhile.
+
+    ``mmap(MAP_POPULATE)`` did the same inside CPython's ``mmap.mmap()``, which holds the GIL:
+    attaching a 4 GiB arena stopped every thread of an engine worker for seconds (longer than
+    the 10 s heartbeat timeout on a loaded machine). Here ``madvise(MADV_POPULATE_WRITE)``, or
+    where the kernel is older, one read per page from numpy (which releases the GIL; tmpfs maps
+    the page writable). Blocking: call it from a worker thread.
+    """
+    if sys.platform != "linux" or buffer.nbytes == 0:
+        return
+    madvise = _madvise()
+    if (
+        madvise is not None
+        and madvise(buffer.ctypes.data, buffer.nbytes, _MADV_POPULATE_WRITE) == 0
+    ):
+        return
+    np.bitwise_or.reduce(buffer[:: mmap.PAGESIZE])
 
 
 def reclaim_stale_arenas(directory: str, prefix: str = "kvtrio") -> list[str]:
@@ -91,9 +110,8 @@ class SharedArena:
         self.path = path
         self.size = size
         self._owner = owner
-        flags = mmap.MAP_SHARED | (_MAP_POPULATE if populate else 0)
         try:
-            self._mmap = mmap.mmap(fd, size, flags=flags)
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             raise
@@ -103,6 +121,8 @@ class SharedArena:
         if not owner:
             os.close(fd)
         self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8)
+        if populate:
+            populate_pages(self.buffer)
 
     @classmethod
     def create(
@@ -136,8 +156,8 @@ class SharedArena:
 
         With ``populate`` (Linux), the page tables are filled at once (about 0.5 s per GiB here),
         so that copies into the arena later run at memory speed instead of page-faulting
-        (first writes ran at 0.85 GB/s, populated ones at 6.2 GB/s). Blocking: call it from a
-        worker thread.
+        (first writes ran at 0.85 GB/s, populated ones at 6.2 GB/s); the GIL is released
+        meanwhile (:func:`populate_pages`). Blocking: call it from a worker thread.
         """
         fd = os.open(path, os.O_RDWR)
         actual = os.fstat(fd).st_size
@@ -148,13 +168,13 @@ class SharedArena:
 
     def preallocate(self) -> None:
         """Allocate every page of the file now (tmpfs allocates on first write otherwise),
-        and map every page of this mapping writable.
+        and populate this process's mapping of it (:func:`populate_pages`).
 
-        Without the second step the first write to each page of this process's mapping takes a
-        page fault: a store's slots are zeroed by the server, and first writes ran at 0.2–0.5
-        GB/s against ~5 (``docs/design.md``, issue 17). Blocking (about 0.2 s per GiB here
-        for the allocation, as much again to map): the server runs it in a worker thread after
-        it started. Raises ``OSError`` (e.g. ``ENOSPC``) if the memory is not there.
+        Without the second step the first write to each page of the server's mapping takes a
+        page fault: the server zeroes a store's slots, and zeroing 64 MiB took 49–52 ms the
+        first time against 4–5 ms after (``docs/design.md``, issue 17 item 3). Blocking (about
+        0.2 s per GiB here to allocate, 0.3 s more to populate): the server runs it in a worker
+        thread after it started. Raises ``OSError`` (e.g. ``ENOSPC``) if the memory is not there.
         """
         if not hasattr(os, "posix_fallocate"):  # pragma: no cover - not Linux
             return
@@ -163,19 +183,7 @@ class SharedArena:
             os.posix_fallocate(fd, 0, self.size)
         finally:
             os.close(fd)
-        self._populate()
-
-    def _populate(self) -> None:
-        """Fill this mapping's page tables (``MADV_POPULATE_WRITE``, Linux ≥ 5.14; nothing
-        elsewhere), a slice per call so that the GIL is not held for seconds."""
-        madvise = _libc_madvise()
-        if madvise is None or self.size == 0:
-            return
-        address = self.buffer.ctypes.data
-        for start in range(0, self.size, _POPULATE_SLICE):
-            length = min(_POPULATE_SLICE, self.size - start)
-            if madvise(address + start, length, _MADV_POPULATE_WRITE) != 0:
-                return  # an older kernel: pages are mapped on first use instead
+        populate_pages(self.buffer)
 
     def view(self, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
         """The bytes ``[offset, offset + nbytes)`` as a writable uint8 array (no copy)."""

@@ -49,10 +49,18 @@ def test_serve_refuses_a_port_out_of_range() -> None:
 def test_help_shows_sizes_in_units_and_no_blank_defaults() -> None:
     help_text = " ".join(run("serve", "--help").stdout.split())
     assert "--l1-size SIZE" in help_text
-    assert "[default: 4GiB]" in help_text
+    assert "--l1-size SIZE Capacity of the host-memory tier" in help_text
+    assert "4GiB, half the shm dir's free space and a quarter of the memory available" in help_text
+    assert "arena. [default: auto]" in help_text
     assert "[default: 16MiB]" in help_text
     assert "--chunk-size TOKENS" in help_text
     assert "--lookup-timeout SECONDS" in help_text
+    assert "--eviction POLICY" in help_text
+    assert "--curve-secret-key FILE" in help_text
+    assert "--ipc-group GROUP" in help_text
+    assert "--lease-share SHARE" in help_text
+    assert "[default: 0.9]" in help_text  # a share, not seconds
+    assert "SHARE Share of L1 that pins and reservations together may take" in help_text
     assert "[default: ]" not in help_text
     assert "4294967296" not in help_text
     assert "[default: 34359738368]" not in run("backends").stdout
@@ -72,11 +80,12 @@ def test_start_line_and_status_say_where_the_data_goes(
     assert len(lines) < 30  # a summary, not the 130-line document (that is --json)
     assert {"# Server", "# Clients", "# L1", "# L2"} <= set(lines)
     assert f"disk {l2} (up to 2GiB): healthy" in lines
-    assert any(line.startswith("used: 0B of 64MiB in ") for line in lines)
+    assert any(line.startswith("size: 64MiB (configured) in ") for line in lines)
+    assert "used: 0B of 64MiB (0 chunks, 0 evicted)" in lines
     document = json.loads(run("status", "--json", server.endpoint).stdout)
     assert document["l2"][0]["path"] == str(l2)
     assert document["l2"][0]["capacity_bytes"] == 2 << 30
     server.stop()
     data = next(line for line in server.log().splitlines() if " data: " in line)
-    assert "L1 64MiB of shared memory in " in data
+    assert "L1 64MiB (configured) of shared memory in " in data
     assert data.endswith(f"; L2 disk {l2} (up to 2GiB)")

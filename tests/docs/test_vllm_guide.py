@@ -6,8 +6,8 @@ compared with the documented one and skipped: the suite runs where kvtrio is ins
 checked without running: every ``--kv-transfer-config`` JSON (parsed as vLLM would, its options
 by the connector's own parser, its endpoint by kvtrio's), and every ``kvtrio serve`` line of the
 guide (multi-host, container, systemd) through the command's own settings parser and the named
-backends' option parsers. Not run: vLLM itself (its CPU command is what
-``tests/integration/vllm_cpu/test_engine.py`` runs in the ``vllm-cpu`` env, with the same flags),
+backends' option parsers. Not run here: vLLM itself (§2 and §3's CPU command run as written,
+against each other, in the ``vllm-cpu`` env: ``tests/integration/vllm_cpu/test_guide.py``),
 docker and systemd.
 """
 
@@ -30,20 +30,9 @@ from kvtrio.integration._options import parse_options
 from kvtrio.l2 import load_backend_class
 from kvtrio.transport import check_endpoint
 
-ROOT = Path(__file__).resolve().parents[2]
-GUIDE = (ROOT / "docs" / "vllm.md").read_text()
+from .guide import GUIDE, blocks, script
+
 INSTALL = "$VLLM_PY -m pip install . ./backends/redis ./backends/s3"
-
-
-def blocks(kind: str) -> list[str]:
-    return re.findall(rf"```{kind}\n(.*?)```", GUIDE, re.DOTALL)
-
-
-def script(block: str) -> list[str]:
-    """The block's commands: comments dropped, continuation lines joined."""
-    text = re.sub(r"\\\n\s*", " ", block)
-    lines = [line.split("  #")[0].rstrip() for line in text.splitlines()]
-    return [line for line in lines if line and not line.startswith("#")]
 
 
 def test_the_install_block_installs_from_a_checkout_and_checks_the_import() -> None:
@@ -85,7 +74,7 @@ def test_starting_kvtrio_runs_as_written(short_dir: Path) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     assert "pong from ipc://" in run.stdout
     assert "# L1" in run.stdout
-    assert "data: L1 64MiB of shared memory in " in run.stderr  # what §2 says the log shows
+    assert "data: L1 64MiB (configured) of shared memory in " in run.stderr  # as §2 says
 
 
 def transfer_configs() -> list[str]:

@@ -16,8 +16,8 @@ def test_defaults_are_filled_in_and_passwords_masked() -> None:
             BackendSpec("nonexistent-backend", {"path": "/x", "secret": "s3cr3t"}),
         ),
     )
-    storage = storage_summary(config)
-    assert storage["l1"] == {"bytes": 1 << 30, "directory": "/tmp"}
+    storage = storage_summary(config, "configured")
+    assert storage["l1"] == {"bytes": 1 << 30, "directory": "/tmp", "sizing": "configured"}
     disk, memory, unknown = storage["l2"]
     assert disk["path"].endswith("/.cache/kvtrio/l2")
     assert not disk["path"].startswith("~")
@@ -25,10 +25,18 @@ def test_defaults_are_filled_in_and_passwords_masked() -> None:
     assert memory == {"name": "memory", "capacity_bytes": 8 << 20}
     assert unknown == {"name": "nonexistent-backend", "path": "/x"}  # never other options
     line = describe_storage(storage)
-    assert line.startswith("L1 1GiB of shared memory in /tmp (committed now); L2 disk /")
+    assert line.startswith(
+        "L1 1GiB (configured) of shared memory in /tmp, committed now; L2 disk /"
+    )
     assert "(up to 32GiB), then memory (up to 8MiB), then nonexistent-backend /x" in line
 
 
 def test_urls_lose_their_password() -> None:
     config = ServerConfig(l2=(BackendSpec("x", {"url": "redis://me:pw@cache:6379/0"}),))
     assert storage_summary(config)["l2"][0]["url"] == "redis://me:***@cache:6379/0"
+
+
+def test_an_l1_not_sized_yet_reads_auto() -> None:
+    storage = storage_summary(ServerConfig(l2=()))
+    assert storage["l1"]["bytes"] is None
+    assert describe_storage(storage).startswith("L1 auto of shared memory in ")

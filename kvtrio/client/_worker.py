@@ -12,6 +12,12 @@ for it (at most ``timeout``). A store that could not be done is still reported f
 engine must free its blocks) but counted in ``store_failures`` by cause and logged once per
 cause.
 
+CPU copies overlap the protocol (:mod:`._arena_worker`): an operation of many chunks is sent
+as a few requests at once and each batch is copied as soon as its reply is in. A store is
+reported finished once the server has answered its commits (its chunks are visible to
+lookups, or their failure is counted), but the transfer thread does not wait for those
+answers: it copies the next operation meanwhile.
+
 The chunk keys of every operation are computed here from that operation's own prompt
 (:func:`~kvtrio.client.chunk_hashes`); the server keeps no prompts.
 """
@@ -19,36 +25,41 @@ The chunk keys of every operation are computed here from that operation's own pr
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import attrs
 import numpy as np
 
 from ..errors import KvtrioError, NotRegistered
 from ..protocol import (
-    Commit,
-    CommitReply,
     HelloReply,
     LayoutSpec,
     Register,
     Registered,
-    Release,
     Reply,
-    Retrieve,
     RetrieveReply,
     Store,
     StoreReply,
     Unregister,
 )
 from ..storage import HASH_SCHEME_TOKENS, SharedArena
-from ..transfer import KVLayout, gather, scatter
+from ..transfer import KVLayout
 from ..transfer.cuda import CudaRuntime, torch_runtime
+from ._arena_worker import (
+    ArenaWorker,
+    Span,
+    count_failed_slots,
+    failure_cause,
+    reply_of,
+    when_all,
+)
 from ._cuda_worker import CudaWorker, is_cuda_cache
 from ._failures import Failures
 from ._scheduler import chunk_hashes
@@ -59,10 +70,6 @@ __all__ = ["LoadStoreOp", "WorkerAdapter"]
 
 log = logging.getLogger("kvtrio.client")
 
-_R = TypeVar("_R", StoreReply, RetrieveReply)
-
-_WRITE_MARGIN = 2.0
-"""Seconds before a reservation expires after which a slot is no longer written."""
 _RETRY_FIRST = 0.5
 _RETRY_MAX = 30.0
 """Backoff of registration retries: first delay, doubling up to this."""
@@ -101,13 +108,6 @@ class _Mapped:
     """The server instance the registration was made with."""
 
 
-def _tail_blocks(layout: KVLayout, chunk: np.ndarray[Any, Any], skip: int) -> np.ndarray[Any, Any]:
-    """A contiguous copy of a canonical chunk without its first ``skip`` blocks."""
-    row_bytes = layout.row_elements * layout.element_size
-    rows = chunk.reshape(layout.num_layers, layout.kv, -1, row_bytes)
-    return np.ascontiguousarray(rows[:, :, skip * layout.block_size :]).reshape(-1)
-
-
 class WorkerAdapter:
     """What an engine's worker (one per rank) calls. See the module docstring."""
 
@@ -139,6 +139,7 @@ class WorkerAdapter:
         self._arrays: list[np.ndarray[Any, Any]] = []
         self._cuda_runtime = cuda_runtime
         self._cuda: CudaWorker | None = None
+        self._arena: ArenaWorker | None = None
         self._mapped: _Mapped | None = None
         self._generation = 0
         self._lock = threading.Lock()
@@ -152,6 +153,7 @@ class WorkerAdapter:
         self.failures = Failures()
         self._transfers = ThreadPoolExecutor(1, thread_name_prefix=f"kvtrio-transfer-{kv_rank}")
         self._pending_stores: collections.Counter[str] = collections.Counter()
+        self._open_stores: set[Future[None]] = set()  # submitted, commits not answered yet
         self._pending_retrieves: collections.Counter[str] = collections.Counter()
         self._stored: set[str] = set()
         self._engine_finished: set[str] = set()
@@ -187,6 +189,9 @@ class WorkerAdapter:
             self._layout, self._arrays = self._cuda.layout, []
         else:
             self._layout, self._arrays = describe_kv_caches(kv_caches, self.block_size, layout)
+            self._arena = ArenaWorker(
+                self.client, self._layout, self._arrays, self.failures, self._reregister
+            )
         self._register()
         self._await_registration(time.monotonic() + self.timeout, attach=False)
 
@@ -380,12 +385,20 @@ class WorkerAdapter:
     ) -> Future[None]:
         """Queue a store; the request counts as stored in :meth:`get_finished` once done.
 
-        The future is done when the store is (it never raises: failures are logged)."""
+        The future is done when the store is: the server has made its chunks visible, or the
+        chunks that could not be stored are counted and logged (it never raises)."""
         engine_event = self._cuda.record() if self._cuda is not None else b""
+        done: Future[None] = Future()
         with self._lock:
             self._pending_stores[request_id] += 1
             self._stored.add(request_id)
-        return self._transfers.submit(self._run_store, request_id, op, engine_event)
+            self._open_stores.add(done)
+        try:
+            self._transfers.submit(self._run_store, request_id, op, engine_event, done)
+        except RuntimeError:  # shut down: nothing will run it
+            self._store_done(request_id, done)
+            raise
+        return done
 
     def submit_retrieve_request(
         self, request_id: str, op: LoadStoreOp, event: object = None
@@ -395,9 +408,16 @@ class WorkerAdapter:
 
         The future is done when the blocks are in place or reported failed (it never raises)."""
         engine_event = self._cuda.record() if self._cuda is not None else b""
+        done: Future[None] = Future()
         with self._lock:
             self._pending_retrieves[request_id] += 1
-        return self._transfers.submit(self._run_retrieve, request_id, op, engine_event)
+        try:
+            self._transfers.submit(self._run_retrieve, request_id, op, engine_event, done)
+        except RuntimeError:  # shut down: nothing will run it
+            with self._lock:
+                self._pending_retrieves[request_id] -= 1
+            raise
+        return done
 
     def batched_submit_store_requests(
         self, request_ids: Sequence[str], ops: Sequence[LoadStoreOp], event: object = None
@@ -443,8 +463,8 @@ class WorkerAdapter:
 
     # ----------------------------------------------------------------- transfers (own thread)
 
-    def _hashes(self, op: LoadStoreOp) -> tuple[bytes, ...]:
-        """The chunk hashes of the full chunks of ``[op.start, op.end)``, from the operation's
+    def _span(self, mapped: _Mapped, request_id: str, op: LoadStoreOp) -> Span:
+        """The full chunks of ``[op.start, op.end)`` and their hashes, from the operation's
         own prompt (``ValueError`` if it carries none)."""
         size = self.chunk_size
         hashes = chunk_hashes(
@@ -457,22 +477,34 @@ class WorkerAdapter:
         first, last = op.start // size, op.end // size
         if len(hashes) < last:
             raise ValueError(f"the operation's prompt covers {len(hashes)} chunks, not {last}")
-        return tuple(hashes[first:last])
+        return Span(
+            request_id,
+            first,
+            tuple(hashes[first:last]),
+            hashes[first - 1] if first else b"",
+            size,
+            mapped.registered.chunk_bytes,
+            size // self.block_size,
+            op.block_ids,
+        )
 
     def _blocks_of(self, op: LoadStoreOp, chunk: int) -> Sequence[int]:
         per_chunk = self.chunk_size // self.block_size
         return op.block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
 
-    def _run_store(self, request_id: str, op: LoadStoreOp, engine_event: bytes = b"") -> None:
+    def _run_store(
+        self, request_id: str, op: LoadStoreOp, engine_event: bytes, done: Future[None]
+    ) -> None:
         chunks = max(0, op.end // self.chunk_size - op.start // self.chunk_size)
+        commits: list[Future[Reply]] = []
         try:
             mapped = self._await_registration(time.monotonic() + self.timeout)
             if mapped is None:
                 self.failures.store(request_id, "not_registered", chunks, "no registration")
             elif self._cuda is not None:
-                self._cuda_store(self._cuda, request_id, op, engine_event)
+                self._cuda_store(self._cuda, mapped, request_id, op, engine_event)
             else:
-                self._store(mapped, request_id, op)
+                commits = self._store(mapped, request_id, op)
         except NotRegistered as exc:
             self.failures.store(request_id, "not_registered", chunks, exc)
             self._reregister()
@@ -484,83 +516,87 @@ class WorkerAdapter:
             log.exception("store of %s failed", request_id)
             self.failures.store(request_id, "internal", chunks, exc)
         finally:
-            with self._lock:
-                self._pending_stores[request_id] -= 1
+            when_all(commits, lambda: self._store_done(request_id, done))
+
+    def _store_done(self, request_id: str, done: Future[None]) -> None:
+        """The store is finished: its commits are answered (any thread)."""
+        with self._lock:
+            self._pending_stores[request_id] -= 1
+            self._open_stores.discard(done)
+        done.set_result(None)
 
     def _cuda_store(
-        self, cuda: CudaWorker, request_id: str, op: LoadStoreOp, engine_event: bytes
+        self, cuda: CudaWorker, mapped: _Mapped, request_id: str, op: LoadStoreOp, event: bytes
     ) -> None:
         """The server copies: send the blocks and the engine's event, wait for its event."""
         blocks = cuda.block_ids(op.block_ids, op.start, op.end, self.chunk_size, 0)
+        span = self._span(mapped, request_id, op)
         request = Store(
-            request_id, op.start, op.end, self._hashes(op), block_ids=blocks, event=engine_event
+            request_id,
+            op.start,
+            op.end,
+            span.hashes,
+            block_ids=blocks,
+            event=event,
+            parent_hash=span.parent,
         )
         reply = self.client.call(request, StoreReply, fail_fast=True)
-        self._count_slots(request_id, reply)
+        count_failed_slots(self.failures, request_id, reply)
         if reply.done_event:
             cuda.wait(reply.done_event)
 
-    def _count_slots(self, request_id: str, reply: StoreReply) -> None:
-        failed = sum(1 for slot in reply.slots if slot.status == "failed")
-        if failed:
-            self.failures.store(request_id, "no_room", failed, "L1 full of pinned chunks")
-
-    def _store(self, mapped: _Mapped, request_id: str, op: LoadStoreOp) -> None:
-        layout = self._layout
-        assert layout is not None
+    def _store(self, mapped: _Mapped, request_id: str, op: LoadStoreOp) -> list[Future[Reply]]:
+        """Copy the chunks into L1 through the arena; the commits, not waited for."""
+        assert self._arena is not None
         assert mapped.arena is not None
-        hashes = self._hashes(op)
-        first = op.start // self.chunk_size
-        started = time.monotonic()
-        reply = self.client.call(
-            Store(request_id, op.start, op.end, hashes), StoreReply, fail_fast=True
-        )
-        self._count_slots(request_id, reply)
-        deadline = started + reply.expires_in - _WRITE_MARGIN
-        written: list[bytes] = []
-        failed: list[bytes] = []
-        for slot in reply.slots:
-            if slot.status != "write":
-                continue
-            chunk_hash = hashes[slot.chunk - first]
-            if time.monotonic() > deadline:  # never write into a slot that may be reassigned
-                failed.append(chunk_hash)
-                continue
-            try:
-                gather(
-                    layout,
-                    self._arrays,
-                    self._blocks_of(op, slot.chunk),
-                    mapped.arena.view(slot.offset, slot.nbytes),
-                )
-            except Exception:
-                log.exception("copying chunk %d of %s into L1 failed", slot.chunk, request_id)
-                failed.append(chunk_hash)
-            else:
-                written.append(chunk_hash)
-        if failed:
-            self.failures.store(request_id, "copy", len(failed), "copy failed or too late")
-        if written or failed:
-            reply_commit = self.client.call(
-                Commit(request_id, tuple(written), tuple(failed)), CommitReply, fail_fast=True
-            )
-            if reply_commit.rejected:
-                self.failures.store(
-                    request_id, "expired", len(reply_commit.rejected), "reservation expired"
-                )
+        return self._arena.store(mapped.arena, self._span(mapped, request_id, op))
 
-    def _run_retrieve(self, request_id: str, op: LoadStoreOp, engine_event: bytes = b"") -> None:
+    def _run_retrieve(
+        self, request_id: str, op: LoadStoreOp, engine_event: bytes, done: Future[None]
+    ) -> None:
         first, last = op.start // self.chunk_size, op.end // self.chunk_size
         loaded: set[int] = set()
+        causes: dict[int, str] = {}  # chunks of batches the server refused
         cause = ""
+
+        def finished() -> None:
+            """Report the retrieve (once): which blocks failed, and that it is done."""
+            if done.done():
+                return
+            kept = set(op.block_ids[: (op.start + op.skip_first_n_tokens) // self.block_size])
+            missing = [c for c in range(first, last) if c not in loaded]
+            failed = {b for c in missing for b in self._blocks_of(op, c) if b not in kept}
+            for reason, count in collections.Counter(
+                causes.get(c, cause or "missing") for c in missing
+            ).items():
+                self.failures.retrieve(reason, count)
+            with self._lock:
+                self._failed_blocks.update(failed)
+                self._pending_retrieves[request_id] -= 1
+                if not self._pending_retrieves[request_id]:
+                    del self._pending_retrieves[request_id]
+                    self._retrieves_done.add(request_id)
+            done.set_result(None)
+
         try:
             mapped = self._await_registration(time.monotonic() + self.timeout)
             if mapped is None:
                 cause = "not_registered"
-            elif self._cuda is not None:
-                loaded = self._cuda_retrieve(self._cuda, request_id, op, engine_event)
             else:
-                loaded = self._retrieve(mapped, request_id, op)
+                span = self._span(mapped, request_id, op)
+                keep_before = op.start + op.skip_first_n_tokens  # the engine has these tokens
+                if self._cuda is not None:
+                    blocks = self._cuda.block_ids(
+                        op.block_ids, op.start, op.end, self.chunk_size, keep_before
+                    )
+                    self._cuda_retrieve(self._cuda, span, blocks, engine_event, loaded, causes)
+                else:
+                    assert self._arena is not None
+                    assert mapped.arena is not None
+                    # (reported before its release is sent: the engine need not wait for that)
+                    self._arena.retrieve(
+                        mapped.arena, span, keep_before, loaded, causes, copied=finished
+                    )
         except NotRegistered:
             cause = "not_registered"
             self._reregister()
@@ -574,62 +610,47 @@ class WorkerAdapter:
             cause = "internal"
             log.exception("retrieve of %s failed", request_id)
         finally:
-            kept = set(op.block_ids[: (op.start + op.skip_first_n_tokens) // self.block_size])
-            missing = [c for c in range(first, last) if c not in loaded]
-            failed = {b for c in missing for b in self._blocks_of(op, c) if b not in kept}
-            if missing:
-                self.failures.retrieve(cause or "missing", len(missing))
-            with self._lock:
-                self._failed_blocks.update(failed)
-                self._pending_retrieves[request_id] -= 1
-                if not self._pending_retrieves[request_id]:
-                    del self._pending_retrieves[request_id]
-                    self._retrieves_done.add(request_id)
+            finished()
 
     def _cuda_retrieve(
-        self, cuda: CudaWorker, request_id: str, op: LoadStoreOp, engine_event: bytes
-    ) -> set[int]:
-        """The server copies into the engine's blocks (leaving those it has already alone);
-        the chunks count as loaded once the server's event has completed."""
-        keep_before = op.start + op.skip_first_n_tokens
-        blocks = cuda.block_ids(op.block_ids, op.start, op.end, self.chunk_size, keep_before)
-        request = Retrieve(
-            request_id, op.start, op.end, self._hashes(op), block_ids=blocks, event=engine_event
-        )
-        reply = self.client.call(request, RetrieveReply, fail_fast=True)
-        read = {slot.chunk for slot in reply.slots if slot.status == "read"}
-        if read and reply.done_event:
-            cuda.wait(reply.done_event)
-            return read
-        return set()
+        self,
+        cuda: CudaWorker,
+        span: Span,
+        blocks: Sequence[int],
+        engine_event: bytes,
+        loaded: set[int],
+        causes: dict[int, str],
+    ) -> None:
+        """The server copies into the engine's ``blocks`` (-1: a block it leaves alone). In
+        partial retrieves, as the CPU path (:meth:`ArenaWorker.retrieve`): the server queues
+        the copies of the chunks in L1 while later ones still load; each part's chunks count
+        as loaded once its event has completed."""
+        per = span.blocks_per_chunk
 
-    def _retrieve(self, mapped: _Mapped, request_id: str, op: LoadStoreOp) -> set[int]:
-        layout = self._layout
-        assert layout is not None
-        assert mapped.arena is not None
-        hashes = self._hashes(op)
-        first = op.start // self.chunk_size
-        request = Retrieve(request_id, op.start, op.end, hashes)
-        reply = self.client.call(request, RetrieveReply, fail_fast=True)
-        keep_before = op.start + op.skip_first_n_tokens  # tokens the engine has already
-        loaded: set[int] = set()
-        try:
-            for slot in reply.slots:
-                if slot.status != "read":
-                    continue
-                blocks = self._blocks_of(op, slot.chunk)
-                data = mapped.arena.view(slot.offset, slot.nbytes)
-                skip = max(0, keep_before - slot.chunk * self.chunk_size) // self.block_size
-                if skip:
-                    blocks, data = blocks[skip:], _tail_blocks(layout, data, skip)
-                if blocks:
-                    scatter(layout, self._arrays, blocks, data)
-                loaded.add(slot.chunk)
-        finally:
-            read = tuple(hashes[s.chunk - first] for s in reply.slots if s.status == "read")
-            if read:
-                self.client.submit(Release(request_id, read), fail_fast=True)
-        return loaded
+        def part(start: int) -> Future[Reply]:
+            request = span.retrieve(
+                start, block_ids=tuple(blocks[start * per :]), event=engine_event
+            )
+            return self.client.submit(request, fail_fast=True)
+
+        start = 0
+        future: Future[Reply] | None = part(0)
+        while future is not None:
+            try:
+                reply = reply_of(future, RetrieveReply)
+            except Exception as exc:
+                cause = failure_cause(exc)
+                causes.update((span.first + i, cause) for i in range(start, span.chunks))
+                if isinstance(exc, NotRegistered):
+                    self._reregister()
+                return
+            future, rest = None, span.loading(reply)
+            if rest is not None:  # asked for before waiting for this part's copies
+                start, future = rest, part(rest)
+            read = {slot.chunk for slot in reply.slots if slot.status == "read"}
+            if read and reply.done_event:
+                cuda.wait(reply.done_event)
+                loaded |= read
 
     def _reregister(self) -> None:
         if self._layout is not None:
@@ -645,6 +666,9 @@ class WorkerAdapter:
             if self._retry is not None:
                 self._retry.cancel()
         self._transfers.shutdown(wait=True)
+        with self._lock:
+            stores = list(self._open_stores)
+        concurrent.futures.wait(stores, timeout=self.timeout)  # commits still being answered
         if self._current() is not None:
             with contextlib.suppress(KvtrioError):
                 self.client.request(Unregister(), timeout=1.0, fail_fast=True)

@@ -196,7 +196,8 @@ class Slot:
     status: str
     """store: ``write`` (copy into the slot, then commit), ``present`` (already cached),
     ``busy`` (someone else is writing it), ``failed`` (no room); retrieve: ``read`` (copy out of
-    the slot, then release) or ``failed`` (recompute it)."""
+    the slot, then release), ``failed`` (recompute it) or, answering a ``partial`` retrieve,
+    ``loading`` (still coming from L2: retrieve it again)."""
     offset: int = 0
     nbytes: int = 0
 
@@ -221,6 +222,9 @@ class Store(Request):
     tokens, one per block (CUDA workers only).
     ``event`` (CUDA workers, optional) is the IPC handle of an interprocess event the engine
     recorded after the forward step that wrote those blocks; the server's copy waits for it.
+    ``parent_hash`` (optional) is the hash of the chunk before ``start`` (empty for the
+    prompt's first chunk, or unknown): it links the range's first chunk to its prefix for the
+    prefix-aware eviction policies, as the chunks inside the range are linked.
     """
 
     op: ClassVar[str] = "store"
@@ -232,6 +236,7 @@ class Store(Request):
     chunk_hashes: BytesTuple = ()
     block_ids: IntTuple = ()
     event: bytes = b""
+    parent_hash: bytes = b""
 
 
 @frozen
@@ -268,7 +273,10 @@ class Retrieve(Request):
     """Pinned slots of the full chunks of tokens ``[start, end)``; same fields as Store.
 
     Consumes the pins this rank's share of the request's lookup took. CUDA workers may give
-    block id -1 for blocks the engine already has: those are left alone.
+    block id -1 for blocks the engine already has: those are left alone. A ``partial``
+    retrieve does not wait for every L2 load of its chunks: only for its first chunk's; the
+    chunks from the first one still loading on are answered ``loading`` (not pinned, their
+    lookup pins kept), to be retrieved again while the ready ones are copied.
     """
 
     op: ClassVar[str] = "retrieve"
@@ -280,6 +288,7 @@ class Retrieve(Request):
     chunk_hashes: BytesTuple = ()
     block_ids: IntTuple = ()
     event: bytes = b""
+    partial: bool = False
 
 
 @frozen

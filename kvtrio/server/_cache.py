@@ -102,7 +102,7 @@ class CacheService:
         state.register_inline(Lookup, self.lookup, concurrent=True)
         state.register_inline(Store, self.store)
         state.register_inline(Commit, self.commit)
-        state.register(Retrieve, self.retrieve)
+        state.register_inline(Retrieve, self.retrieve)  # (waiting for L2 loads: a Later)
         state.register_inline(Release, self.release)
         state.register_inline(FreeLookupLocks, self.free_lookup_locks)
         state.register_inline(EndSession, self.end_session)
@@ -315,7 +315,9 @@ class CacheService:
         self.limits.admit_pins(self.leases, len(chunks))
         slots = []
         reserved = []
-        parent: bytes | None = None  # the range's first chunk: its parent is not in the request
+        parent: bytes | None = None  # the range's first chunk's parent, if the client knows it
+        if request.parent_hash:
+            parent = registration.space + _checked_hashes((request.parent_hash,), "parent_hash")[0]
         for index, chunk_hash in zip(chunks, hashes, strict=True):
             object_key = registration.space + chunk_hash
             outcome = self.l1.reserve(object_key, registration.chunk_bytes, parent=parent)
@@ -366,22 +368,68 @@ class CacheService:
 
     # ----------------------------------------------------------------- retrieve
 
-    async def retrieve(self, session: Session, request: Retrieve) -> RetrieveReply:
+    def retrieve(self, session: Session, request: Retrieve) -> RetrieveReply | Later:
+        """Pin and answer the slots now; waiting for the chunks' L2 loads is left to a Later.
+
+        A ``partial`` retrieve waits only for its first chunk's load and answers the chunks
+        still loading after the ready ones as ``loading`` (see ``_read``)."""
         registration = self._registration(session)
         key, hashes, chunks = self._chunks(registration, request)
+        blocks: list[list[int]] = []
         if registration.cuda is not None:
             blocks = self._block_ids(registration, request, chunks, store=False)
-        pending = self.prefetch.pending(key, [registration.space + h for h in hashes])
-        if pending:  # L2 → L1 loads started by the lookup: wait for them, within the deadline
-            with trio.move_on_after(self.config.retrieve_timeout):
+        keys = [registration.space + h for h in hashes]
+        pending = self.prefetch.pending(key, keys[:1] if request.partial else keys)
+        if not pending:
+            return self._read(session, registration, request, key, hashes, chunks, blocks)
+        # L2 → L1 loads started by the lookup: wait for them, within the deadline, which the
+        # retrieves of this request share while its loads last (a worker may split one
+        # operation into several retrieves: they wait once, not once each).
+        deadline = self.prefetch.wait_deadline(
+            key, registration.space, trio.current_time() + self.config.retrieve_timeout
+        )
+
+        async def loaded() -> RetrieveReply:
+            with trio.move_on_at(deadline):
                 for load in pending:
                     await load.done.wait()
-        self.quotas.admit(session, len(chunks), registration.chunk_bytes)
+            return self._read(session, registration, request, key, hashes, chunks, blocks)
+
+        return Later(loaded)
+
+    def _loading_from(self, key: str, keys: Sequence[bytes], space: bytes) -> int:
+        """A partial retrieve's answer: the index of its first chunk whose load is still
+        running (``len(keys)`` if none is, or once the request's wait is over)."""
+        deadline = self.prefetch.deadline(key, space)
+        if deadline is not None and trio.current_time() >= deadline:
+            return len(keys)
+        for index, object_key in enumerate(keys):
+            if self.prefetch.pending(key, [object_key]):
+                return index
+        return len(keys)
+
+    def _read(
+        self,
+        session: Session,
+        registration: Registration,
+        request: Retrieve,
+        key: str,
+        hashes: Sequence[bytes],
+        chunks: range,
+        blocks: list[list[int]],
+    ) -> RetrieveReply:
+        """Pin the chunks of a retrieve that are in L1 (consuming the lookup's pins). A partial
+        retrieve answers ``loading`` from its first chunk still loading on (not pinned)."""
         reading = [registration.space + h for h in hashes]
+        ready = len(reading)
+        if request.partial and self.prefetch.pending_count:
+            ready = self._loading_from(key, reading, registration.space)
+        reading, hashes = reading[:ready], hashes[:ready]
+        self.quotas.admit(session, ready, registration.chunk_bytes)
         self.quotas.admit_pins(reading, registration.chunk_bytes)
         expires = trio.current_time() + self.config.pin_ttl
         slots = []
-        for index, chunk_hash in zip(chunks, hashes, strict=True):
+        for index, chunk_hash in zip(chunks, hashes, strict=False):
             object_key = registration.space + chunk_hash
             entry = self.l1.get(object_key)
             if entry is None:
@@ -393,6 +441,7 @@ class CacheService:
             if consumed:
                 self.l1.unpin(object_key, consumed)
             slots.append(Slot(index, "read", self._local(entry.offset), entry.nbytes))
+        slots += [Slot(index, "loading") for index in chunks[ready:]]
         if registration.cuda is not None:
             return self._cuda_retrieve(session, registration, request, key, hashes, blocks, slots)
         return RetrieveReply(tuple(slots))

@@ -8,6 +8,7 @@ looked it up, cancels them.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,8 @@ class Prefetcher:
         self._pin = pin
         self._loads: dict[tuple[str, bytes], Load] = {}  # (request, object key) → its load
         self._by_owner: dict[str, set[tuple[str, bytes]]] = {}
+        self._per_request: collections.Counter[str] = collections.Counter()  # unfinished loads
+        self._waits: dict[str, dict[bytes, float]] = {}  # request → namespace → deadline
         self.failed = 0
 
     @property
@@ -41,7 +44,19 @@ class Prefetcher:
         """The unfinished loads of these objects for request ``key``."""
         return [load for k in object_keys if (load := self._loads.get((key, k))) is not None]
 
+    def wait_deadline(self, key: str, space: bytes, proposed: float) -> float:
+        """Until when the retrieves of request ``key`` into namespace ``space`` wait for its
+        loads: ``proposed`` for the first one that waits; those after it share that deadline
+        while any load of the request is unfinished (a new lookup of the request starts over).
+        """
+        return self._waits.setdefault(key, {}).setdefault(space, proposed)
+
+    def deadline(self, key: str, space: bytes) -> float | None:
+        """The deadline :meth:`wait_deadline` set, if a retrieve has waited."""
+        return self._waits.get(key, {}).get(space)
+
     def cancel_request(self, key: str) -> None:
+        self._waits.pop(key, None)
         for (request, _), load in list(self._loads.items()):
             if request == key:
                 load.scope.cancel()
@@ -86,6 +101,7 @@ class Prefetcher:
                     done = self._done(key, owner, readers)
                     load = self.l2.start_load(object_key, outcome, source, fingerprint, done)
                     self._loads[(key, object_key)] = load
+                    self._per_request[key] += 1
                     self._by_owner.setdefault(owner, set()).add((key, object_key))
             placed += 1
         return placed
@@ -93,6 +109,10 @@ class Prefetcher:
     def _done(self, key: str, owner: str, readers: int) -> Callable[[Load], None]:
         def done(load: Load) -> None:
             self._loads.pop((key, load.key), None)
+            self._per_request[key] -= 1
+            if self._per_request[key] <= 0:
+                del self._per_request[key]
+                self._waits.pop(key, None)
             owned = self._by_owner.get(owner)
             if owned is not None:
                 owned.discard((key, load.key))

@@ -167,10 +167,14 @@ class SharedArena:
         return cls(path, size, fd, owner=False, populate=populate)
 
     def preallocate(self) -> None:
-        """Allocate every page of the file now (tmpfs allocates on first write otherwise).
+        """Allocate every page of the file now (tmpfs allocates on first write otherwise),
+        and populate this process's mapping of it (:func:`populate_pages`).
 
-        Blocking (about 0.2 s per GiB here): the server runs it in a worker thread after it
-        started. Raises ``OSError`` (e.g. ``ENOSPC``) if the memory is not there.
+        Without the second step the first write to each page of the server's mapping takes a
+        page fault: the server zeroes a store's slots, and zeroing 64 MiB took 49–52 ms the
+        first time against 4–5 ms after (``docs/design.md``, issue 17 item 3). Blocking (about
+        0.2 s per GiB here to allocate, 0.3 s more to populate): the server runs it in a worker
+        thread after it started. Raises ``OSError`` (e.g. ``ENOSPC``) if the memory is not there.
         """
         if not hasattr(os, "posix_fallocate"):  # pragma: no cover - not Linux
             return
@@ -179,6 +183,7 @@ class SharedArena:
             os.posix_fallocate(fd, 0, self.size)
         finally:
             os.close(fd)
+        populate_pages(self.buffer)
 
     def view(self, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
         """The bytes ``[offset, offset + nbytes)`` as a writable uint8 array (no copy)."""

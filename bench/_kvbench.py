@@ -1,0 +1,147 @@
+"""Pieces shared by ``bench/e2e.py`` and its ``--scaling`` part: a ``kvtrio serve`` process,
+KV caches allocated as engines allocate them, and a clock of the worker's copies."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from kvtrio.client import Client
+from kvtrio.protocol import GetStats, Ping, StatsReply
+
+BLOCKS, BLOCK, HEADS, DIM = 1024, 16, 8, 128
+CHUNK = 256
+# The modules whose gather/scatter a worker's copies call (the copy path moved between them).
+_COPY_MODULES = ("kvtrio.client._worker", "kvtrio.client._arena_worker")
+
+
+class CopyClock:
+    """Seconds the worker spent in gather/scatter since the last :meth:`take`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spent = 0.0
+
+    def wrap(self, fn: Callable[..., None]) -> Callable[..., None]:
+        def timed(*args: Any, **kwargs: Any) -> None:
+            start = time.perf_counter()
+            try:
+                fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self._spent += time.perf_counter() - start
+
+        return timed
+
+    def take(self) -> float:
+        with self._lock:
+            spent, self._spent = self._spent, 0.0
+        return spent
+
+
+@contextlib.contextmanager
+def timed_copies(clock: CopyClock) -> Iterator[None]:
+    """Wrap the worker's gather and scatter (the names its modules call) while inside."""
+    patched = []
+    for name in _COPY_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for fn in ("gather", "scatter"):
+            if hasattr(module, fn):
+                patched.append((module, fn, getattr(module, fn)))
+                setattr(module, fn, clock.wrap(getattr(module, fn)))
+    try:
+        yield
+    finally:
+        for module, fn, original in patched:
+            setattr(module, fn, original)
+
+
+def poll(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the operation did not finish")
+        time.sleep(0.0002)
+
+
+def make_cache(
+    kind: str, rng: np.random.Generator, layers: int, blocks: int = BLOCKS
+) -> tuple[dict[str, Any], list[np.ndarray]]:  # type: ignore[type-arg]
+    """The engine's KV tensors (flash_attn layout) and numpy views of them (to check bytes):
+    numpy arrays (16 bytes past a page, as numpy aligns) or torch tensors (64-byte aligned)."""
+    shape = (2, blocks, BLOCK, HEADS, DIM)
+    if kind == "numpy":
+        arrays = []
+        for _ in range(layers):
+            array = np.empty(shape, np.float16)
+            array.view(np.uint16)[...] = rng.integers(0, 2**16, shape, dtype=np.uint16)
+            arrays.append(array)
+        return {f"layer.{i}": a for i, a in enumerate(arrays)}, arrays
+    import torch
+
+    tensors = []
+    for _ in range(layers):
+        tensor = torch.empty(shape, dtype=torch.float16)
+        tensor.view(torch.int16).numpy()[...] = rng.integers(-(2**15), 2**15, shape, np.int16)
+        tensors.append(tensor)
+    views = [t.view(torch.int16).numpy() for t in tensors]
+    return {f"layer.{i}": t for i, t in enumerate(tensors)}, views
+
+
+class Server:
+    """A ``kvtrio serve`` process on an ipc endpoint of its own; :meth:`restart` keeps the
+    endpoint (and the options, so a disk L2 keeps its objects)."""
+
+    def __init__(self, *options: str, home: str | None = None) -> None:
+        self.directory = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
+        self.endpoint = f"ipc://{self.directory}/kvtrio.sock"
+        self.options = options
+        self.home = home
+        """``HOME`` of the server (where a backend's default paths go), if not ours."""
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "KVTRIO_LOG_LEVEL": "warning"}
+        if self.home is not None:
+            env["HOME"] = self.home
+        command = [sys.executable, "-m", "kvtrio", "serve", "--endpoint", self.endpoint]
+        self.process = subprocess.Popen([*command, *self.options], env=env)
+        with Client(self.endpoint) as probe:
+            poll(lambda: probe.server_info is not None, timeout=120.0)
+            probe.request(Ping())
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait()
+            self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def stats(self) -> StatsReply:
+        with Client(self.endpoint, heartbeat=False) as client:
+            return client.call(GetStats(), StatsReply)
+
+    def __enter__(self) -> Server:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)

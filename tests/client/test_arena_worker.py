@@ -1,0 +1,149 @@
+"""The CPU worker adapter's pipelined copies, against a real server in the test's loop.
+
+A store or retrieve is sent as batches of consecutive chunks (1, 2, 4, … chunks); each batch
+stands alone when the server refuses it, a store is finished (future, ``get_finished``) only
+once the server has answered its commit, and what the commit could not store is counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+import kvtrio.client._arena_worker as arena_worker
+from kvtrio.client import AsyncClient, LoadStoreOp, WorkerAdapter, open_client
+from kvtrio.client._arena_worker import Span
+from kvtrio.protocol import GetStats, Lookup, LookupReply, StatsReply, Unregister
+from kvtrio.server import ServerHandle
+from kvtrio.storage import token_chunk_hashes
+
+from ..conftest import await_async, await_condition
+
+LAYERS, BLOCKS, BLOCK, CHUNK = 2, 320, 16, 256
+PER_CHUNK = CHUNK // BLOCK
+PROMPT = list(range(100, 100 + 10 * CHUNK))  # 10 chunks: batches of 1, 2, 4 and 3
+HASHES = tuple(token_chunk_hashes(PROMPT, CHUNK))
+SOURCE = list(range(10 * PER_CHUNK))
+TARGET = list(range(BLOCKS - 1, BLOCKS - 1 - 10 * PER_CHUNK, -1))
+
+
+def test_batches_double_up_to_the_byte_limit() -> None:
+    def span(chunks: int, chunk_bytes: int) -> Span:
+        return Span("r", 0, (b"h" * 16,) * chunks, b"", CHUNK, chunk_bytes, PER_CHUNK, ())
+
+    assert span(10, 1 << 10).batches() == [range(1), range(1, 3), range(3, 7), range(7, 10)]
+    assert span(7, 1 << 20).batches(limit=2 << 20) == [
+        range(1),
+        range(1, 3),
+        range(3, 5),
+        range(5, 7),
+    ]
+    assert span(3, 64 << 20).batches(limit=16 << 20) == [range(1), range(1, 2), range(2, 3)]
+    assert span(0, 1 << 10).batches() == []
+
+
+@pytest.fixture
+async def scheduler(server: ServerHandle) -> AsyncIterator[AsyncClient]:
+    async with open_client(server.endpoint) as client:
+        yield client
+
+
+@pytest.fixture
+async def worker(server: ServerHandle) -> AsyncIterator[tuple[WorkerAdapter, list[np.ndarray]]]:
+    rng = np.random.default_rng(17)
+    shape = (2, BLOCKS, BLOCK, 2, 8)  # flash_attn
+    arrays = [
+        rng.integers(0, 1 << 16, shape, dtype=np.uint16).view(np.float16) for _ in range(LAYERS)
+    ]
+    adapter = WorkerAdapter(server.endpoint, "m", 1, 0, BLOCK)
+    caches = {f"layer.{i}": a for i, a in enumerate(arrays)}
+    await trio.to_thread.run_sync(lambda: adapter.register_kv_caches(caches))
+    await await_condition(lambda: adapter.registered, what="the adapter to register")
+    yield adapter, arrays
+    await trio.to_thread.run_sync(adapter.shutdown)
+
+
+async def in_thread(fn: Callable[[], Any]) -> Any:
+    return await trio.to_thread.run_sync(fn)
+
+
+async def cache_stats(client: AsyncClient) -> Any:
+    reply = await client.call(GetStats(), StatsReply)
+    assert reply.cache is not None
+    return reply.cache
+
+
+async def hit_chunks(scheduler: AsyncClient, request: str, chunks: int = 10) -> int:
+    reply = await scheduler.call(Lookup(request, "m", 1, HASHES[:chunks]), LookupReply)
+    return reply.hit_chunks
+
+
+async def test_a_store_in_batches_is_finished_once_committed_and_retrieved_byte_for_byte(
+    worker: tuple[WorkerAdapter, list[np.ndarray]], scheduler: AsyncClient
+) -> None:
+    adapter, arrays = worker
+    store = adapter.submit_store_request("s", LoadStoreOp(SOURCE, PROMPT, end=len(PROMPT)))
+    await in_thread(store.result)
+    assert await hit_chunks(scheduler, "r") == 10  # visible as soon as the store is finished
+    assert await in_thread(lambda: adapter.get_finished(["s"])) == ({"s"}, set())
+    op = LoadStoreOp(TARGET, PROMPT, end=len(PROMPT))
+    await in_thread(adapter.submit_retrieve_request("r", op).result)
+    assert await in_thread(adapter.get_block_ids_with_load_errors) == set()
+    for array in arrays:
+        assert np.array_equal(array[:, TARGET].view(np.uint16), array[:, SOURCE].view(np.uint16))
+    assert adapter.metrics() == {
+        "registered": True,
+        "registration_failures": 0,
+        "store_failures": {},
+        "retrieve_failures": {},
+    }
+
+    async def released() -> bool:
+        state = await cache_stats(scheduler)
+        return (state.l1_ready, state.l1_pins, state.leases) == (10, 0, 0)
+
+    await await_async(released, what="one release of every chunk read")
+
+
+@pytest.mark.parametrize("server_config", [{"max_pins": 5}], indirect=True)
+async def test_a_batch_the_server_refuses_fails_only_its_own_chunks(
+    worker: tuple[WorkerAdapter, list[np.ndarray]], scheduler: AsyncClient
+) -> None:
+    adapter, _ = worker
+    store = adapter.submit_store_request("s", LoadStoreOp(SOURCE, PROMPT, end=len(PROMPT)))
+    await in_thread(store.result)
+    # Batches of 1 and 2 chunks fit in 5 pins; those of 4 and 3 (all sent at once) do not.
+    assert adapter.metrics()["store_failures"] == {"server": 7}
+    assert await hit_chunks(scheduler, "r", 5) == 3  # (a lookup of 10 would need 10 pins)
+    assert await in_thread(lambda: adapter.get_finished(["s"])) == ({"s"}, set())
+
+
+async def test_a_commit_the_server_refuses_is_counted_and_the_store_still_finishes(
+    worker: tuple[WorkerAdapter, list[np.ndarray]],
+    scheduler: AsyncClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    adapter, _ = worker
+    gather = arena_worker.gather
+    calls = []
+
+    def gather_then_lose_the_registration(*args: Any) -> None:
+        gather(*args)
+        calls.append(args)
+        if len(calls) == 1:  # the server forgets the registration before the commit
+            adapter.client.request(Unregister())
+
+    monkeypatch.setattr(arena_worker, "gather", gather_then_lose_the_registration)
+    store = adapter.submit_store_request("s", LoadStoreOp(SOURCE, PROMPT, end=len(PROMPT)))
+    await in_thread(store.result)
+    assert len(calls) == 10
+    assert adapter.metrics()["store_failures"] == {"not_registered": 10}
+    assert await in_thread(lambda: adapter.get_finished(["s"])) == ({"s"}, set())
+    await await_condition(lambda: adapter.registered, what="the adapter to register again")
+    assert await hit_chunks(scheduler, "r") == 0  # nothing half-stored became visible
+    state = await cache_stats(scheduler)
+    assert (state.l1_ready, state.l1_writing) == (0, 0)

@@ -232,15 +232,16 @@ async def test_a_damaged_object_on_disk_is_a_miss_deleted_and_counted(
     async with running(config, disk) as (_, worker, scheduler):
         await store(worker, "first", 1)
         await written_to_l2(worker, 1)
-    (path,) = (tmp_path / "objects").glob("*/*")
+    (path,) = (tmp_path / "segments").glob("*.seg")  # (one record: header, object, padding)
     damaged = bytearray(path.read_bytes())
     if damage == "flip":
-        damaged[len(damaged) // 2] ^= 0x01
-    else:
-        del damaged[-1000:]
-    path.write_bytes(damaged)
+        damaged[len(damaged) // 2] ^= 0x01  # a bit of the chunk, at rest
+        path.write_bytes(damaged)
     disk = DiskBackend(DiskOptions(path=str(tmp_path)))  # a new server process would scan anew
     async with running(config, disk) as (_, worker, scheduler):
+        assert await disk.lookup_and_lock([]) == 0  # (the scan has run: it found the object)
+        if damage == "truncate":  # cut short behind the server's back
+            path.write_bytes(damaged[: len(damaged) - 5000])
         assert (await lookup(scheduler, "r", 1)).hit_chunks == 1  # found in L2, not yet read
         assert await retrieve(worker, "r", 1) == {"failed": [0]}
         await scheduler.request(EndSession("r", "m"))

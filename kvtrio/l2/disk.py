@@ -295,17 +295,17 @@ class DiskBackend:
         outcome = Written(0, None, None)
         reserved = 0
         try:
-            sizes = []
+            # Room and ranges for the whole batch with no checkpoint in between (so the batch
+            # is contiguous), then one thread call frees what was evicted, one writes.
             for i, (key, parts) in enumerate(zip(keys, buffers, strict=True)):
                 size = sum(len(p) for p in parts)
-                if not await self._make_room(size):
+                if not self._make_room(size):
                     self.counters["store_refused"] += 1
                     continue
                 self._bytes += size  # reserved now, so concurrent stores do not overshoot
                 reserved += size
-                sizes.append((i, key, parts, size))
-            # Ranges are allocated with no checkpoint in between: a batch is contiguous.
-            todo = [(i, key, parts, self._space.allocate(size)) for i, key, parts, size in sizes]
+                todo.append((i, key, parts, self._space.allocate(size)))
+            await self._free()
             if not todo:
                 return results
             outcome = await trio.to_thread.run_sync(
@@ -346,7 +346,8 @@ class DiskBackend:
                 self.root,
                 self._capacity,
             )
-            await self._make_room(0)
+            self._make_room(0)
+            await self._free()
         elif error is not None:
             self.counters["errors"] += 1
             raise BackendError(f"disk: writing an object failed: {reason(error)}")
@@ -427,12 +428,11 @@ class DiskBackend:
             raise BackendError(f"disk: cannot use {self.root}: {reason(exc)}") from None
         self._measured(free, total)
 
-    async def _make_room(self, size: int) -> bool:
+    def _make_room(self, size: int) -> bool:
         """Evict unlocked objects in the policy's order until ``size`` more bytes fit.
 
-        O(evicted objects): locked objects are not in the policy, so none is skipped. The
-        records are freed in a worker thread; the index forgets them at once (no checkpoint
-        between the check and the reservation that follows)."""
+        O(evicted objects): locked objects are not in the policy, so none is skipped. The index
+        forgets them at once; their records are queued for the next :meth:`_free`."""
         capacity = self._capacity
         if size > capacity:
             return False
@@ -442,5 +442,4 @@ class DiskBackend:
                 self.counters["evictions"] += 1
                 if self._bytes + size <= capacity:
                     break
-        await self._free()
         return self._bytes + size <= capacity

@@ -196,3 +196,32 @@ async def test_a_filesystem_full_part_way_through_a_batch_stores_a_whole_prefix(
     assert not set(found) & set(range(stored, 4))
     for i in found:
         assert await _get(restarted, i, sizes[i]) == b"".join(_obj(i, sizes[i]))
+
+
+async def test_a_store_that_evicts_frees_in_one_call_and_adjacent_records_in_one_punch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = _backend(tmp_path, per_segment=16, capacity=ByteSize(8 * SIZE), eviction="lru")
+    assert (
+        await backend.store([_key(i) for i in range(8)], [_obj(i) for i in range(8)]) == [True] * 8
+    )
+    calls: list[int] = []
+    punches: list[tuple[int, int]] = []
+    real_free, real_punch = kvtrio.l2.disk.free_ranges, kvtrio.l2._diskio._fallocate
+
+    def free(ranges: Any, unlinks: Any) -> Any:
+        calls.append(len(ranges))
+        return real_free(ranges, unlinks)
+
+    def punch(fd: int, offset: int, length: int) -> None:
+        punches.append((offset, length))
+        real_punch(fd, offset, length)
+
+    monkeypatch.setattr(kvtrio.l2.disk, "free_ranges", free)
+    monkeypatch.setattr(kvtrio.l2._diskio, "_fallocate", punch)
+    new = [_key(i) for i in range(8, 12)]
+    assert await backend.store(new, [_obj(i) for i in range(8, 12)]) == [True] * 4
+    assert backend.statistics()["evictions"] == 4
+    assert calls == [4]  # the batch's evictions: one thread call...
+    assert punches == [(0, 4 * record_size(SIZE))]  # ...one hole over the four oldest
+    assert [await backend.lookup_and_lock([_key(i)]) for i in (3, 4, 11)] == [0, 1, 1]

@@ -9,8 +9,8 @@ segment is a sequence of records, each aligned to :data:`ALIGN` bytes::
 
 A removed record's blocks are given back to the filesystem by punching a hole over it (it then
 reads as zeros: no longer a record); a segment whose records are all gone is unlinked. The scan
-after a restart walks each segment's records (skipping holes with ``SEEK_DATA``), so a record
-counts only if its header is whole and its object fits in the file.
+after a restart (:mod:`._diskscan`) walks each segment's records (skipping holes with
+``SEEK_DATA``), so a record counts only if its header is whole and its object fits in the file.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import ctypes
 import errno
 import functools
 import os
-import re
 import struct
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,15 +34,14 @@ __all__ = [
     "ALIGN",
     "RECORD_HEADER",
     "Freed",
-    "Scan",
     "Written",
     "filesystem_space",
     "free_ranges",
+    "parse_record_header",
     "read_records",
     "reason",
     "record_header",
     "record_size",
-    "scan_tree",
     "segment_name",
     "write_records",
 ]
@@ -58,7 +56,6 @@ _HEAD = struct.Struct("<48sQ8x")
 RECORD_HEADER = _HEAD.size
 _IOV_MAX = 1024
 _ZEROS = memoryview(bytes(ALIGN))
-_SEGMENT = re.compile(r"[0-9a-f]{16}\.seg")
 _PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE (linux/falloc.h)
 
 
@@ -73,7 +70,7 @@ def record_header(key: bytes, length: int) -> bytes:
     return _HEAD.pack(fields, xxhash.xxh3_64_intdigest(fields))
 
 
-def _parse(raw: bytes | bytearray) -> tuple[bytes, int] | None:
+def parse_record_header(raw: bytes | bytearray) -> tuple[bytes, int] | None:
     """(key, length) of a record header, or None if it is not one."""
     if len(raw) < RECORD_HEADER:
         return None
@@ -162,7 +159,7 @@ def _write_run(path: str, start: int, run: list[Record], fsync: bool) -> tuple[i
             fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             while iov:  # short writes continue
-                count = os.pwritev(fd, iov[:_IOV_MAX], offset)
+                count = _pwritev(fd, iov[:_IOV_MAX], offset)
                 offset += count
                 while iov and count >= len(iov[0]):
                     count -= len(iov[0])
@@ -253,7 +250,7 @@ def _read_run(
         ends.append(position - (size - RECORD_HEADER - length))  # (the padding may be absent)
     offset = start = records[run[0]][1]
     while iov:
-        count = os.preadv(fd, iov[:_IOV_MAX], offset)
+        count = _preadv(fd, iov[:_IOV_MAX], offset)
         if count == 0:
             break  # end of file: the records not read whole are False
         offset += count
@@ -264,7 +261,7 @@ def _read_run(
             iov[0] = iov[0][count:]
     for head, i, end in zip(heads, run, ends, strict=True):
         length = sum(len(p) for p in records[i][3])
-        results[i] = offset - start >= end and _parse(head) == (records[i][2], length)
+        results[i] = offset - start >= end and parse_record_header(head) == (records[i][2], length)
 
 
 # --------------------------------------------------------------------------- freeing
@@ -282,16 +279,37 @@ class Freed:
 
 @functools.cache
 def _libc_fallocate() -> Any:
-    function = ctypes.CDLL(None, use_errno=True).fallocate
-    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    """libc's ``fallocate`` (Linux), or None where there is none (macOS)."""
+    function = getattr(ctypes.CDLL(None, use_errno=True), "fallocate", None)
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     return function
 
 
 def _fallocate(fd: int, offset: int, length: int) -> None:
     """Punch a hole (the blocks go back to the filesystem; the range reads as zeros)."""
-    if _libc_fallocate()(fd, _PUNCH, offset, length) != 0:
+    function = _libc_fallocate()
+    if function is None:
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+    if function(fd, _PUNCH, offset, length) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
+
+
+def _pwritev(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """``os.pwritev``, or seek + ``writev`` where Python has no ``pwritev`` (older macOS).
+    (Each fd here belongs to one thread's call, so its position is ours to move.)"""
+    if hasattr(os, "pwritev"):
+        return os.pwritev(fd, buffers, offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.writev(fd, buffers)
+
+
+def _preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, buffers, offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.readv(fd, buffers)
 
 
 def free_ranges(punches: Sequence[tuple[str, int, int]], unlinks: Sequence[str]) -> Freed:
@@ -349,82 +367,6 @@ def _coalesced(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append((offset, size))
     return merged
-
-
-# --------------------------------------------------------------------------- the scan
-
-
-@attrs.frozen
-class Scan:
-    segments: list[tuple[int, list[tuple[bytes, int, int]]]]
-    """(sequence number, its records as (key, offset, length) in file order), oldest first."""
-    foreign: list[str]
-    legacy: int
-    """Object files of the earlier one-file-per-object layout (``objects/``), not used."""
-    free: int
-    total: int
-
-
-def scan_tree(root: Path, segments_dir: Path) -> Scan:
-    """Create the directories, list the segments and their records (worker thread); unlink
-    segments that hold no record. Anything in ``segments/`` that is not a segment file is left
-    alone and listed as foreign."""
-    # Cached KV is the server's user's alone: the root (and so everything in it) is 0700.
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    segments_dir.mkdir(exist_ok=True)
-    found, foreign = [], []
-    for entry in os.scandir(segments_dir):
-        if _SEGMENT.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-            found.append((int(entry.name[:16], 16), entry.path))
-        else:
-            foreign.append(entry.path)
-    segments = []
-    for seq, path in sorted(found):
-        with contextlib.suppress(FileNotFoundError):  # (removed meanwhile)
-            records = _scan_segment(path)
-            if records:
-                segments.append((seq, records))
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-    legacy = 0
-    with contextlib.suppress(OSError):
-        legacy = sum(len(files) for _, _, files in os.walk(root / "objects"))
-    space = os.statvfs(segments_dir)
-    return Scan(
-        segments, foreign, legacy, space.f_bavail * space.f_frsize, space.f_blocks * space.f_frsize
-    )
-
-
-def _scan_segment(path: str) -> list[tuple[bytes, int, int]]:
-    """The whole records of a segment, in file order: a header that checks out and an object
-    that fits in the file. Zeros (holes, punched records) are skipped with ``SEEK_DATA``, damage
-    block by block."""
-    records = []
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        offset = 0
-        while offset + RECORD_HEADER <= size:
-            raw = os.pread(fd, RECORD_HEADER, offset)
-            parsed = _parse(raw)
-            if parsed is not None and offset + RECORD_HEADER + parsed[1] <= size:
-                records.append((parsed[0], offset, parsed[1]))
-                offset += record_size(parsed[1])
-                continue
-            if raw.count(0) == len(raw):  # a hole (or zeros): jump to the next data
-                try:
-                    data = os.lseek(fd, offset, os.SEEK_DATA)
-                except OSError as exc:
-                    if exc.errno == errno.ENXIO:
-                        break  # no data after it
-                    data = offset  # (no SEEK_DATA here: step block by block)
-                offset = max(data - data % ALIGN, offset + ALIGN)
-            else:
-                offset += ALIGN
-    finally:
-        os.close(fd)
-    return records
 
 
 def reason(exc: OSError) -> str:

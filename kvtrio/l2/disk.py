@@ -47,10 +47,10 @@ from ._diskio import (
     read_records,
     reason,
     record_size,
-    scan_tree,
     segment_name,
     write_records,
 )
+from ._diskscan import scan_tree
 from ._interface import BackendError, Buffers
 from ._locks import LocalLocks
 from ._segments import Location, Segments

@@ -225,3 +225,28 @@ async def test_a_store_that_evicts_frees_in_one_call_and_adjacent_records_in_one
     assert calls == [4]  # the batch's evictions: one thread call...
     assert punches == [(0, 4 * record_size(SIZE))]  # ...one hole over the four oldest
     assert [await backend.lookup_and_lock([_key(i)]) for i in (3, 4, 11)] == [0, 1, 1]
+
+
+class _OsWithoutPositionalVectors:
+    """``os`` as Python has it on older macOS: no ``pwritev`` / ``preadv``."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("pwritev", "preadv"):
+            raise AttributeError(name)
+        return getattr(os, name)
+
+
+async def test_without_pwritev_preadv_or_fallocate_it_works_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvtrio.l2._diskio, "os", _OsWithoutPositionalVectors())
+    monkeypatch.setattr(kvtrio.l2._diskio, "_libc_fallocate", lambda: None)
+    backend = _backend(tmp_path)
+    keys = [_key(i) for i in range(5)]
+    assert await backend.store(keys, [_obj(i) for i in range(5)]) == [True] * 5
+    await backend.delete([_key(1)])  # (no holes: its header is zeroed)
+    for i in (0, 2, 3, 4):
+        assert await _get(backend, i) == b"".join(_obj(i))
+    restarted = _backend(tmp_path)
+    assert [await restarted.lookup_and_lock([key]) for key in keys] == [1, 0, 1, 1, 1]
+    assert await _get(restarted, 4) == b"".join(_obj(4))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import functools
 import json
 import multiprocessing
 import os
@@ -322,11 +321,17 @@ def _own_server(options: BenchOptions, console: Console) -> Iterator[str]:
 
 
 def _remove_tree(workdir: Path) -> None:
-    """Remove the bench's directory, the disk L2's buckets in parallel threads: after the
-    trace it holds ~175,000 object files, and one ``rmtree`` took longer than a minute."""
-    objects = workdir / "l2" / "objects"
+    """Remove the bench's directory, the disk L2's segment files in parallel threads: after
+    the trace it holds ~90 files of 64 MiB, and removing one takes ~0.1 s on this VM's ext4
+    (the filesystem frees and discards its blocks), a third of that with 8 at once."""
+    segments = workdir / "l2" / "segments"
     with contextlib.suppress(OSError):
-        buckets = [entry.path for entry in os.scandir(objects) if entry.is_dir()]
+        files = [entry.path for entry in os.scandir(segments) if entry.is_file()]
         with concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="bench-rm") as pool:
-            list(pool.map(functools.partial(shutil.rmtree, ignore_errors=True), buckets))
+            list(pool.map(_unlink_quietly, files))
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)

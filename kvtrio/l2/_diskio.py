@@ -1,182 +1,372 @@
-"""The disk backend's blocking file work: run in worker threads only (never on the event loop)."""
+"""The disk backend's blocking file work: run in worker threads only (never on the event loop).
+
+Objects live in **segment files** (``segments/<16 hex digits>.seg``), appended to in order. A
+segment is a sequence of records, each aligned to :data:`ALIGN` bytes::
+
+    record header (64 B): magic "KVS1" | version u16 | key length u16 | key (32 B, zero-padded)
+                          | length u64 | xxh3-64 of the 48 bytes before it | 8 zero bytes
+    the object (length bytes), then zeros up to the next multiple of ALIGN
+
+A removed record's blocks are given back to the filesystem by punching a hole over it (it then
+reads as zeros: no longer a record); a segment whose records are all gone is unlinked. The scan
+after a restart (:mod:`._diskscan`) walks each segment's records (skipping holes with
+``SEEK_DATA``), so a record counts only if its header is whole and its object fits in the file.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import os
-import uuid
+import struct
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
+import xxhash
 
 from ._interface import Buffers
 
 __all__ = [
-    "Scan",
+    "ALIGN",
+    "RECORD_HEADER",
+    "Freed",
     "Written",
     "filesystem_space",
-    "read_object",
+    "free_ranges",
+    "parse_record_header",
+    "read_records",
     "reason",
-    "scan_tree",
-    "unlink_all",
-    "write_objects",
+    "record_header",
+    "record_size",
+    "segment_name",
+    "write_records",
 ]
 
+ALIGN = 4096
+"""Records start on multiples of this (a filesystem block): a punched record frees whole
+blocks, and the scan can step from block to block over damage."""
+_MAGIC = b"KVS1"
+_VERSION = 1
+_FIELDS = struct.Struct("<4sHH32sQ")
+_HEAD = struct.Struct("<48sQ8x")
+RECORD_HEADER = _HEAD.size
+_IOV_MAX = 1024
+_ZEROS = memoryview(bytes(ALIGN))
+_PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE (linux/falloc.h)
 
-def read_object(path: str, parts: Buffers) -> bool | None:
-    """Read the file into ``parts``; False if its size differs, None if it is gone."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+
+def record_size(length: int) -> int:
+    """Bytes a record of an object of ``length`` bytes takes in its segment (aligned)."""
+    return -(-(RECORD_HEADER + length) // ALIGN) * ALIGN
+
+
+def record_header(key: bytes, length: int) -> bytes:
+    """The header of a record of ``key`` (at most 32 bytes: its length is in ``flags``)."""
+    fields = _FIELDS.pack(_MAGIC, _VERSION, len(key), key, length)
+    return _HEAD.pack(fields, xxhash.xxh3_64_intdigest(fields))
+
+
+def parse_record_header(raw: bytes | bytearray) -> tuple[bytes, int] | None:
+    """(key, length) of a record header, or None if it is not one."""
+    if len(raw) < RECORD_HEADER:
         return None
-    try:
-        if os.fstat(fd).st_size != sum(len(p) for p in parts):
-            return False
-        pending = [memoryview(p).cast("B") for p in parts if len(p)]
-        while pending:  # one readv for all parts; loop only on a short read
-            count = os.readv(fd, pending)
-            if count == 0:
-                return False
-            while pending and count >= len(pending[0]):
-                count -= len(pending[0])
-                pending.pop(0)
-            if pending and count:
-                pending[0] = pending[0][count:]
-        return True
-    finally:
-        os.close(fd)
+    fields, digest = _HEAD.unpack_from(raw)
+    magic, version, key_length, key, length = _FIELDS.unpack(fields)
+    if magic != _MAGIC or version != _VERSION or digest != xxhash.xxh3_64_intdigest(fields):
+        return None
+    return key[:key_length], length
 
 
-def _write_object(tmp_dir: Path, path: str, parts: Buffers, fsync: bool) -> None:
-    """Write ``parts`` to a temporary file and rename it to ``path`` (atomic). The bucket
-    directory is made by the scan; only if it has vanished since is it made again here.
+def segment_name(seq: int) -> str:
+    return f"{seq:016x}.seg"
 
-    If anything fails (writing, creating the bucket, renaming), the temporary file is removed.
-    """
-    temp = f"{tmp_dir}/{uuid.uuid4().hex}"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        try:
-            pending = [memoryview(p).cast("B") for p in parts if len(p)]
-            while pending:
-                written = os.writev(fd, pending)
-                while pending and written >= len(pending[0]):
-                    written -= len(pending[0])
-                    pending.pop(0)
-                if pending and written:
-                    pending[0] = pending[0][written:]
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.replace(temp, path)
-        except FileNotFoundError:  # the bucket is gone (the scan makes all 256): make it again
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(os.path.dirname(path))
-            os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
+
+# --------------------------------------------------------------------------- writing
 
 
 @attrs.frozen
 class Written:
     written: int
-    """How many objects (a prefix of the batch) were written."""
+    """How many records (a prefix of the batch) were written whole."""
     error: OSError | None
     """The error that stopped the batch (None if all were written)."""
     space: tuple[int, int] | None
     """The filesystem's free and total bytes afterwards (None if unknown)."""
 
 
-def write_objects(tmp_dir: Path, objects: list[tuple[str, Buffers]], fsync: bool) -> Written:
-    """Write the objects in order with :func:`_write_object`; stop at the first that fails;
-    then measure the filesystem's free space (one ``statvfs``)."""
-    written, error = len(objects), None
-    for count, (path, parts) in enumerate(objects):
-        try:
-            _write_object(tmp_dir, path, parts, fsync)
-        except OSError as exc:
-            written, error = count, exc
+Record = tuple[str, int, bytes, Buffers]
+"""(segment path, offset, key, the object's parts): where a record goes or is read from."""
+
+
+def write_records(records: Sequence[Record], fsync: bool) -> Written:
+    """Write the records (in order; consecutive ones of a segment are contiguous) with one
+    ``pwritev`` per run of adjacent records, ``fdatasync`` each file if ``fsync``; stop at the
+    first error; then measure the filesystem's free space (one ``statvfs``)."""
+    done, error = 0, None
+    for path, start, run in _runs(records):
+        written, error = _write_run(path, start, run, fsync)
+        done += written
+        if error is not None:
             break
+    directory = os.path.dirname(records[0][0]) if records else "."
     try:
-        space = os.statvfs(tmp_dir)
+        space = os.statvfs(directory)
     except OSError:
-        return Written(written, error, None)
-    return Written(
-        written, error, (space.f_bavail * space.f_frsize, space.f_blocks * space.f_frsize)
-    )
+        return Written(done, error, None)
+    return Written(done, error, (space.f_bavail * space.f_frsize, space.f_blocks * space.f_frsize))
 
 
-def unlink_all(paths: list[str]) -> tuple[int, OSError] | None:
-    """Remove the files (missing ones are fine); return how many failed and the first error."""
-    failed, first = 0, None
-    for path in paths:
+def _runs(records: Sequence[Record]) -> list[tuple[str, int, list[Record]]]:
+    """Split records into runs of adjacent ones of one segment, keeping their order."""
+    runs: list[tuple[str, int, list[Record]]] = []
+    end = -1
+    for record in records:
+        path, offset, _, parts = record
+        if runs and runs[-1][0] == path and offset == end:
+            runs[-1][2].append(record)
+        else:
+            runs.append((path, offset, [record]))
+        end = offset + record_size(sum(len(p) for p in parts))
+    return runs
+
+
+def _write_run(path: str, start: int, run: list[Record], fsync: bool) -> tuple[int, OSError | None]:
+    """Write adjacent records; return how many were written whole, and the error if any."""
+    iov: list[memoryview] = []
+    ends: list[int] = []  # each record's end, relative to start
+    position = 0
+    for _, _, key, parts in run:
+        length = sum(len(p) for p in parts)
+        size = record_size(length)
+        iov.append(memoryview(record_header(key, length)))
+        iov += [memoryview(p).cast("B") for p in parts if len(p)]
+        if size - RECORD_HEADER - length:
+            iov.append(_ZEROS[: size - RECORD_HEADER - length])
+        position += size
+        ends.append(position)
+    offset = start
+    try:
+        created = fsync and not os.path.exists(path)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        except FileNotFoundError:  # segments/ is gone (the scan made it): make it again
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.dirname(path))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while iov:  # short writes continue
+                count = _pwritev(fd, iov[:_IOV_MAX], offset)
+                offset += count
+                while iov and count >= len(iov[0]):
+                    count -= len(iov[0])
+                    iov.pop(0)
+                if iov and count:
+                    iov[0] = iov[0][count:]
+            if fsync:
+                try:
+                    os.fdatasync(fd)
+                except OSError:
+                    offset = start  # not durable: none of them counts as written
+                    raise
+        finally:
+            os.close(fd)
+        if created:
+            _fsync_directory(os.path.dirname(path))
+    except OSError as exc:
+        return sum(1 for end in ends if end <= offset - start), exc
+    return len(run), None
+
+
+def _fsync_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_records(records: Sequence[Record]) -> list[bool | None]:
+    """Read each record's object into its parts (one ``preadv`` per run of adjacent records of
+    a segment). Per record: True, False if it is not there whole under its key (a short file,
+    a punched or overwritten record), None if its segment file is gone. The first other
+    ``OSError`` is raised."""
+    results: list[bool | None] = [False] * len(records)
+    order = sorted(range(len(records)), key=lambda i: (records[i][0], records[i][1]))
+    by_segment: dict[str, list[int]] = {}
+    for i in order:
+        by_segment.setdefault(records[i][0], []).append(i)
+    for path, indices in by_segment.items():
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            for i in indices:
+                results[i] = None
+            continue
+        try:
+            for run in _adjacent(records, indices):
+                _read_run(fd, records, run, results)
+        finally:
+            os.close(fd)
+    return results
+
+
+def _adjacent(records: Sequence[Record], indices: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    end = -1
+    for i in indices:
+        _, offset, _, parts = records[i]
+        if runs and offset == end and len(runs[-1]) < _IOV_MAX // 4:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+        end = offset + record_size(sum(len(p) for p in parts))
+    return runs
+
+
+def _read_run(
+    fd: int, records: Sequence[Record], run: list[int], results: list[bool | None]
+) -> None:
+    heads = [bytearray(RECORD_HEADER) for _ in run]
+    scratch = memoryview(bytearray(ALIGN))
+    iov: list[memoryview] = []
+    ends = []
+    position = 0
+    for head, i in zip(heads, run, strict=True):
+        parts = records[i][3]
+        length = sum(len(p) for p in parts)
+        size = record_size(length)
+        iov.append(memoryview(head))
+        iov += [memoryview(p).cast("B") for p in parts if len(p)]
+        if size - RECORD_HEADER - length:
+            iov.append(scratch[: size - RECORD_HEADER - length])
+        position += size
+        ends.append(position - (size - RECORD_HEADER - length))  # (the padding may be absent)
+    offset = start = records[run[0]][1]
+    while iov:
+        count = _preadv(fd, iov[:_IOV_MAX], offset)
+        if count == 0:
+            break  # end of file: the records not read whole are False
+        offset += count
+        while iov and count >= len(iov[0]):
+            count -= len(iov[0])
+            iov.pop(0)
+        if iov and count:
+            iov[0] = iov[0][count:]
+    for head, i, end in zip(heads, run, ends, strict=True):
+        length = sum(len(p) for p in records[i][3])
+        results[i] = offset - start >= end and parse_record_header(head) == (records[i][2], length)
+
+
+# --------------------------------------------------------------------------- freeing
+
+
+@attrs.frozen
+class Freed:
+    failed: int
+    """Ranges or files that could not be freed."""
+    error: OSError | None
+    unsupported: bool
+    """The filesystem cannot punch holes: removed records keep their blocks until their
+    segment is unlinked."""
+
+
+@functools.cache
+def _libc_fallocate() -> Any:
+    """libc's ``fallocate`` (Linux), or None where there is none (macOS)."""
+    function = getattr(ctypes.CDLL(None, use_errno=True), "fallocate", None)
+    if function is not None:
+        function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return function
+
+
+def _fallocate(fd: int, offset: int, length: int) -> None:
+    """Punch a hole (the blocks go back to the filesystem; the range reads as zeros)."""
+    function = _libc_fallocate()
+    if function is None:
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+    if function(fd, _PUNCH, offset, length) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def _pwritev(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """``os.pwritev``, or seek + ``writev`` where Python has no ``pwritev`` (older macOS).
+    (Each fd here belongs to one thread's call, so its position is ours to move.)"""
+    if hasattr(os, "pwritev"):
+        return os.pwritev(fd, buffers, offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.writev(fd, buffers)
+
+
+def _preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, buffers, offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.readv(fd, buffers)
+
+
+def free_ranges(punches: Sequence[tuple[str, int, int]], unlinks: Sequence[str]) -> Freed:
+    """Punch holes over ``(segment path, offset, bytes)`` record ranges (adjacent ones at
+    once) and unlink segment files. Where the filesystem cannot punch holes, each record's
+    header is zeroed instead (it is no longer a record; its blocks stay until its segment goes).
+    Missing files are fine; other failures are counted, not raised."""
+    failed, first, unsupported = 0, None, False
+    by_segment: dict[str, list[tuple[int, int]]] = {}
+    for path, offset, size in sorted(punches):
+        by_segment.setdefault(path, []).append((offset, size))
+    for path, records in by_segment.items():
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            failed, first = failed + len(records), first or exc
+            continue
+        try:
+            for offset, size in _coalesced(records):
+                try:
+                    if not unsupported:
+                        _fallocate(fd, offset, size)
+                        continue
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                        failed, first = failed + 1, first or exc
+                        continue
+                    unsupported = True
+                try:  # no holes here: unmake the records (zeroed headers)
+                    for start, _ in records:
+                        if offset <= start < offset + size:
+                            os.pwrite(fd, _ZEROS[:RECORD_HEADER], start)
+                except OSError as exc:
+                    failed, first = failed + 1, first or exc
+        finally:
+            os.close(fd)
+    for path in unlinks:
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            failed += 1
-            first = first or exc
-    return None if first is None else (failed, first)
+            failed, first = failed + 1, first or exc
+    return Freed(failed, first, unsupported)
 
 
-@attrs.frozen
-class Scan:
-    objects: list[tuple[bytes, int]]
-    """(key, size), oldest first."""
-    foreign: list[str]
-    free: int
-    total: int
-
-
-def scan_tree(objects_dir: Path, tmp_dir: Path) -> Scan:
-    """Create the directories (with all 256 buckets), clear ``tmp/``, list the objects (worker
-    thread).
-
-    Anything that is not an object file in its bucket (a stray file, a directory where a file
-    belongs, a name that is not a key) is left alone and listed as foreign.
-    """
-    # Cached KV is the server's user's alone: the root (and so everything in it) is 0700.
-    objects_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    objects_dir.mkdir(exist_ok=True)
-    tmp_dir.mkdir(exist_ok=True)
-    for bucket_number in range(256):  # every bucket now, so a write is create + rename only
-        (objects_dir / f"{bucket_number:02x}").mkdir(exist_ok=True)
-    for leftover in tmp_dir.iterdir():  # writes interrupted by a crash
-        with contextlib.suppress(OSError):
-            leftover.unlink()
-    found, foreign = [], []
-    for bucket in os.scandir(objects_dir):
-        if not (bucket.is_dir(follow_symlinks=False) and _is_hex(bucket.name, 2)):
-            foreign.append(bucket.path)
-            continue
-        for entry in os.scandir(bucket.path):
-            if not (
-                _is_hex(entry.name, 64)
-                and entry.name.startswith(bucket.name)
-                and entry.is_file(follow_symlinks=False)
-            ):
-                foreign.append(entry.path)
-                continue
-            with contextlib.suppress(OSError):  # (removed meanwhile)
-                stat = entry.stat(follow_symlinks=False)
-                found.append((stat.st_mtime, bytes.fromhex(entry.name), stat.st_size))
-    found.sort()  # oldest first: the LRU order
-    space = os.statvfs(objects_dir)
-    return Scan(
-        [(key, size) for _, key, size in found],
-        foreign,
-        space.f_bavail * space.f_frsize,
-        space.f_blocks * space.f_frsize,
-    )
-
-
-def _is_hex(name: str, length: int) -> bool:
-    return len(name) == length and all(c in "0123456789abcdef" for c in name)
+def _coalesced(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted (offset, size) ranges with adjacent ones merged."""
+    merged: list[tuple[int, int]] = []
+    for offset, size in ranges:
+        if merged and merged[-1][0] + merged[-1][1] == offset:
+            merged[-1] = (merged[-1][0], merged[-1][1] + size)
+        else:
+            merged.append((offset, size))
+    return merged
 
 
 def reason(exc: OSError) -> str:

@@ -1,23 +1,28 @@
-"""``disk``: one file per object on a local filesystem — the embedded default of ``kvtrio serve``.
+"""``disk``: objects in segment files on a local filesystem — the embedded default of ``kvtrio
+serve``.
 
-One file per object rather than segment files: chunks are large (megabytes), so per-file
-overhead is negligible, the filesystem does allocation and reclaims space at once on eviction
-(segments would need compaction), a torn or corrupt object damages nothing else, and reads go
-straight into L1 slots with ``readv``. Files are written to ``tmp/`` and renamed into
-``objects/`` (atomic: a reader sees a whole object or none), optionally fsynced. The index
-(key → size) is rebuilt from the directory when the backend is first used (oldest first, by
-modification time), so a restarted server serves what it stored before; files that are not
-objects of ours are ignored and reported once. Eviction order is a :class:`kvtrio.storage.
-EvictionPolicy` (option ``eviction``, the L1's default) over the unlocked objects, so a store
-evicts in O(1) amortised; locked objects are held out of it until unlocked. ``store`` takes each
-object's parent (``accepts_parents``), so prefix-aware policies evict a prompt tail first and
-the objects after an evicted one first of all; objects found by the scan have no known parent.
+Objects are appended to segment files (``segments/*.seg``, ``segment_size`` each; the record
+format is in :mod:`._diskio`), a written batch with one ``pwritev``. An object becomes visible
+(indexed) only once its record is written whole, optionally ``fdatasync``ed; a failed write
+leaves no object (its range is punched out). A removed object's blocks go back to the
+filesystem at once (a hole is punched over its record: no compaction), and a segment whose
+records are all gone is unlinked. The index (key → segment, offset, length) is rebuilt by
+scanning the segments when the backend is first used (oldest first, in write order), so a
+restarted server serves what it stored before; files that are not segments are ignored and
+reported once. Eviction order is a :class:`kvtrio.storage.EvictionPolicy` (option
+``eviction``, the L1's default) over the unlocked objects, so a store evicts in O(1) amortised;
+locked objects are held out of it until unlocked. ``store`` takes each object's parent
+(``accepts_parents``), so prefix-aware policies evict a prompt tail first and the objects after
+an evicted one first of all; objects found by the scan have no known parent.
+
+A record is never freed while a load is reading it (replaced, deleted or evicted meanwhile: the
+hole is punched when the read ends), so a load returns the object it looked up, whole.
 
 Capacity is the smaller of the option and what the filesystem can hold (our bytes plus its free
 space, minus a 2% reserve), re-measured after every written batch: a full filesystem (``ENOSPC``)
 lowers it, evicts down to it, and refuses the rest of the batch instead of failing for good.
-Every filesystem error becomes a :class:`BackendError`; a failed unlink is counted, never raised.
-Blocking file I/O runs in worker threads, at most ``threads`` at once (one limiter per backend).
+Every filesystem error becomes a :class:`BackendError`; a failed punch or unlink is counted,
+never raised. Blocking file I/O runs in worker threads, at most ``threads`` at once.
 """
 
 from __future__ import annotations
@@ -38,14 +43,17 @@ from ..storage import DEFAULT_EVICTION, EVICTION_POLICIES, EvictionPolicy, make_
 from ._diskio import (
     Written,
     filesystem_space,
-    read_object,
+    free_ranges,
+    read_records,
     reason,
-    scan_tree,
-    unlink_all,
-    write_objects,
+    record_size,
+    segment_name,
+    write_records,
 )
+from ._diskscan import scan_tree
 from ._interface import BackendError, Buffers
 from ._locks import LocalLocks
+from ._segments import Location, Segments
 
 __all__ = ["DiskBackend"]
 
@@ -69,9 +77,13 @@ class DiskOptions:
         metadata={"help": f"Eviction policy: {', '.join(sorted(EVICTION_POLICIES))}."},
     )
     fsync: bool = attrs.field(
-        default=False, metadata={"help": "fsync every object before it becomes visible."}
+        default=False, metadata={"help": "fdatasync every batch before it becomes visible."}
     )
     threads: int = attrs.field(default=4, metadata={"help": "Concurrent file operations."})
+    segment_size: ByteSize = attrs.field(
+        default=ByteSize(64 << 20),
+        metadata={"help": "Bytes appended to a segment file before the next one is started."},
+    )
 
 
 class DiskBackend:
@@ -86,28 +98,29 @@ class DiskBackend:
         self.options = options or DiskOptions()
         if self.options.threads < 1:
             raise ValueError("threads must be at least 1")
+        if int(self.options.segment_size) < 1:
+            raise ValueError("segment_size must be positive")
         self.root = Path(os.path.expanduser(self.options.path))
-        self._objects_dir = self.root / "objects"
-        self._objects_prefix = f"{self._objects_dir}/"
-        self._tmp_dir = self.root / "tmp"
+        self._segments_dir = self.root / "segments"
+        self._prefix = f"{self._segments_dir}/"
         self._io = trio.CapacityLimiter(self.options.threads)  # the "disk I/O" limiter
-        self._index: dict[bytes, int] = {}  # every object on disk → its size
+        self._index: dict[bytes, Location] = {}  # every object on disk
         # The unlocked objects; ValueError (naming the known ones) for an unknown name.
         self._policy = policy if policy is not None else make_policy(self.options.eviction)
         self._locks = LocalLocks()
+        self._space = Segments(int(self.options.segment_size))
         self._bytes = 0
         self._capacity = int(self.options.capacity)  # lowered to what the filesystem holds
         self._measured_at = -math.inf
         self._indexed = False
         self._indexing: trio.Event | None = None
+        self._punch_warned = False
         self.counters = collections.Counter[str]()
 
     # ----------------------------------------------------------------- the index
 
-    def _path(self, key: bytes) -> str:
-        """The object's file (a str: pathlib's joins cost more than the rest of a lookup)."""
-        name = key.hex()
-        return f"{self._objects_prefix}{name[:2]}/{name}"
+    def _path(self, segment: int) -> str:
+        return f"{self._prefix}{segment_name(segment)}"
 
     async def _ensure_index(self) -> None:
         """Create the directories and scan them once (concurrent first callers wait for the one
@@ -122,26 +135,44 @@ class DiskBackend:
         self._indexing = trio.Event()
         try:
             found = await trio.to_thread.run_sync(
-                scan_tree, self._objects_dir, self._tmp_dir, limiter=self._io
+                scan_tree, self.root, self._segments_dir, limiter=self._io
             )
         except OSError as exc:
             raise BackendError(f"disk: cannot use {self.root}: {reason(exc)}") from None
         finally:
             self._indexing.set()
-        for key, size in found.objects:
-            self._index[key] = size
-            self._policy.add(key)
-            self._bytes += size
+        if self._is_indexed():  # (another caller's scan finished first)
+            return
+        for segment, records in found.segments:
+            self._space.scanned(segment, len(records))
+            for key, offset, length in records:
+                stale = self._index.get(key)
+                if stale is not None:  # stored again later: the older record goes
+                    self._bytes -= stale[2]
+                    self._space.release(stale)
+                else:
+                    self._policy.add(key)
+                self._index[key] = (segment, offset, length)
+                self._bytes += length
         self._indexed = True
         self._measured(found.free, found.total)
         if found.foreign:
             self.counters["foreign_files"] = len(found.foreign)
             log.warning(
-                "disk L2 %s: ignoring %d file(s) that are not objects (e.g. %s)",
+                "disk L2 %s: ignoring %d file(s) that are not segments (e.g. %s)",
                 self.root,
                 len(found.foreign),
                 found.foreign[0],
             )
+        if found.legacy:
+            log.warning(
+                "disk L2 %s: %d object file(s) of an earlier layout in %s are not used; "
+                "remove that directory to free their space",
+                self.root,
+                found.legacy,
+                self.root / "objects",
+            )
+        await self._free()
 
     def _is_indexed(self) -> bool:
         return self._indexed
@@ -179,42 +210,60 @@ class DiskBackend:
         return found
 
     async def unlock(self, keys: Sequence[bytes]) -> None:
-        """Drop one lock per key, first thing (a cancellation cannot skip it); remove the files
-        of objects deleted while locked (the thread runs to its end if cancelled)."""
+        """Drop one lock per key, first thing (a cancellation cannot skip it); free the records
+        of objects deleted while locked (shielded)."""
         was_locked = [key for key in keys if self._locks.is_locked(key)]
         gone = self._locks.unlock(keys)
         for key in was_locked:
             if key in self._index and not self._locks.is_locked(key):
                 self._policy.add(key)
         for key in gone:
-            self._forget(key)
-        if gone:
-            await self._unlink(gone)
-        else:
+            if key in self._index:
+                self._space.release(self._forget(key))
+        if not await self._free():
             await trio.lowlevel.cancel_shielded_checkpoint()
 
     async def load(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
+        """Read the objects in one worker-thread call (one ``preadv`` per run of adjacent
+        records). A filesystem error fails the whole call (BackendError); an object that is not
+        there, or not at the buffers' size, is False. The records stay allocated while they are
+        read. Cancellation: the thread runs to its end, its results unused."""
         await self._ensure_index()
-        results = []
-        for key, parts in zip(keys, buffers, strict=True):
-            if key not in self._index:  # (a deleted but locked object still loads)
-                results.append(False)
-                continue
-            try:
-                ok = await trio.to_thread.run_sync(
-                    read_object, self._path(key), parts, limiter=self._io
-                )
-            except OSError as exc:
-                self.counters["errors"] += 1
-                raise BackendError(f"disk: reading an object failed: {reason(exc)}") from None
-            if ok is None:  # the file vanished (removed behind our back)
-                self._forget(key)
+        results = [False] * len(keys)
+        wanted: list[tuple[int, Location]] = []
+        for i, (key, parts) in enumerate(zip(keys, buffers, strict=True)):
+            location = self._index.get(key)  # (a deleted but locked object still loads)
+            if location is not None and location[2] == sum(len(p) for p in parts):
+                wanted.append((i, location))
+        if not wanted:
+            await trio.lowlevel.checkpoint()
+            return results
+        for _, location in wanted:
+            self._space.start_reading(location)
+        try:
+            outcomes = await trio.to_thread.run_sync(
+                read_records,
+                [(self._path(s), o, keys[i], buffers[i]) for i, (s, o, _) in wanted],
+                limiter=self._io,
+            )
+        except OSError as exc:
+            self.counters["errors"] += 1
+            raise BackendError(f"disk: reading an object failed: {reason(exc)}") from None
+        finally:
+            for _, location in wanted:
+                self._space.done_reading(location)
+            await self._free()
+        for (i, location), ok in zip(wanted, outcomes, strict=True):
+            key = keys[i]
+            if ok is None:  # the segment vanished (removed behind our back)
+                if self._index.get(key) == location:
+                    self._space.release(self._forget(key))  # (an unlink of nothing: harmless)
                 ok = False
             elif ok:
                 self._policy.touch(key)
             self.counters["loads"] += 1
-            self.counters["load_bytes"] += sum(len(p) for p in parts) if ok else 0
-            results.append(bool(ok))
+            self.counters["load_bytes"] += location[2] if ok else 0
+            results[i] = ok
         return results
 
     async def store(
@@ -224,53 +273,65 @@ class DiskBackend:
         *,
         parents: Sequence[bytes | None] | None = None,
     ) -> list[bool]:
-        """Reserve room for each object in order, then write the batch in one worker thread.
+        """Reserve room for each object in order, then append the batch to the active segment
+        in one worker-thread call.
 
         ``parents`` (optional, index-aligned) names the object before each one in its prompt,
         for the eviction policy: a prompt leaves tail first, and objects after an evicted one
         (unreachable by a prefix lookup) go first.
 
         Objects written before a failing one are stored (and visible); the failing one and the
-        rest are not. A full filesystem lowers the capacity and evicts down to it (the rest of
-        the batch is refused, not an error); any other failure raises BackendError.
-        Cancellation: the write thread runs to its end (each object is temp file + rename, so
-        none is ever torn); reservations not turned into objects are released.
+        rest are not (their ranges are punched out). A full filesystem lowers the capacity and
+        evicts down to it (the rest of the batch is refused, not an error); any other failure
+        raises BackendError. Cancellation: the write thread runs to its end (an object is
+        indexed only once written whole); reservations not turned into objects are released.
         """
         await self._ensure_index()
         await self._remeasure()
+        if any(not 0 < len(key) <= 32 for key in keys):
+            raise ValueError("disk: keys are 1 to 32 bytes")
         results = [False] * len(keys)
-        todo: list[tuple[int, bytes, Buffers, int]] = []  # (index, key, parts, reserved size)
+        todo: list[tuple[int, bytes, Buffers, Location]] = []  # (index, key, parts, where)
         outcome = Written(0, None, None)
+        reserved = 0
         try:
+            # Room and ranges for the whole batch with no checkpoint in between (so the batch
+            # is contiguous), then one thread call frees what was evicted, one writes.
             for i, (key, parts) in enumerate(zip(keys, buffers, strict=True)):
                 size = sum(len(p) for p in parts)
-                if not await self._make_room(size):
+                if not self._make_room(size):
                     self.counters["store_refused"] += 1
                     continue
                 self._bytes += size  # reserved now, so concurrent stores do not overshoot
-                todo.append((i, key, parts, size))
+                reserved += size
+                todo.append((i, key, parts, self._space.allocate(size)))
+            await self._free()
             if not todo:
                 return results
             outcome = await trio.to_thread.run_sync(
-                write_objects,
-                self._tmp_dir,
-                [(self._path(key), parts) for _, key, parts, _ in todo],
+                write_records,
+                [(self._path(s), o, key, parts) for _, key, parts, (s, o, _) in todo],
                 self.options.fsync,
                 limiter=self._io,
             )
-            for i, key, _, size in todo[: outcome.written]:
-                if key in self._index:
-                    self._bytes -= self._index[key]
+            for i, key, _, location in todo[: outcome.written]:
+                old = self._index.get(key)
+                if old is not None:  # replaced (a lock on the key, if any, stays)
+                    self._bytes -= old[2]
+                    self._space.release(old)
                 self._locks.replaced(key)
-                self._index[key] = size
+                self._index[key] = location
+                self._bytes += location[2]
                 if not self._locks.is_locked(key):
                     self._policy.add(key, None if parents is None else parents[i])
                 self.counters["stores"] += 1
-                self.counters["store_bytes"] += size
+                self.counters["store_bytes"] += location[2]
                 results[i] = True
         finally:
-            for _, _, _, size in todo[outcome.written :]:  # reserved, never written
-                self._bytes -= size
+            self._bytes -= reserved  # (the reservations are objects now, or given back)
+            for _, _, _, location in todo[outcome.written :]:  # never written (whole)
+                self._space.release(location)
+            await self._free()
         error = outcome.error
         if outcome.space is not None:
             self._measured(*outcome.space)
@@ -285,7 +346,8 @@ class DiskBackend:
                 self.root,
                 self._capacity,
             )
-            await self._make_room(0)
+            self._make_room(0)
+            await self._free()
         elif error is not None:
             self.counters["errors"] += 1
             raise BackendError(f"disk: writing an object failed: {reason(error)}")
@@ -293,16 +355,10 @@ class DiskBackend:
 
     async def delete(self, keys: Sequence[bytes]) -> None:
         await self._ensure_index()
-        gone = []
         for key in keys:
-            if key not in self._index:
-                continue
-            if not self._locks.defer_delete(key):
-                self._forget(key)
-                gone.append(key)
-        if gone:
-            await self._unlink(gone)
-        else:
+            if key in self._index and not self._locks.defer_delete(key):
+                self._space.release(self._forget(key))
+        if not await self._free():
             await trio.lowlevel.checkpoint()
 
     async def aclose(self) -> None:
@@ -313,17 +369,48 @@ class DiskBackend:
             "objects": len(self._index),
             "bytes": self._bytes,
             "capacity_bytes": self._capacity,
+            "segments": len(self._space),
             "locks": self._locks.total,
             **self.counters,
         }
 
-    # ----------------------------------------------------------------- internals
+    # ----------------------------------------------------------------- segments
 
-    def _forget(self, key: bytes) -> None:
-        size = self._index.pop(key, None)
+    def _forget(self, key: bytes) -> Location:
+        location = self._index.pop(key)
         self._policy.discard(key)
-        if size is not None:
-            self._bytes -= size
+        self._bytes -= location[2]
+        return location
+
+    async def _free(self) -> bool:
+        """Punch the ranges and unlink the segments given back so far, in a worker thread,
+        shielded (the index no longer has them: their space must not be left behind). Failures
+        are counted and logged, not raised. Returns whether there was anything to free."""
+        frees = self._space.take_frees()
+        if frees is None:
+            return False
+        punches = [(self._path(s), o, record_size(n)) for s, o, n in frees.punches]
+        unlinks = [self._path(s) for s in frees.unlinks]
+        with trio.CancelScope(shield=True):
+            freed = await trio.to_thread.run_sync(free_ranges, punches, unlinks, limiter=self._io)
+        if freed.unsupported and not self._punch_warned:
+            self._punch_warned = True
+            log.warning(
+                "disk L2 %s: the filesystem cannot punch holes; the space of removed objects "
+                "comes back only when their segment file is removed",
+                self.root,
+            )
+        if freed.error is not None:
+            self.counters["free_errors"] += freed.failed
+            log.warning(
+                "disk L2 %s: %d range(s) or file(s) could not be freed (%s)",
+                self.root,
+                freed.failed,
+                reason(freed.error),
+            )
+        return True
+
+    # ----------------------------------------------------------------- capacity
 
     async def _remeasure(self) -> None:
         """While the capacity is below the option (the filesystem was full), measure the free
@@ -335,44 +422,24 @@ class DiskBackend:
         self._measured_at = now
         try:
             free, total = await trio.to_thread.run_sync(
-                filesystem_space, self._objects_dir, limiter=self._io
+                filesystem_space, self._segments_dir, limiter=self._io
             )
         except OSError as exc:
             raise BackendError(f"disk: cannot use {self.root}: {reason(exc)}") from None
         self._measured(free, total)
 
-    async def _make_room(self, size: int) -> bool:
+    def _make_room(self, size: int) -> bool:
         """Evict unlocked objects in the policy's order until ``size`` more bytes fit.
 
-        O(evicted objects): locked objects are not in the policy, so none is skipped. The files
-        are removed in a worker thread; the index forgets them at once (no checkpoint between
-        the check and the reservation that follows)."""
+        O(evicted objects): locked objects are not in the policy, so none is skipped. The index
+        forgets them at once; their records are queued for the next :meth:`_free`."""
         capacity = self._capacity
         if size > capacity:
             return False
-        victims = []
         if self._bytes + size > capacity:
             for key in self._policy.victims():
-                victims.append(key)
-                self._forget(key)
+                self._space.release(self._forget(key))
+                self.counters["evictions"] += 1
                 if self._bytes + size <= capacity:
                     break
-        if victims:
-            self.counters["evictions"] += len(victims)
-            await self._unlink(victims)
         return self._bytes + size <= capacity
-
-    async def _unlink(self, keys: list[bytes]) -> None:
-        """Remove the files (in a worker thread). Failures are counted and logged, not raised:
-        the objects are already out of the index. Cancellation: the thread runs to its end."""
-        paths = [self._path(key) for key in keys]
-        failed = await trio.to_thread.run_sync(unlink_all, paths, limiter=self._io)
-        if failed is not None:
-            count, error = failed
-            self.counters["unlink_errors"] += count
-            log.warning(
-                "disk L2 %s: %d file(s) could not be removed (%s)",
-                self.root,
-                count,
-                reason(error),
-            )

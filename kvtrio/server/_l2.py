@@ -7,10 +7,11 @@
 - **Lookup**: the chunks after the L1 prefix go to every backend's ``lookup_and_lock`` at once;
   the caller runs this inside the lookup's cancel scope, and a cancelled lookup unlocks (shielded)
   whatever it had locked.
-- **Loads**: L2 hits get an L1 slot reserved right away and a loader task (in the server's
-  loaders nursery, bounded per backend) that reads the object into the slot, verifies its frame
-  in a worker thread, and commits it. A retrieve waits for its chunks' loads; a request's end
-  cancels them.
+- **Loads**: L2 hits get an L1 slot reserved right away and a loader task per batch of a
+  request's objects (in the server's loaders nursery, bounded per backend) that reads them into
+  their slots with one backend call, verifies their frames in one worker-thread call, and
+  unlocks them with one call; each chunk is then committed or dropped on its own. A retrieve
+  waits for its chunks' loads; a request's end cancels them.
 - **Health**: every exception a backend raises (``BackendError``, any ``OSError``, a plugin's
   ``TypeError``…) is a backend failure: counted, logged (once per outage), and the backend is
   skipped for a growing backoff (0.5 s … 30 s), then tried again; no backend error reaches a
@@ -98,7 +99,7 @@ class _Health:
 
 @attrs.define(eq=False)
 class Load:
-    """An L2→L1 load of one object for a request."""
+    """An L2→L1 load of one object for a request (one of a batch: see ``start_loads``)."""
 
     key: bytes
     entry: Entry
@@ -352,11 +353,15 @@ class L2Tier:
         self, sources: Sequence[Sequence[_Health]], keys: Sequence[Sequence[bytes]]
     ) -> None:
         """Unlock chunks :meth:`lookup` returned that will not be loaded after all
-        (``keys[i][s]`` is locked in ``sources[i][s]``). Shielded and bounded."""
+        (``keys[i][s]`` is locked in ``sources[i][s]``): one ``unlock`` per backend. Shielded
+        and bounded."""
+        by_backend: dict[int, tuple[_Health, list[bytes]]] = {}
+        for chunk_sources, chunk_keys in zip(sources, keys, strict=True):
+            for health, key in zip(chunk_sources, chunk_keys, strict=True):
+                by_backend.setdefault(id(health), (health, []))[1].append(key)
         with trio.CancelScope(shield=True), trio.move_on_after(5):
-            for chunk_sources, chunk_keys in zip(sources, keys, strict=True):
-                for health, key in zip(chunk_sources, chunk_keys, strict=True):
-                    await self._unlock(health, [key])
+            for health, locked in by_backend.values():
+                await self._unlock(health, locked)
 
     async def _unlock(self, health: _Health, keys: list[bytes]) -> None:
         if not keys:
@@ -372,77 +377,127 @@ class L2Tier:
 
     # ----------------------------------------------------------------- loads
 
-    def start_load(
+    def start_loads(
         self,
-        key: bytes,
-        entry: Entry,
+        items: Sequence[tuple[bytes, Entry]],
         source: _Health,
         fingerprint: bytes,
         on_done: Callable[[Load], None],
-    ) -> Load:
-        """Load ``key`` from ``source`` into the reserved L1 ``entry`` in a loader task.
+    ) -> list[Load]:
+        """Load each ``(key, reserved L1 entry)`` from ``source`` in loader tasks, one batch per
+        task: one backend ``load``, one checksum thread hop and one ``unlock`` per batch.
 
-        ``on_done(load)`` runs when it ended (ok or not), before ``load.done`` is set. The object
-        stays locked in the backend until then.
+        Batches grow 1, 2, 4, … up to ``_BATCH_CHUNKS`` objects (or about ``_BATCH_BYTES``): the
+        first chunk comes back alone, so a partial retrieve can start copying it while the rest
+        loads, and a long prefix still costs few calls (100 chunks: 7 batches).
+
+        ``on_done(load)`` runs once per load when its batch ended (ok or not), before
+        ``load.done`` is set; the objects stay locked in the backend until then. The loads of a
+        batch share one cancel scope (one request's chunks: they are cancelled together).
         """
-        load = Load(key, entry, source)
         assert self._loaders is not None, "the L2 tier is not running"
-        self._loaders.start_soon(self._load, load, fingerprint, on_done)
-        return load
+        loads: list[Load] = []
+        batch: list[Load] = []
+        nbytes, limit = 0, 1
+        for key, entry in items:
+            if batch and (len(batch) >= limit or nbytes + entry.nbytes > _BATCH_BYTES):
+                self._loaders.start_soon(self._load, batch, fingerprint, on_done)
+                batch, nbytes, limit = [], 0, min(2 * limit, _BATCH_CHUNKS)
+            scope = batch[0].scope if batch else trio.CancelScope()
+            load = Load(key, entry, source, scope=scope)
+            batch.append(load)
+            loads.append(load)
+            nbytes += entry.nbytes
+        if batch:
+            self._loaders.start_soon(self._load, batch, fingerprint, on_done)
+        return loads
 
-    async def _load(self, load: Load, fingerprint: bytes, on_done: Callable[[Load], None]) -> None:
-        source = load.source
+    async def _load(
+        self, batch: list[Load], fingerprint: bytes, on_done: Callable[[Load], None]
+    ) -> None:
+        """Read a batch of objects into their L1 slots and verify their frames.
+
+        A backend error fails the whole batch (and deletes nothing); a key the backend answers
+        False for, or whose frame fails verification, fails alone and is deleted. Cancellation
+        (the batch's scope or the server's): every load ends not ok. Either way every key is
+        unlocked exactly once (shielded) and ``on_done`` runs once per load.
+        """
+        source = batch[0].source
+        keys = [load.key for load in batch]
+        scope = batch[0].scope
         try:
-            with load.scope:
+            with scope:
                 async with self._limiters[id(source)]:
-                    head = bytearray(HEADER_SIZE)
-                    payload = self.arena.memory(load.entry.offset, load.entry.nbytes)
+                    heads = [bytearray(HEADER_SIZE) for _ in batch]
+                    payloads = [self.arena.memory(ld.entry.offset, ld.entry.nbytes) for ld in batch]
+                    buffers = [
+                        [memoryview(head), payload]
+                        for head, payload in zip(heads, payloads, strict=True)
+                    ]
                     started = trio.current_time()
-                    answered = False  # (an error proves nothing about the object: it stays)
+                    answered = False  # (an error proves nothing about the objects: they stay)
                     try:
-                        (ok,) = await source.backend.load([load.key], [[memoryview(head), payload]])
+                        results = await source.backend.load(keys, buffers)
+                        if len(results) != len(keys):
+                            raise BackendError(
+                                f"load answered {len(results)} results for {len(keys)} keys"
+                            )
                     except Exception as exc:  # any failure of a backend: see the module docstring
                         self._observed(source, "load", started, False)
                         source.failed(exc, trio.current_time())
-                        ok = False
+                        oks = [False] * len(batch)
                     else:
                         self._observed(source, "load", started, True)
                         answered = True
-                    if ok:
-                        try:
-                            await trio.to_thread.run_sync(
-                                check, bytes(head), load.key, fingerprint, payload, limiter=_CPU
-                            )
-                        except Corrupt as exc:
-                            ok = False
+                        oks = [bool(ok) for ok in results]
+                    doomed: list[bytes] = []
+                    read = [i for i, ok in enumerate(oks) if ok]
+                    if read:
+                        verdicts = await trio.to_thread.run_sync(
+                            _check_all,
+                            [bytes(heads[i]) for i in read],
+                            [keys[i] for i in read],
+                            fingerprint,
+                            [payloads[i] for i in read],
+                            limiter=_CPU,
+                        )
+                        for i, error in zip(read, verdicts, strict=True):
+                            if error is None:
+                                continue
+                            oks[i] = False
                             self.corrupt += 1
                             source.count("corrupt")
                             log.warning(
                                 "L2 backend %s: corrupt object deleted (%s)",
                                 source.name,
-                                exc,
-                                extra=event("l2_corrupt", backend=source.label, error=str(exc)),
+                                error,
+                                extra=event("l2_corrupt", backend=source.label, error=str(error)),
                             )
-                            await self._delete(source, load.key)
-                    elif answered and not load.scope.cancel_called:
-                        # The backend answered that it was there (locked) yet is not at its size:
-                        # truncated, or evicted behind the lock's back. Of no use any more. (A
-                        # failed read, by contrast, proves nothing: that object stays.)
-                        source.count("unreadable")
-                        await self._delete(source, load.key)
-                    source.count("loads" if ok else "load_misses")
-                    source.count("load_bytes", load.entry.nbytes if ok else 0)
-                    load.ok = ok
+                            doomed.append(keys[i])
+                    if answered and not scope.cancel_called:
+                        # The backend answered that these were there (locked) yet not at their
+                        # size: truncated, or evicted behind the lock's back. Of no use any more.
+                        # (A failed read, by contrast, proves nothing: those objects stay.)
+                        unreadable = [keys[i] for i, ok in enumerate(results) if not ok]
+                        source.count("unreadable", len(unreadable))
+                        doomed += unreadable
+                    if doomed:
+                        await self._delete(source, doomed)
+                    for load, ok in zip(batch, oks, strict=True):
+                        load.ok = ok
+                        source.count("loads" if ok else "load_misses")
+                        source.count("load_bytes", load.entry.nbytes if ok else 0)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(5):
-                await self._unlock(source, [load.key])
-            on_done(load)
-            load.done.set()
+                await self._unlock(source, keys)
+            for load in batch:
+                on_done(load)
+                load.done.set()
 
-    async def _delete(self, health: _Health, key: bytes) -> None:
+    async def _delete(self, health: _Health, keys: list[bytes]) -> None:
         started = trio.current_time()
         try:
-            await health.backend.delete([key])
+            await health.backend.delete(keys)
         except Exception as exc:  # any failure of a backend: see the module docstring
             self._observed(health, "delete", started, False)
             health.failed(exc, trio.current_time())
@@ -491,3 +546,22 @@ def _headers(
 ) -> list[bytes]:
     """The frame headers of a batch of chunks (in a worker thread)."""
     return [header(k, f, p) for k, f, p in zip(keys, fingerprints, payloads, strict=True)]
+
+
+def _check_all(
+    heads: Sequence[bytes],
+    keys: Sequence[bytes],
+    fingerprint: bytes,
+    payloads: Sequence[memoryview],
+) -> list[Corrupt | None]:
+    """Verify the frames of a batch of loaded objects (in a worker thread): per object, None or
+    what does not match."""
+    verdicts: list[Corrupt | None] = []
+    for head, key, payload in zip(heads, keys, payloads, strict=True):
+        try:
+            check(head, key, fingerprint, payload)
+        except Corrupt as exc:
+            verdicts.append(exc)
+        else:
+            verdicts.append(None)
+    return verdicts

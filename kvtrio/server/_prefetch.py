@@ -80,8 +80,17 @@ class Prefetcher:
     ) -> int:
         """Reserve L1 slots for the chunks found in L2 and start their loads; return how many
         leading chunks will be (or already are) in L1. From the first chunk that cannot be
-        placed on, chunks are unlocked in L2 and not counted."""
+        placed on, chunks are unlocked in L2 and not counted.
+
+        The loads are started in batches, one per source backend (see
+        :meth:`L2Tier.start_loads`). Slots are reserved and loads started with no checkpoint in
+        between (a cancellation cannot strand a reservation); unlocking what will not be loaded
+        comes last (shielded).
+        """
         placed = 0
+        release: tuple[list[list[Any]], list[list[bytes]]] = ([], [])
+        by_source: dict[int, tuple[Any, list[tuple[bytes, Entry]]]] = {}
+        expires = trio.current_time() + self.config.pin_ttl
         for index, (chunk_hash, chunk_sources) in enumerate(zip(hashes, sources, strict=True)):
             keys = [space + chunk_hash for space in spaces]
             outcomes = [self.l1.reserve(k, chunk_bytes) for k in keys]
@@ -89,21 +98,26 @@ class Prefetcher:
                 for object_key, outcome in zip(keys, outcomes, strict=True):
                     if isinstance(outcome, Entry):
                         self.l1.abort(object_key)
-                rest = [[space + h for space in spaces] for h in hashes[index:]]
-                await self.l2.release(sources[index:], rest)
+                release[0].extend(list(s) for s in sources[index:])
+                release[1].extend([space + h for space in spaces] for h in hashes[index:])
                 break
-            expires = trio.current_time() + self.config.pin_ttl
             for object_key, outcome, source in zip(keys, outcomes, chunk_sources, strict=True):
                 if outcome is Reservation.PRESENT:  # it reached L1 meanwhile
                     self._pin(key, owner, object_key, readers, expires)
-                    await self.l2.release([[source]], [[object_key]])
+                    release[0].append([source])
+                    release[1].append([object_key])
                 elif isinstance(outcome, Entry):
-                    done = self._done(key, owner, readers)
-                    load = self.l2.start_load(object_key, outcome, source, fingerprint, done)
-                    self._loads[(key, object_key)] = load
-                    self._per_request[key] += 1
-                    self._by_owner.setdefault(owner, set()).add((key, object_key))
+                    by_source.setdefault(id(source), (source, []))[1].append((object_key, outcome))
             placed += 1
+        done = self._done(key, owner, readers)
+        owned = self._by_owner.setdefault(owner, set()) if by_source else set()
+        for source, items in by_source.values():
+            for load in self.l2.start_loads(items, source, fingerprint, done):
+                self._loads[(key, load.key)] = load
+                self._per_request[key] += 1
+                owned.add((key, load.key))
+        if release[0]:
+            await self.l2.release(*release)
         return placed
 
     def _done(self, key: str, owner: str, readers: int) -> Callable[[Load], None]:

@@ -166,15 +166,13 @@ def test_settings_that_cannot_work_are_refused_before_starting(
         run_bench(options)
 
 
-def test_the_bench_directory_is_removed_with_its_l2_buckets(tmp_path: Path) -> None:
+def test_the_bench_directory_is_removed_with_its_l2_segments(tmp_path: Path) -> None:
     from kvtrio.bench._run import _remove_tree
 
     workdir = tmp_path / "kvtrio-bench-x"
-    for bucket in ("00", "ab", "ff"):
-        (workdir / "l2" / "objects" / bucket).mkdir(parents=True)
-        for i in range(3):
-            (workdir / "l2" / "objects" / bucket / f"{bucket}{i}").write_bytes(b"x")
-    (workdir / "l2" / "tmp").mkdir()
+    (workdir / "l2" / "segments").mkdir(parents=True)
+    for i in range(3):
+        (workdir / "l2" / "segments" / f"{i:016x}.seg").write_bytes(b"x")
     (workdir / "server.log").write_text("log")
     _remove_tree(workdir)
     assert not workdir.exists()

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 import kvtrio.l2._diskio
+from kvtrio.config import ByteSize
 from kvtrio.l2 import Backend
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.l2.fault import FaultBackend
@@ -36,10 +37,10 @@ class _FailingOS:
         return getattr(os, name)
 
     @staticmethod
-    def readv(fd: int, buffers: Any) -> int:
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    writev = readv
+    pwritev = preadv
 
 
 class TestDisk(BackendConformance):
@@ -73,6 +74,16 @@ class TestDisk(BackendConformance):
                 moved.rename(root)
         else:
             raise AssertionError(kind)
+
+
+class TestDiskOneRecordPerSegment(BackendConformance):
+    """Every object in a segment file of its own: segments start and go all the time."""
+
+    @pytest.fixture
+    async def backend(self, tmp_path: Path) -> AsyncIterator[Backend]:
+        backend = DiskBackend(DiskOptions(path=str(tmp_path / "l2"), segment_size=ByteSize(1)))
+        yield backend
+        await backend.aclose()
 
 
 def _fill(path: Path) -> None:

@@ -1,9 +1,10 @@
 """The disk backend beyond the conformance suite: partial batches, foreign files, eviction cost,
-a path it cannot use, a full filesystem, prefix-aware eviction, bucket directories."""
+a path it cannot use, a full filesystem, prefix-aware eviction, a vanished directory."""
 
 from __future__ import annotations
 
 import logging
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from kvtrio.config import ByteSize
 from kvtrio.l2 import BackendError
+from kvtrio.l2._diskio import segment_name
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.storage import EVICTION_POLICIES, LRU
 
@@ -19,12 +21,12 @@ from kvtrio.storage import EVICTION_POLICIES, LRU
 async def test_a_batch_store_failing_part_way_keeps_the_written_objects_only(
     tmp_path: Path,
 ) -> None:
-    backend = DiskBackend(DiskOptions(path=str(tmp_path)))
+    # One object per segment, so that the batch spans three segment files.
+    backend = DiskBackend(DiskOptions(path=str(tmp_path), segment_size=ByteSize(1)))
     first, failing, last = b"\x00" * 32, b"\xff" * 32, b"\x01" * 32
     assert await backend.lookup_and_lock([]) == 0  # (the directories exist now)
-    # A real fault: the failing object's bucket directory cannot be created (a file is there).
-    (tmp_path / "objects" / "ff").rmdir()  # (the scan made every bucket)
-    (tmp_path / "objects" / "ff").write_bytes(b"not a directory")
+    # A real fault: the second segment's file cannot be created (a directory is there).
+    (tmp_path / "segments" / segment_name(1)).mkdir()
     parts = [[b"h" * 100, b"p" * 1000]] * 3
     with pytest.raises(BackendError, match="writing an object failed"):
         await backend.store([first, failing, last], parts)
@@ -37,11 +39,14 @@ async def test_a_batch_store_failing_part_way_keeps_the_written_objects_only(
     assert buffers == [bytearray(b"h" * 100), bytearray(b"p" * 1000)]
     stats = backend.statistics()
     assert (stats["objects"], stats["bytes"], stats["stores"], stats["errors"]) == (1, 1100, 1, 1)
-    assert list((tmp_path / "tmp").iterdir()) == []  # the failed write left no temporary file
-    assert [p.name for p in (tmp_path / "objects").glob("*/*")] == [first.hex()]
+    # Nor is the failed part visible after a restart (a new scan of the files).
+    restarted = DiskBackend(DiskOptions(path=str(tmp_path)))
+    assert await restarted.lookup_and_lock([first, failing]) == 1
+    assert await restarted.lookup_and_lock([failing]) == 0
+    assert await restarted.lookup_and_lock([last]) == 0
 
     # Once the fault is gone, the same batch stores everything.
-    (tmp_path / "objects" / "ff").unlink()
+    (tmp_path / "segments" / segment_name(1)).rmdir()
     assert await backend.store([first, failing, last], parts) == [True, True, True]
     assert await backend.lookup_and_lock([first, failing, last]) == 3
     stats = backend.statistics()
@@ -63,18 +68,17 @@ async def test_a_stray_file_in_the_tree_is_ignored_and_reported_once(
     backend = DiskBackend(DiskOptions(path=str(tmp_path)))
     keys = [bytes([i]) * 32 for i in range(1, 6)]
     assert await backend.store(keys, [_obj()] * 5) == [True] * 5
-    (tmp_path / "objects" / "README.txt").write_text("notes")
-    (tmp_path / "objects" / "01" / "not-a-key").write_text("x")
-    (tmp_path / "objects" / "zz").mkdir()
+    (tmp_path / "segments" / "README.txt").write_text("notes")
+    (tmp_path / "segments" / "not-a-segment.seg").write_text("x")
+    (tmp_path / "segments" / "zz").mkdir()
     caplog.set_level(logging.WARNING, logger="kvtrio.l2.disk")
     restarted = DiskBackend(DiskOptions(path=str(tmp_path)))
     assert await restarted.lookup_and_lock(keys) == 5
     await restarted.unlock(keys)
     assert await restarted.lookup_and_lock(keys) == 5  # (reported once, not per call)
     assert restarted.statistics()["foreign_files"] == 3
-    assert [r.getMessage() for r in caplog.records if "not objects" in r.getMessage()] != []
-    assert len([r for r in caplog.records if "not objects" in r.getMessage()]) == 1
-    assert (tmp_path / "objects" / "README.txt").read_text() == "notes"  # left alone
+    assert len([r for r in caplog.records if "not segments" in r.getMessage()]) == 1
+    assert (tmp_path / "segments" / "README.txt").read_text() == "notes"  # left alone
 
 
 async def test_an_l2_path_that_cannot_be_created_is_a_one_line_backend_error(
@@ -224,12 +228,13 @@ def test_an_unknown_eviction_policy_is_refused_by_name(tmp_path: Path) -> None:
         DiskBackend(DiskOptions(path=str(tmp_path), eviction="fifo"))
 
 
-async def test_a_vanished_bucket_directory_is_made_again(tmp_path: Path) -> None:
+async def test_a_vanished_segments_directory_is_made_again(tmp_path: Path) -> None:
     backend = DiskBackend(DiskOptions(path=str(tmp_path)))
-    key = b"\xab" * 32
-    assert await backend.lookup_and_lock([key]) == 0  # (the scan made every bucket)
-    assert len(list((tmp_path / "objects").iterdir())) == 256
-    (tmp_path / "objects" / "ab").rmdir()
+    gone, key = b"\xaa" * 32, b"\xab" * 32
+    assert await backend.store([gone], [_obj()]) == [True]
+    shutil.rmtree(tmp_path / "segments")
     assert await backend.store([key], [_obj()]) == [True]
     assert await backend.lookup_and_lock([key]) == 1
     await backend.unlock([key])
+    buffers = [bytearray(100), bytearray(900)]
+    assert await backend.load([gone, key], [buffers, buffers]) == [False, True]  # (gone: lost)

@@ -41,6 +41,7 @@ def test_our_backends_are_registered_like_plugins() -> None:
         "eviction",
         "fsync",
         "threads",
+        "segment_size",
     ]
     assert all(text for _, _, text in disk.options)
 

@@ -7,6 +7,7 @@ protocol directly (slot contents do not matter here; byte equality is the e2e te
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -19,7 +20,7 @@ import trio
 
 from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import ServerConfig
-from kvtrio.l2 import Backend, Buffers
+from kvtrio.l2 import Backend, BackendUnavailable, Buffers
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
@@ -231,15 +232,16 @@ async def test_a_damaged_object_on_disk_is_a_miss_deleted_and_counted(
     async with running(config, disk) as (_, worker, scheduler):
         await store(worker, "first", 1)
         await written_to_l2(worker, 1)
-    (path,) = (tmp_path / "objects").glob("*/*")
+    (path,) = (tmp_path / "segments").glob("*.seg")  # (one record: header, object, padding)
     damaged = bytearray(path.read_bytes())
     if damage == "flip":
-        damaged[len(damaged) // 2] ^= 0x01
-    else:
-        del damaged[-1000:]
-    path.write_bytes(damaged)
+        damaged[len(damaged) // 2] ^= 0x01  # a bit of the chunk, at rest
+        path.write_bytes(damaged)
     disk = DiskBackend(DiskOptions(path=str(tmp_path)))  # a new server process would scan anew
     async with running(config, disk) as (_, worker, scheduler):
+        assert await disk.lookup_and_lock([]) == 0  # (the scan has run: it found the object)
+        if damage == "truncate":  # cut short behind the server's back
+            path.write_bytes(damaged[: len(damaged) - 5000])
         assert (await lookup(scheduler, "r", 1)).hit_chunks == 1  # found in L2, not yet read
         assert await retrieve(worker, "r", 1) == {"failed": [0]}
         await scheduler.request(EndSession("r", "m"))
@@ -310,3 +312,134 @@ async def test_the_write_behind_gives_each_chunk_its_parent_to_a_backend_that_ta
     for key, parent in backend.parents.items():
         space, chunk = key[: -len(HASHES[0])], HASHES.index(key[-len(HASHES[0]) :])
         assert parent == (None if chunk == 0 else space + HASHES[chunk - 1])
+
+
+# --------------------------------------------------------------------------- batched loads
+
+
+class _RecordingLoads(MemoryBackend):
+    """A real memory backend that records its load, unlock and delete calls; loads can be
+    told to answer False for some chunks (``refuse``), to raise (``error``), or to block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.load_calls: list[list[int]] = []
+        self.unlocked: collections.Counter[bytes] = collections.Counter()
+        self.deleted: list[int] = []
+        self.refuse: set[int] = set()
+        self.error: Exception | None = None
+        self.block = False
+
+    async def load(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
+        self.load_calls.append([_chunk_of(key) for key in keys])
+        if self.block:
+            await trio.sleep_forever()
+        if self.error is not None:
+            raise self.error
+        results = await super().load(keys, buffers)
+        return [
+            ok and _chunk_of(key) not in self.refuse for key, ok in zip(keys, results, strict=True)
+        ]
+
+    async def unlock(self, keys: Sequence[bytes]) -> None:
+        self.unlocked.update(keys)
+        await super().unlock(keys)
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        self.deleted += [_chunk_of(key) for key in keys]
+        await super().delete(keys)
+
+
+def _chunk_of(key: bytes) -> int:
+    return HASHES.index(key[-len(HASHES[0]) :])
+
+
+async def _only_in_l2(config: ServerConfig, backend: MemoryBackend) -> None:
+    async with running(config, backend) as (_, worker, _scheduler):
+        await store(worker, "first", 10)
+        await written_to_l2(worker, 10)
+
+
+async def test_the_l2_hits_of_a_lookup_are_loaded_in_growing_batches(
+    config: ServerConfig,
+) -> None:
+    backend = _RecordingLoads()
+    await _only_in_l2(config, backend)
+    async with running(config, backend) as (_, worker, scheduler):
+        assert await lookup(scheduler, "r") == LookupReply(10 * CHUNK, 10)
+        assert await retrieve(worker, "r") == {"read": list(range(10))}
+        # 1, 2, 4, … chunks a call (the first comes back alone): not one call per chunk
+        assert sorted(backend.load_calls) == [[0], [1, 2], [3, 4, 5, 6], [7, 8, 9]]
+        assert sorted(_chunk_of(k) for k in backend.unlocked) == list(range(10))
+        assert set(backend.unlocked.values()) == {1}  # each key unlocked exactly once
+        assert backend.statistics()["locks"] == 0
+
+
+async def test_a_batched_load_failing_part_way_fails_exactly_its_chunks(
+    config: ServerConfig,
+) -> None:
+    backend = _RecordingLoads()
+    await _only_in_l2(config, backend)
+    backend.refuse = {3, 7}  # answered: not there at its size (so of no use: deleted)
+    async with running(config, backend) as (_, worker, scheduler):
+        assert (await lookup(scheduler, "r")).hit_chunks == 10
+        reply = await retrieve(worker, "r")
+        assert reply == {"read": [0, 1, 2, 4, 5, 6, 8, 9], "failed": [3, 7]}
+        assert sorted(backend.deleted) == [3, 7]
+        assert set(backend.unlocked.values()) == {1}
+        assert len(backend.unlocked) == 10
+        state = await cache(worker)
+        assert (state.loads_failed, state.loads_pending) == (2, 0)
+        await scheduler.request(EndSession("r", "m"))
+        assert (await cache(worker)).l1_pins == 0
+
+
+async def test_a_batched_load_that_raises_fails_its_chunks_and_deletes_nothing(
+    config: ServerConfig,
+) -> None:
+    backend = _RecordingLoads()
+    await _only_in_l2(config, backend)
+    backend.error = BackendUnavailable("gone for a moment")
+    async with running(config, backend) as (_, worker, scheduler):
+        assert (await lookup(scheduler, "r")).hit_chunks == 10
+        assert await retrieve(worker, "r") == {"failed": list(range(10))}
+        assert backend.deleted == []  # an error proves nothing about the objects
+        assert set(backend.unlocked.values()) == {1}
+        assert len(backend.unlocked) == 10
+        assert backend.statistics()["objects"] == 10
+        await scheduler.request(EndSession("r", "m"))
+        state = await cache(worker)
+        assert (state.loads_failed, state.l1_pins, state.l1_writing) == (10, 0, 0)
+
+
+async def test_a_cancelled_batch_leaves_nothing_locked_or_reserved(config: ServerConfig) -> None:
+    backend = _RecordingLoads()
+    await _only_in_l2(config, backend)
+    backend.block = True  # the batch hangs in the backend until its request ends
+    async with running(config, backend) as (_, worker, scheduler):
+        assert (await lookup(scheduler, "r")).hit_chunks == 10
+        assert (await cache(worker)).loads_pending == 10
+        await scheduler.request(EndSession("r", "m"))
+        state = await cache(worker)
+        assert (state.loads_pending, state.l1_writing, state.l1_pins) == (0, 0, 0)
+        await await_condition(lambda: backend.statistics()["locks"] == 0, what="L2 unlocked")
+        assert set(backend.unlocked.values()) == {1}
+        assert len(backend.unlocked) == 10
+        assert backend.deleted == []
+
+
+async def test_a_corrupt_object_in_a_batch_fails_alone_and_is_deleted(
+    config: ServerConfig,
+) -> None:
+    backend = _RecordingLoads()
+    await _only_in_l2(config, backend)
+    damaged = next(key for key in backend._objects if _chunk_of(key) == 4)
+    data = bytearray(backend._objects[damaged])
+    data[-1] ^= 0x01  # a bit flip at rest: the frame's checksum catches it
+    backend._objects[damaged] = bytes(data)
+    async with running(config, backend) as (_, worker, scheduler):
+        assert (await lookup(scheduler, "r")).hit_chunks == 10
+        assert await retrieve(worker, "r") == {"read": [0, 1, 2, 3, 5, 6, 7, 8, 9], "failed": [4]}
+        assert backend.deleted == [4]
+        assert (await cache(worker)).l2_corrupt == 1
+        assert set(backend.unlocked.values()) == {1}

@@ -214,6 +214,7 @@ class CacheService:
 
     def lookup(self, session: Session, request: Lookup) -> LookupReply | Later:
         """Pin the L1 prefix now; L2 work, if any, is left to a :class:`Later`."""
+        self.cuda.settle()  # CUDA stores the worker already saw done are visible
         hashes = _checked_hashes(request.chunk_hashes)
         model = self.registry.engine_model(request.engine, request.model, request.tenant)
         if model is None:
@@ -373,6 +374,7 @@ class CacheService:
 
         A ``partial`` retrieve waits only for its first chunk's load and answers the chunks
         still loading after the ready ones as ``loading`` (see ``_read``)."""
+        self.cuda.settle()
         registration = self._registration(session)
         key, hashes, chunks = self._chunks(registration, request)
         blocks: list[list[int]] = []

@@ -142,11 +142,11 @@ class AsyncClient:
     def _deliver(self, frames: list[bytes]) -> None:
         """Settle the call a reply answers (late replies and garbage are ignored)."""
         header = read_reply_header(frames)
-        call = self._calls.get(header.request_id) if header is not None else None
+        call = self._calls.get(header[0]) if header is not None else None
         if header is None or call is None:
             return
         try:
-            result: Reply | ServerError = reply_or_error(header, frames[1], call.request_type)
+            result: Reply | ServerError = reply_or_error(header[1], frames[1], call.request_type)
         except ProtocolError as exc:
             call.settle(outcome.Error(exc))
             return

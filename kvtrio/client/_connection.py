@@ -179,11 +179,11 @@ class Connection:
             except zmq.Again:
                 return
             header = read_reply_header(frames)
-            call = self.pop(header.request_id) if header is not None else None
+            call = self.pop(header[0]) if header is not None else None
             if header is None or call is None or call.future.cancelled():
                 continue
             try:
-                outcome = reply_or_error(header, frames[1], call.request_type)
+                outcome = reply_or_error(header[1], frames[1], call.request_type)
             except ProtocolError as exc:
                 self.fail(call, exc)
                 continue

@@ -32,11 +32,13 @@ from ._codec import (
     converter,
     decode_header,
     decode_reply,
+    decode_reply_body,
     decode_reply_header,
     decode_request,
     encode_error,
     encode_reply,
     encode_request,
+    read_reply_header,
     read_request_header,
 )
 from ._messages import (
@@ -111,10 +113,12 @@ __all__ = [
     "converter",
     "decode_header",
     "decode_reply",
+    "decode_reply_body",
     "decode_reply_header",
     "decode_request",
     "encode_error",
     "encode_reply",
     "encode_request",
+    "read_reply_header",
     "read_request_header",
 ]

@@ -54,7 +54,7 @@ __all__ = ["Monitor", "Socket", "open_monitor", "open_socket"]
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
-_EVENTS = int(zmq.EVENTS)
+_EVENTS = zmq.EVENTS  # the enum member: pyzmq converts an int option to it first (+1 µs)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | _NOBLOCK
 
 Frames = Sequence[bytes]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -95,6 +96,10 @@ class SchedulerAdapter:
             )
         )
         self._lookups: dict[str, Future[Reply]] = {}
+        self._sent: collections.deque[tuple[EndSession | FreeLookupLocks, Future[Reply]]] = (
+            collections.deque()
+        )
+        """Fire-and-forget requests not known to be answered yet (checked for failures later)."""
         self._lock = threading.Lock()
 
     @property
@@ -183,11 +188,19 @@ class SchedulerAdapter:
         self._send(EndSession(request_id, self.model_name, self.tenant, self.engine_id))
 
     def _send(self, request: EndSession | FreeLookupLocks) -> None:
-        def done(future: Future[Reply]) -> None:
-            if not future.cancelled() and future.exception() is not None:
-                log.debug("%s of %s failed: %s", request.op, request.request, future.exception())
-
-        self.client.submit(request, timeout=self.timeout, fail_fast=True).add_done_callback(done)
+        """Send without waiting for the answer. No done callback: a pending future with one
+        makes the client's background thread receive, and take the GIL from a busy scheduler
+        thread; the answers are received by whoever drains the socket next, and looked at
+        (failures logged) at the next call here."""
+        future = self.client.submit(request, timeout=self.timeout, fail_fast=True)
+        with self._lock:
+            sent = self._sent
+            sent.append((request, future))
+            while sent and sent[0][1].done():  # (answered in order, per connection)
+                done, answered = sent.popleft()
+                error = None if answered.cancelled() else answered.exception()
+                if error is not None:
+                    log.debug("%s of %s failed: %s", done.op, done.request, error)
 
     def close(self) -> None:
         if self._own_client:

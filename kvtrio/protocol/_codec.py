@@ -52,6 +52,7 @@ _MAX_REQUEST_ID = 2**64 - 1
 _M = TypeVar("_M")
 IntTuple = tuple[int, ...]
 BytesTuple = tuple[bytes, ...]
+StrTuple = tuple[str, ...]
 
 
 class HeaderError(ProtocolError):
@@ -98,6 +99,12 @@ def _structure_bytes_tuple(value: Any, _: Any) -> BytesTuple:
     raise TypeError(f"expected an array of binary values, got {_msgpack_type(value)}")
 
 
+def _structure_str_tuple(value: Any, _: Any) -> StrTuple:
+    if type(value) is tuple and all(type(item) is str for item in value):
+        return cast(StrTuple, value)
+    raise TypeError(f"expected an array of strings, got {_msgpack_type(value)}")
+
+
 def _msgpack_type(value: object) -> str:
     names = {
         bool: "a boolean",
@@ -123,6 +130,8 @@ def _make_converter() -> cattrs.Converter:
     conv.register_unstructure_hook_func(lambda t: t == IntTuple, lambda v: v)
     conv.register_structure_hook_func(lambda t: t == BytesTuple, _structure_bytes_tuple)
     conv.register_unstructure_hook_func(lambda t: t == BytesTuple, lambda v: v)
+    conv.register_structure_hook_func(lambda t: t == StrTuple, _structure_str_tuple)
+    conv.register_unstructure_hook_func(lambda t: t == StrTuple, lambda v: v)
     return cast(cattrs.Converter, conv)
 
 

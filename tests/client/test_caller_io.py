@@ -10,24 +10,14 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-import msgpack
 import pytest
-import zmq
 
 from kvtrio.client import Client, _sync
 from kvtrio.errors import RequestTimeout
-from kvtrio.protocol import (
-    PROTOCOL_VERSION,
-    HelloReply,
-    Ping,
-    Pong,
-    Probe,
-    ProbeReply,
-    Reply,
-    encode_reply,
-)
+from kvtrio.protocol import Ping, Pong, Probe, ProbeReply, Reply
 
 from ..conftest import ServerProcess, wait_for
+from .raw_server import client_of_raw_server
 
 
 def test_a_spinning_caller_receives_its_own_reply(
@@ -125,52 +115,23 @@ def test_a_blocked_caller_times_out_at_its_deadline(
             server.proc.send_signal(signal.SIGCONT)
 
 
-class _RawServer:
-    """A raw ROUTER the test answers by hand: it decides which request gets its reply when."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
-
-    def take(self) -> tuple[bytes, int, str]:
-        """The next request: (routing id, request id, operation)."""
-        assert self.sock.poll(10_000), "no request came"
-        identity, header, _ = self.sock.recv_multipart()
-        _, request_id, op = msgpack.unpackb(header)
-        return identity, request_id, op
-
-    def answer(self, identity: bytes, request_id: int, op: str, reply: Reply) -> None:
-        self.sock.send_multipart([identity, *encode_reply(request_id, op, reply)])
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
 def test_a_waiting_caller_takes_over_when_the_receiving_one_leaves(endpoint: str) -> None:
     # Two threads wait for replies; the one receiving (sleeping on the socket) gets its reply
     # first and returns. The other's reply, coming later, must reach it at once, not when the
     # background thread next wakes up (up to a second) or at its deadline.
-    server = _RawServer(endpoint)
-    try:
-        with Client(endpoint, heartbeat=False) as client:
-            identity, request_id, op = server.take()
-            assert op == "hello"
-            hello = HelloReply("raw", PROTOCOL_VERSION, "i", 256, 60.0, 1 << 20)
-            server.answer(identity, request_id, op, hello)
-            wait_for(lambda: client.server_info is not None, what="hello")
-            with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                first = pool.submit(client.request, Ping())
-                first_request = server.take()
-                wait_for(lambda: client._leader is not None, what="a caller on the socket")
-                second = pool.submit(client.request, Ping())
-                second_request = server.take()
-                wait_for(lambda: client._followers == 1, what="the second caller to wait")
-                server.answer(*first_request, Pong("i"))
-                assert isinstance(first.result(timeout=5), Pong)
-                start = time.monotonic()
-                server.answer(*second_request, Pong("i"))
-                assert isinstance(second.result(timeout=5), Pong)
-                assert time.monotonic() - start < 0.5
-    finally:
-        server.close()
+    with (
+        client_of_raw_server(endpoint) as (client, server),
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+        first = pool.submit(client.request, Ping())
+        first_request = server.take()
+        wait_for(lambda: client._leader is not None, what="a caller on the socket")
+        second = pool.submit(client.request, Ping())
+        second_request = server.take()
+        wait_for(lambda: client._followers == 1, what="the second caller to wait")
+        server.answer(first_request, Pong("raw"))
+        assert isinstance(first.result(timeout=5), Pong)
+        start = time.monotonic()
+        server.answer(second_request, Pong("raw"))
+        assert isinstance(second.result(timeout=5), Pong)
+        assert time.monotonic() - start < 0.5

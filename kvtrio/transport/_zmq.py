@@ -20,7 +20,9 @@ The rules this adapter follows, so that no wakeup is lost:
 A socket opened with ``pump=False`` has no pump: its one reader owns the FD itself
 (:meth:`Socket.serve_edge`) and drains the socket with non-blocking receives after each wake-up,
 so a burst of messages costs one scheduling round, not two (pump, then reader). Rule 3 then
-wakes that reader by cancelling its wait when another task's call consumed the edge.
+wakes that reader by cancelling its wait when another task's call consumed the edge, and the
+reader's own ``ZMQ_EVENTS`` reads wake the writers parked at the high-water mark (it plays the
+pump's part for them).
 
 Receives ask ``ZMQ_EVENTS`` before taking a message instead of receiving until ``EAGAIN``:
 pyzmq raises ``zmq.Again`` for that, and making the exception costs about four times the
@@ -69,6 +71,8 @@ class Socket:
         self._fd = cast(int, zsock.get(zmq.FD))
         self._readers = trio.lowlevel.ParkingLot()
         self._writers = trio.lowlevel.ParkingLot()
+        self._parked = 0
+        """Tasks parked on ``_readers`` or ``_writers`` (a plain int: read after every call)."""
         self._pumped = pump
         """False: no pump task; the one reader waits on the FD itself (:meth:`serve_edge`)."""
         self._edge: trio.CancelScope | None = None
@@ -132,32 +136,31 @@ class Socket:
             events: int = self._zsock.get(_EVENTS)  # type: ignore[assignment]
         except zmq.ZMQError:
             events = _POLLIN | _POLLOUT  # let everyone find out about the failure
-        if events & _POLLIN:
-            self._readers.unpark_all()
-        if events & _POLLOUT:
-            self._writers.unpark_all()
+        self._after_events(events)
         return events
 
     def _after_call(self) -> None:
-        # Rule 3: the call may have consumed the FD edge a parked task was waiting for. (Tasks
-        # park only on pumped sockets: recv_multipart and send_multipart refuse the others.)
-        if self._pumped:
-            if self._readers or self._writers:
-                self._wake()
-        elif self._edge_waiting and self._events() & _POLLIN:
-            assert self._edge is not None
-            self._edge.cancel()  # the edge owner's wait: it re-checks and takes the message
+        # Rule 3: the call may have consumed the FD edge a waiting task was waiting for.
+        if self._parked or self._edge_waiting:
+            self._wake()
 
     def _after_events(self, events: int) -> None:
         """Rule 3 after a ``ZMQ_EVENTS`` read that returned ``events`` (no call since)."""
         if events & _POLLIN:
             if self._readers:
                 self._readers.unpark_all()
-            elif self._edge_waiting:
+            if self._edge_waiting:
                 assert self._edge is not None
-                self._edge.cancel()
+                self._edge.cancel()  # the edge owner's wait: it re-checks and takes the message
         if events & _POLLOUT and self._writers:
             self._writers.unpark_all()
+
+    async def _park(self, lot: trio.lowlevel.ParkingLot) -> None:
+        self._parked += 1
+        try:
+            await lot.park()
+        finally:
+            self._parked -= 1
 
     def _events(self) -> int:
         try:
@@ -255,7 +258,7 @@ class Socket:
                 return frames
             # Rule 2: check the state ourselves before parking; no checkpoint in between.
             if not self._wake() & _POLLIN:
-                await self._readers.park()
+                await self._park(self._readers)
 
     async def serve_edge(self, drain: Callable[[], bool]) -> NoReturn:
         """Be the socket's one reader (``pump=False``): call ``drain`` whenever messages may be
@@ -309,7 +312,7 @@ class Socket:
             if self._wake() & _POLLIN:
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return
-            await self._readers.park()
+            await self._park(self._readers)
 
     # ----------------------------------------------------------------- sending
 
@@ -341,18 +344,18 @@ class Socket:
         """Send one whole message, waiting while the socket is at its high-water mark.
 
         Do not use this on a ROUTER with ``ROUTER_MANDATORY`` (its writability is not per peer);
-        use :meth:`try_send_multipart` with a retry policy instead.
+        use :meth:`try_send_multipart` with a retry policy instead. On a socket without pump,
+        the task serving its edge (:meth:`serve_edge`) wakes the waiting writers.
 
         Cancellation: if cancelled, the message has not been sent.
         """
-        self._check_pumped()
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             if self.try_send_multipart(frames):
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return
             if not self._wake() & _POLLOUT:
-                await self._writers.park()
+                await self._park(self._writers)
 
     # ----------------------------------------------------------------- closing
 

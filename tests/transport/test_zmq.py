@@ -254,13 +254,19 @@ async def test_cancelled_receive_takes_no_message(endpoint: str) -> None:
         assert payload == b"after"
 
 
-async def test_send_waits_at_the_high_water_mark(endpoint: str) -> None:
-    """A DEALER with IMMEDIATE and no peer cannot send; the send parks, then completes."""
+@pytest.mark.parametrize("pump", [True, False])
+async def test_send_waits_at_the_high_water_mark(endpoint: str, pump: bool) -> None:
+    """A DEALER with IMMEDIATE and no peer cannot send; the send parks, then completes (woken
+    by the pump, or by the task serving the edge of a socket without pump)."""
     options = {zmq.IMMEDIATE: 1, zmq.SNDHWM: 1}
-    async with open_socket(zmq.DEALER, options=options) as dealer:
+    async with open_socket(zmq.DEALER, options=options, pump=pump) as dealer:
         dealer.connect(endpoint)
         assert not dealer.try_send_multipart([b"nobody there"])
         async with trio.open_nursery() as nursery:
+            if not pump:
+                nursery.start_soon(
+                    dealer.serve_edge, lambda: dealer.try_recv_multipart() is not None
+                )
             nursery.start_soon(dealer.send_multipart, [b"queued"])
             await trio.testing.wait_all_tasks_blocked()
             async with open_socket(zmq.ROUTER) as router:
@@ -268,6 +274,7 @@ async def test_send_waits_at_the_high_water_mark(endpoint: str) -> None:
                 with trio.fail_after(5):
                     _, payload = await router.recv_multipart()
                 assert payload == b"queued"
+            nursery.cancel_scope.cancel()
 
 
 def test_bind_reports_the_real_port() -> None:

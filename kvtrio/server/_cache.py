@@ -44,6 +44,7 @@ from ..storage import (
     LeaseTable,
     Reservation,
 )
+from ._batch import register_lookup_batch
 from ._cuda import CudaTransfers
 from ._l2 import L2Tier
 from ._limits import RequestLimits, check_registration
@@ -100,6 +101,7 @@ class CacheService:
         state.register(Unregister, self.unregister)
         # Inline: answered in the router's round; a Later part (L2, a large scrub) in a task.
         state.register_inline(Lookup, self.lookup, concurrent=True)
+        register_lookup_batch(state, self.lookup)
         state.register_inline(Store, self.store)
         state.register_inline(Commit, self.commit)
         state.register_inline(Retrieve, self.retrieve)  # (waiting for L2 loads: a Later)

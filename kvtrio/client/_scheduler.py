@@ -12,6 +12,7 @@ from concurrent.futures import Future
 
 from ..errors import ErrorCode, KvtrioError, ServerError
 from ..protocol import (
+    MAX_LOOKUP_BATCH,
     EndSession,
     FreeLookupLocks,
     Lookup,
@@ -186,7 +187,8 @@ class SchedulerAdapter:
         return self.client.submit(lookup, timeout=self.timeout, fail_fast=True)
 
     def flush_lookups(self) -> None:
-        """Send the deferred lookups: one ``lookup_batch`` message (a ``lookup`` if only one)."""
+        """Send the deferred lookups: one ``lookup_batch`` message (a ``lookup`` if only one;
+        several batches beyond :data:`~kvtrio.protocol.MAX_LOOKUP_BATCH` lookups)."""
         with self._lock:
             queue, self._queue = self._queue, []
             queue = [(rid, queued) for rid, queued in queue if self._lookups.get(rid) is queued]
@@ -196,18 +198,20 @@ class SchedulerAdapter:
                 return
             if not queue:
                 return
-            batch = LookupBatch(
-                model=self.model_name,
-                world_size=self.world_size,
-                requests=tuple(request_id for request_id, _ in queue),
-                chunk_hashes=tuple(queued.hashes for _, queued in queue),
-                tenant=self.tenant,
-                engine=self.engine_id,
-            )
-            future = self.client.submit(batch, timeout=self.timeout, fail_fast=True)
-            for index, (_, queued) in enumerate(queue):
-                queued.batch = future
-                queued.index = index
+            for first in range(0, len(queue), MAX_LOOKUP_BATCH):  # the server's bound
+                part = queue[first : first + MAX_LOOKUP_BATCH]
+                batch = LookupBatch(
+                    model=self.model_name,
+                    world_size=self.world_size,
+                    requests=tuple(request_id for request_id, _ in part),
+                    chunk_hashes=tuple(queued.hashes for _, queued in part),
+                    tenant=self.tenant,
+                    engine=self.engine_id,
+                )
+                future = self.client.submit(batch, timeout=self.timeout, fail_fast=True)
+                for index, (_, queued) in enumerate(part):
+                    queued.batch = future
+                    queued.index = index
 
     def check_lookup_result(self, request_id: str, *, wait: float = 0.0) -> int | None:
         """Matched tokens of the lookup, or None while it is pending (0 if it failed); waits

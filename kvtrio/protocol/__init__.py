@@ -5,6 +5,7 @@ Nothing in this package imports trio or zmq; it turns attrs messages into frames
 """
 
 from ._cache import (
+    MAX_LOOKUP_BATCH,
     Commit,
     CommitReply,
     CudaCache,
@@ -70,6 +71,7 @@ from ._operations import OPERATIONS, REQUEST_TYPES
 
 __all__ = [
     "ERROR_KIND",
+    "MAX_LOOKUP_BATCH",
     "OPERATIONS",
     "PROTOCOL_VERSION",
     "REQUEST_TYPES",

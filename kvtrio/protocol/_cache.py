@@ -23,6 +23,7 @@ from ._messages import Reply, Request
 
 __all__ = [
     "CACHE_REQUEST_TYPES",
+    "MAX_LOOKUP_BATCH",
     "Commit",
     "CommitReply",
     "CudaCache",
@@ -206,6 +207,12 @@ class LookupBatchReply(Reply):
     failed: tuple[LookupFailure, ...] = ()
 
 
+MAX_LOOKUP_BATCH = 1024
+"""The most lookups one :class:`LookupBatch` may carry: the server runs a batch's lookups in
+one go, so a bound keeps one client from holding the event loop (a larger burst goes as several
+batches)."""
+
+
 @frozen
 class LookupBatch(Request):
     """Several lookups of one engine's scheduler in one message: lookup ``i`` is that of
@@ -225,10 +232,16 @@ class LookupBatch(Request):
     engine: str = ""
 
     def lookups(self) -> list[Lookup]:
-        """The lookups of the batch (``ValueError`` if its arrays differ in length)."""
+        """The lookups of the batch (``ValueError`` if its arrays differ in length or it
+        carries more than :data:`MAX_LOOKUP_BATCH`)."""
         if len(self.requests) != len(self.chunk_hashes):
             raise ValueError(
                 f"{len(self.requests)} requests but {len(self.chunk_hashes)} chunk hash lists"
+            )
+        if len(self.requests) > MAX_LOOKUP_BATCH:
+            raise ValueError(
+                f"{len(self.requests)} lookups in one batch, at most {MAX_LOOKUP_BATCH}: "
+                "send the rest in another batch"
             )
         return [
             Lookup(

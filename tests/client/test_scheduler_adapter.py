@@ -8,6 +8,7 @@ import time
 from kvtrio.client import Client, SchedulerAdapter
 from kvtrio.errors import ErrorCode
 from kvtrio.protocol import (
+    MAX_LOOKUP_BATCH,
     EndSession,
     Lookup,
     LookupBatch,
@@ -69,6 +70,30 @@ def test_deferred_lookups_go_out_as_one_batch_at_the_flush(endpoint: str) -> Non
         failed = (LookupFailure(1, "busy", "too many requests"),)
         server.answer(taken, LookupBatchReply((512, 256, 0), (2, 1, 0), failed))
         assert [_answered(adapter, r) for r in PROMPTS] == [512, 0, 0]
+
+
+def test_a_burst_beyond_the_batch_bound_goes_as_several_batches(endpoint: str) -> None:
+    with client_of_raw_server(endpoint) as (client, server):
+        adapter = _adapter(client)
+        names = [f"r{i}" for i in range(MAX_LOOKUP_BATCH + 1)]
+        for index, request_id in enumerate(names):
+            tokens = list(range(index, index + 256))
+            adapter.maybe_submit_lookup_request(request_id, token_ids=tokens, defer=True)
+        adapter.flush_lookups()
+        first, second = server.take(), server.take()
+        assert isinstance(first.request, LookupBatch)
+        assert first.request.requests == tuple(names[:MAX_LOOKUP_BATCH])
+        assert isinstance(second.request, Lookup | LookupBatch)
+        size = MAX_LOOKUP_BATCH
+        server.answer(first, LookupBatchReply((256,) * size, (1,) * size))
+        if isinstance(second.request, LookupBatch):
+            assert second.request.requests == (names[-1],)
+            server.answer(second, LookupBatchReply((0,), (0,)))
+        else:
+            server.answer(second, LookupReply(0, 0))
+        assert _answered(adapter, names[0]) == 256
+        assert _answered(adapter, names[-2]) == 256
+        assert _answered(adapter, names[-1]) == 0
 
 
 def test_waiting_for_a_deferred_lookup_sends_the_queue(endpoint: str) -> None:

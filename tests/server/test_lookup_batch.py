@@ -11,6 +11,7 @@ from kvtrio.errors import BadRequest
 from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.protocol import (
+    MAX_LOOKUP_BATCH,
     Commit,
     EndSession,
     Lookup,
@@ -72,6 +73,19 @@ async def test_a_batch_whose_arrays_differ_in_length_is_a_bad_request(
     async with running(config, MemoryBackend()) as (_, _worker, scheduler):
         with pytest.raises(BadRequest):
             await scheduler.request(LookupBatch("m", 1, ("a", "b"), (HASHES[:1],)))
+
+
+async def test_a_batch_beyond_the_bound_is_a_bad_request_that_says_the_bound(
+    config: ServerConfig,
+) -> None:
+    count = MAX_LOOKUP_BATCH + 1
+    async with running(config, MemoryBackend()) as (_, _worker, scheduler):
+        batch = LookupBatch("m", 1, tuple(f"r{i}" for i in range(count)), ((),) * count)
+        with pytest.raises(BadRequest, match=f"at most {MAX_LOOKUP_BATCH}"):
+            await scheduler.request(batch)
+        full = LookupBatch("m", 1, tuple(f"r{i}" for i in range(count - 1)), ((),) * (count - 1))
+        reply = await scheduler.call(full, LookupBatchReply)
+        assert reply.hit_chunks == (0,) * (count - 1)
 
 
 async def test_the_l2_parts_of_a_batch_run_together(config: ServerConfig) -> None:

@@ -23,8 +23,9 @@ if sys.version_info < (3, 11):  # pragma: no cover - exercised by the py310 tox 
 
 from ._logging import configure_logging, event
 from ._version import __version__
-from .config import ByteSize, ServerConfig, field_help, format_size, load_config
+from .config import ServerConfig, field_help, load_config
 from .errors import ConfigError, KvtrioError
+from .options import ByteSize, format_size
 
 __all__ = ["main"]
 

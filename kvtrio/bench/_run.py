@@ -26,8 +26,8 @@ if sys.version_info < (3, 11):  # pragma: no cover - exercised by the py310 tox 
     from exceptiongroup import BaseExceptionGroup
 
 from ..client import Client, SchedulerAdapter
-from ..config import format_size, parse_size
 from ..errors import KvtrioError
+from ..options import format_size, parse_size
 from ..protocol import GetStats, Ping, StatsReply
 from ..transfer import KVLayout
 from ._driver import Driver, engine_blocks

@@ -13,8 +13,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 
-from ..config import ServerConfig, format_size, parse_size
+from ..config import ServerConfig
 from ..errors import ConfigError
+from ..options import format_size, parse_size
 from ..protocol import StatsReply
 from ..storage import default_shm_dir
 

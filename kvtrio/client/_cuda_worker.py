@@ -13,8 +13,10 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..protocol import CudaCache
-from ..transfer.cuda import CudaRuntime, Event
+import attrs
+
+from ..protocol import CudaCache, CudaLayer
+from ..transfer.cuda import CudaRuntime, Event, IpcLayer
 from ._tensors import describe_cuda_caches
 
 __all__ = ["CudaWorker", "is_cuda_cache"]
@@ -22,6 +24,11 @@ __all__ = ["CudaWorker", "is_cuda_cache"]
 _EVENTS = 16
 """Interprocess events used in turn for the engine side of operations. Reusing one early only
 makes the server wait longer (for a later forward step), never less."""
+
+
+def _wire(layer: IpcLayer) -> CudaLayer:
+    """A layer as the ``register`` message carries it (the same fields)."""
+    return CudaLayer(**attrs.asdict(layer, recurse=False))
 
 
 def is_cuda_cache(kv_caches: Mapping[str, Any]) -> bool:
@@ -50,7 +57,7 @@ class CudaWorker:
         self.tensors = tensors  # kept alive: the server maps their memory
         self.cache = CudaCache(
             device_uuid=runtime.device_uuids()[ordinal],
-            layers=tuple(runtime.export_layer(t) for t in tensors),
+            layers=tuple(_wire(runtime.export_layer(t)) for t in tensors),
         )
         self._events = [runtime.new_event(ordinal) for _ in range(_EVENTS)]
         self._next = 0

@@ -29,7 +29,15 @@ from ..errors import ErrorCode, RequestError
 from ..protocol import CudaCache, CudaLayer
 from ..storage import SharedArena
 from ..transfer import KVLayout
-from ..transfer.cuda import ChunkCopy, CopyPipeline, CudaRuntime, Event, PinnedHost, check_extent
+from ..transfer.cuda import (
+    ChunkCopy,
+    CopyPipeline,
+    CudaRuntime,
+    Event,
+    IpcLayer,
+    PinnedHost,
+    check_extent,
+)
 
 __all__ = ["CudaRegistration", "CudaTransfers", "RuntimeFactory"]
 
@@ -124,7 +132,8 @@ class CudaTransfers:
             tensors: list[Any] = []
             try:
                 for layer in spec.layers:
-                    tensors.append(runtime.open_layer(ordinal, layer))
+                    ipc = IpcLayer(**attrs.asdict(layer, recurse=False))  # wire → transfer
+                    tensors.append(runtime.open_layer(ordinal, ipc))
                 key = (ordinal, chunk_bytes)
                 if key not in self._pipelines:
                     self._pipelines[key] = CopyPipeline(device, chunk_bytes)

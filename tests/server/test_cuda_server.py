@@ -21,6 +21,7 @@ from kvtrio.config import ServerConfig
 from kvtrio.errors import BadRequest
 from kvtrio.protocol import (
     CudaCache,
+    CudaLayer,
     LayoutSpec,
     Lookup,
     LookupReply,
@@ -109,9 +110,8 @@ class Worker:
         layout = self.layout
         spec = LayoutSpec(layout.kind, LAYERS, BLOCKS, BLOCK, layout.num_heads,
                           layout.head_dim, "float16")  # fmt: skip
-        cuda = CudaCache(
-            self.cuda.uuids[self.ordinal], tuple(self.cuda.export_layer(t) for t in self.layers)
-        )
+        layers = (attrs.asdict(self.cuda.export_layer(t), recurse=False) for t in self.layers)
+        cuda = CudaCache(self.cuda.uuids[self.ordinal], tuple(CudaLayer(**x) for x in layers))
         fields: dict[str, Any] = {
             "engine": "engine", "model": "m", "world_size": 1, "rank": 0, "layout": spec,
             "hash_scheme": HASH_SCHEME_TOKENS, "device": "cuda", "cuda": cuda,

@@ -43,7 +43,7 @@ from ..protocol import (
     Store,
     StoreReply,
 )
-from ..storage import SharedArena
+from ..shm import SharedArena
 from ..transfer import KVLayout, gather, scatter
 from ._failures import Failures
 from ._sync import Client

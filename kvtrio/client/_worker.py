@@ -49,7 +49,8 @@ from ..protocol import (
     StoreReply,
     Unregister,
 )
-from ..storage import HASH_SCHEME_TOKENS, SharedArena
+from ..shm import SharedArena
+from ..storage import HASH_SCHEME_TOKENS
 from ..transfer import KVLayout
 from ..transfer.cuda import CudaRuntime, torch_runtime
 from ._arena_worker import (

@@ -27,7 +27,7 @@ import trio
 
 from ..errors import ErrorCode, RequestError
 from ..protocol import CudaCache, CudaLayer
-from ..storage import SharedArena
+from ..shm import SharedArena
 from ..transfer import KVLayout
 from ..transfer.cuda import (
     ChunkCopy,

@@ -15,7 +15,8 @@ from ..config import ServerConfig
 from ..errors import ConfigError
 from ..l2 import Backend, create_backend
 from ..options import ByteSize
-from ..storage import L1Cache, SharedArena, default_shm_dir, make_policy
+from ..shm import SharedArena, default_shm_dir
+from ..storage import L1Cache, make_policy
 from ..transport import ensure_endpoint_free, open_socket, serve_zap
 from ._auth import ServerAuth, configure_auth
 from ._cache import CacheService

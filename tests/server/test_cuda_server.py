@@ -34,7 +34,8 @@ from kvtrio.protocol import (
     Unregister,
 )
 from kvtrio.server import ServerHandle, serve
-from kvtrio.storage import HASH_SCHEME_TOKENS, SharedArena, token_chunk_hashes
+from kvtrio.shm import SharedArena
+from kvtrio.storage import HASH_SCHEME_TOKENS, token_chunk_hashes
 from kvtrio.testing import FakeCuda
 from kvtrio.transfer import KVLayout, gather
 

@@ -4,7 +4,6 @@ KV caches allocated as engines allocate them, and a clock of the worker's copies
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import shutil
 import subprocess
@@ -19,11 +18,10 @@ import numpy as np
 
 from kvtrio.client import Client
 from kvtrio.protocol import GetStats, Ping, StatsReply
+from kvtrio.transfer import CpuTransfer
 
 BLOCKS, BLOCK, HEADS, DIM = 1024, 16, 8, 128
 CHUNK = 256
-# The modules whose gather/scatter a worker's copies call (the copy path moved between them).
-_COPY_MODULES = ("kvtrio.client._worker", "kvtrio.client._arena_worker")
 
 
 class CopyClock:
@@ -52,22 +50,16 @@ class CopyClock:
 
 @contextlib.contextmanager
 def timed_copies(clock: CopyClock) -> Iterator[None]:
-    """Wrap the worker's gather and scatter (the names its modules call) while inside."""
-    patched = []
-    for name in _COPY_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        for fn in ("gather", "scatter"):
-            if hasattr(module, fn):
-                patched.append((module, fn, getattr(module, fn)))
-                setattr(module, fn, clock.wrap(getattr(module, fn)))
+    """Time the worker's copies while inside: the CPU copy engine's gather and scatter, which
+    the worker's arena copy path calls for every chunk."""
+    originals = {fn: getattr(CpuTransfer, fn) for fn in ("gather", "scatter")}
+    for fn, original in originals.items():
+        setattr(CpuTransfer, fn, clock.wrap(original))
     try:
         yield
     finally:
-        for module, fn, original in patched:
-            setattr(module, fn, original)
+        for fn, original in originals.items():
+            setattr(CpuTransfer, fn, original)
 
 
 def poll(condition: Callable[[], bool], timeout: float = 30.0) -> None:

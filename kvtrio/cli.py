@@ -147,7 +147,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "misses, end of the request. The built-in workload is multi-turn conversations sharing "
         "system prompts; --trace replays a Mooncake trace in hash mode.",
     )
-    from .bench import add_arguments
+    from .benchmark import add_arguments
 
     add_arguments(bench)
 
@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif args.command == "status":
             _status(args)
         elif args.command == "bench":
-            from .bench import main as bench_main
+            from .benchmark import main as bench_main
 
             sys.exit(bench_main(args))
     except BaseException as exc:

@@ -182,8 +182,8 @@ class TorchRuntime:
             return self._devices[ordinal]
 
     def tensor_ordinal(self, tensor: Any) -> int | None:
-        device = getattr(tensor, "device", None)  # None: not a tensor (a numpy array)
-        if getattr(device, "type", None) != "cuda":
+        device: Any = getattr(tensor, "device", None)  # None: not a tensor (a numpy array)
+        if device is None or device.type != "cuda":
             return None
         return int(device.index if device.index is not None else self.torch.cuda.current_device())
 

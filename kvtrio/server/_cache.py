@@ -44,6 +44,7 @@ from ..storage import (
     LeaseTable,
     Reservation,
 )
+from ._batch import register_lookup_batch
 from ._cuda import CudaTransfers
 from ._l2 import L2Tier
 from ._limits import RequestLimits, check_registration
@@ -100,6 +101,7 @@ class CacheService:
         state.register(Unregister, self.unregister)
         # Inline: answered in the router's round; a Later part (L2, a large scrub) in a task.
         state.register_inline(Lookup, self.lookup, concurrent=True)
+        register_lookup_batch(state, self.lookup)
         state.register_inline(Store, self.store)
         state.register_inline(Commit, self.commit)
         state.register_inline(Retrieve, self.retrieve)  # (waiting for L2 loads: a Later)
@@ -214,6 +216,7 @@ class CacheService:
 
     def lookup(self, session: Session, request: Lookup) -> LookupReply | Later:
         """Pin the L1 prefix now; L2 work, if any, is left to a :class:`Later`."""
+        self.cuda.settle()  # CUDA stores the worker already saw done are visible
         hashes = _checked_hashes(request.chunk_hashes)
         model = self.registry.engine_model(request.engine, request.model, request.tenant)
         if model is None:
@@ -373,6 +376,7 @@ class CacheService:
 
         A ``partial`` retrieve waits only for its first chunk's load and answers the chunks
         still loading after the ready ones as ``loading`` (see ``_read``)."""
+        self.cuda.settle()
         registration = self._registration(session)
         key, hashes, chunks = self._chunks(registration, request)
         blocks: list[list[int]] = []

@@ -40,8 +40,15 @@ from typing import Any
 import attrs
 
 from ..errors import KvtrioError, NotRegistered
-from ..protocol import HelloReply, LayoutSpec, Register, Registered, Reply, Unregister
-from ..storage import HASH_SCHEME_TOKENS
+from ..protocol import (
+    HASH_SCHEME_TOKENS,
+    HelloReply,
+    LayoutSpec,
+    Register,
+    Registered,
+    Reply,
+    Unregister,
+)
 from ..transfer import KVLayout
 from ..transfer.cuda import CudaRuntime, torch_runtime
 from ._arena_worker import ArenaCopies

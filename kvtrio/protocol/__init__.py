@@ -44,6 +44,12 @@ from ._codec import (
     read_reply_header,
     read_request_header,
 )
+from ._hashes import (
+    HASH_SCHEME_TOKENS,
+    block_chunk_hashes,
+    block_hash_scheme,
+    token_chunk_hashes,
+)
 from ._messages import (
     PROTOCOL_VERSION,
     CacheStats,
@@ -70,6 +76,7 @@ from ._operations import OPERATIONS, REQUEST_TYPES
 
 __all__ = [
     "ERROR_KIND",
+    "HASH_SCHEME_TOKENS",
     "OPERATIONS",
     "PROTOCOL_VERSION",
     "REQUEST_TYPES",
@@ -116,6 +123,8 @@ __all__ = [
     "StoreReply",
     "Unregister",
     "as_int_array",
+    "block_chunk_hashes",
+    "block_hash_scheme",
     "converter",
     "decode_header",
     "decode_reply",
@@ -127,4 +136,5 @@ __all__ = [
     "encode_request",
     "read_reply_header",
     "read_request_header",
+    "token_chunk_hashes",
 ]

@@ -5,9 +5,10 @@ included: they run too, only later. Imports under ``if TYPE_CHECKING:`` do not c
 never executed, so they neither form a cycle at run time nor make a lower layer load an upper
 one (they only give the type checker names).
 
-The layer order is :data:`LAYERS`, the map of ``docs/design.md`` ("Layers"): a package or
-module may import its own package and anything in a lower tier, nothing in its own tier or
-above; :data:`FORBIDDEN` adds what the tiers alone would allow but must not happen.
+The layer order is :data:`LAYERS`, the folder map of ``docs/design.md`` ("Structure, client
+side (issue 14)"): a package or module may import its own package and anything in a lower
+tier, nothing in its own tier or above; :data:`FORBIDDEN` adds what the tiers alone would allow
+but must not happen.
 """
 
 from __future__ import annotations

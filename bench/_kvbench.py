@@ -4,11 +4,8 @@ KV caches allocated as engines allocate them, and a clock of the worker's copies
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -18,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from kvtrio.client import Client
-from kvtrio.protocol import GetStats, Ping, StatsReply
+from kvtrio.launch import ServerProcess
+from kvtrio.protocol import GetStats, StatsReply
+from kvtrio.transfer import CpuTransfer
 
 BLOCKS, BLOCK, HEADS, DIM = 1024, 16, 8, 128
 CHUNK = 256
-# The modules whose gather/scatter a worker's copies call (the copy path moved between them).
-_COPY_MODULES = ("kvtrio.client._worker", "kvtrio.client._arena_worker")
 
 
 class CopyClock:
@@ -52,22 +49,16 @@ class CopyClock:
 
 @contextlib.contextmanager
 def timed_copies(clock: CopyClock) -> Iterator[None]:
-    """Wrap the worker's gather and scatter (the names its modules call) while inside."""
-    patched = []
-    for name in _COPY_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        for fn in ("gather", "scatter"):
-            if hasattr(module, fn):
-                patched.append((module, fn, getattr(module, fn)))
-                setattr(module, fn, clock.wrap(getattr(module, fn)))
+    """Time the worker's copies while inside: the CPU copy engine's gather and scatter, which
+    the worker's arena copy path calls for every chunk."""
+    originals = {fn: getattr(CpuTransfer, fn) for fn in ("gather", "scatter")}
+    for fn, original in originals.items():
+        setattr(CpuTransfer, fn, clock.wrap(original))
     try:
         yield
     finally:
-        for module, fn, original in patched:
-            setattr(module, fn, original)
+        for fn, original in originals.items():
+            setattr(CpuTransfer, fn, original)
 
 
 def poll(condition: Callable[[], bool], timeout: float = 30.0) -> None:
@@ -103,32 +94,23 @@ def make_cache(
 
 
 class Server:
-    """A ``kvtrio serve`` process on an ipc endpoint of its own; :meth:`restart` keeps the
-    endpoint (and the options, so a disk L2 keeps its objects)."""
+    """A ``kvtrio serve`` process (:class:`kvtrio.launch.ServerProcess`) on an ipc endpoint
+    of its own; :meth:`restart` keeps the endpoint (and the options, so a disk L2 keeps its
+    objects)."""
 
     def __init__(self, *options: str, home: str | None = None) -> None:
         self.directory = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
-        self.endpoint = f"ipc://{self.directory}/kvtrio.sock"
-        self.options = options
-        self.home = home
-        """``HOME`` of the server (where a backend's default paths go), if not ours."""
-        self.process: subprocess.Popen[bytes] | None = None
+        env = {**os.environ, "KVTRIO_LOG_LEVEL": "warning"}
+        if home is not None:  # HOME of the server (where a backend's default paths go)
+            env["HOME"] = home
+        self.process = ServerProcess(f"ipc://{self.directory}/kvtrio.sock", options, env)
+        self.endpoint = self.process.endpoint
 
     def start(self) -> None:
-        env = {**os.environ, "KVTRIO_LOG_LEVEL": "warning"}
-        if self.home is not None:
-            env["HOME"] = self.home
-        command = [sys.executable, "-m", "kvtrio", "serve", "--endpoint", self.endpoint]
-        self.process = subprocess.Popen([*command, *self.options], env=env)
-        with Client(self.endpoint) as probe:
-            poll(lambda: probe.server_info is not None, timeout=120.0)
-            probe.request(Ping())
+        self.process.start(timeout=120.0)
 
     def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait()
-            self.process = None
+        self.process.stop()
 
     def restart(self) -> None:
         self.stop()

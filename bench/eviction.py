@@ -4,7 +4,7 @@
     python bench/eviction.py --chat [--conversations 400 --turns 6 ...] [--capacities ...]
 
 Replays the requests one at a time through the real L1 index and policy classes (no server;
-see ``kvtrio.bench._simulate`` for the conventions). Capacity counts chunks (0: unbounded).
+see ``kvtrio.benchmark._simulate`` for the conventions). Capacity counts chunks (0: unbounded).
 ``--order server`` stores in prompt order with the hits pinned, as the server does.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvtrio.bench._options import BenchOptions
-from kvtrio.bench._simulate import (
+from kvtrio.benchmark._options import BenchOptions
+from kvtrio.benchmark._simulate import (
     chat_requests,
     evaluate,
     format_table,

@@ -22,8 +22,9 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from kvtrio.launch import launch_server
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -79,22 +80,12 @@ print(json.dumps(out))
 
 def run_tree(src: Path, sizes: list[int], lookups: int) -> dict[str, dict[str, float]]:
     env = {**os.environ, "PYTHONPATH": str(src)}
-    with tempfile.TemporaryDirectory(prefix="kvb-") as tmp:
-        endpoint = f"ipc://{tmp}/s.sock"
-        server = subprocess.Popen(
-            [sys.executable, "-m", "kvtrio", "serve", "--endpoint", endpoint, "--l1-size",
-             "64MiB", "--log-level", "warning"],
-            env=env, cwd=src, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    with launch_server("--l1-size", "64MiB", "--log-level", "warning", env=env) as server:
+        result = subprocess.run(
+            [sys.executable, "-c", CLIENT, server.endpoint, json.dumps(sizes), str(lookups),
+             str(server.pid)],
+            env=env, cwd=src, check=True, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
-        try:
-            result = subprocess.run(
-                [sys.executable, "-c", CLIENT, endpoint, json.dumps(sizes), str(lookups),
-                 str(server.pid)],
-                env=env, cwd=src, check=True, capture_output=True, text=True, timeout=600,
-            )  # fmt: skip
-        finally:
-            server.terminate()
-            server.wait()
     return dict(json.loads(result.stdout))
 
 

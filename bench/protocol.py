@@ -52,6 +52,7 @@ import zmq
 from cattrs.preconf.msgpack import make_converter
 
 from kvtrio.client import Client, SchedulerAdapter
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import (
     PROTOCOL_VERSION,
     HelloReply,
@@ -318,24 +319,20 @@ def main() -> None:
                 env["PYTHONPATH"] = str(source.resolve())
             if args.transport == "tcp" and kind == "kvtrio" and "--insecure" not in extra:
                 server_args = [*server_args, "--insecure"]  # "kvtrio" stays the plain row
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtrio", "serve", "--endpoint", ep, *server_args],
-                env=env,
-                stderr=subprocess.DEVNULL,
-            )
-            try:
-                plain = ep.startswith("tcp://") and kind != "tcp-curve"
-                with Client(ep, heartbeat=False, server_key="none" if plain else None) as client:
+            plain = ep.startswith("tcp://") and kind != "tcp-curve"
+            key = "none" if plain else None
+            log_path = workdir / f"{kind}{round_}.log"
+            with ServerProcess(ep, server_args, env, log_path=log_path, probe_key=key) as server:
+                pid = server.pid
+                assert pid is not None
+                with Client(ep, heartbeat=False, server_key=key) as client:
                     wait_connected(client)
-                    path_bench.wait_quiet(proc.pid)  # its start-up is over
+                    path_bench.wait_quiet(pid)  # its start-up is over
                     row = kvtrio_sequential(client, n)
                     row["win_rps"] = kvtrio_windowed(client, n)
                     if kind == "kvtrio":
-                        row.update(request_path(client, max(200, n // 10), pings, proc.pid))
+                        row.update(request_path(client, max(200, n // 10), pings, pid))
                     results[kind].append(row)
-            finally:
-                proc.kill()
-                proc.wait()
         print(f"round {round_ + 1}/{args.repeats} done", file=sys.stderr)
 
     def med(kind: str, key: str) -> float:

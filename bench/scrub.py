@@ -15,8 +15,8 @@ import timeit
 
 import numpy as np
 
-from kvtrio.storage import Entry, EntryState, SharedArena
-from kvtrio.storage._arena import default_shm_dir
+from kvtrio.shm import SharedArena, default_shm_dir
+from kvtrio.storage import Entry, EntryState
 
 SIZES = (32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 

@@ -23,6 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from kvtrio.launch import ServerProcess, ServerStartError
+
 
 def rss_mib(pid: int, field: str = "RssAnon") -> float:
     """Resident MiB of ``field``: ``RssAnon`` is the process's own heap (the L1 arena is shared
@@ -45,13 +47,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvtrio-soak-"))
     endpoint = f"ipc://{work}/kvtrio.sock"
     python = sys.executable
-    server = subprocess.Popen(
+    server = ServerProcess(
+        endpoint,
         [
-            python, "-m", "kvtrio", "serve", "--endpoint", endpoint,
             "--l1-size", args.l1_size, "--http", str(args.http_port),
             "--l2", f"disk:path={work}/l2,capacity={args.l2_capacity}",
             "--log-level", "warning",
-        ]
+        ],
     )  # fmt: skip
     samples: list[tuple[float, float]] = []
     shared: list[float] = []
@@ -60,15 +62,18 @@ def main() -> None:
     started = time.monotonic()
     deadline = started + args.minutes * 60
     try:
-        while not (work / "kvtrio.sock").exists():
-            if server.poll() is not None or time.monotonic() > started + 30:
-                sys.exit("the server did not start")
-            time.sleep(0.1)
+        try:
+            server.start(timeout=30.0)
+        except ServerStartError as exc:
+            sys.exit(f"the server did not start: {exc}")
+        pid = server.pid
+        assert server.proc is not None
+        assert pid is not None
         bench = None
         next_sample = time.monotonic()
         while time.monotonic() < deadline:
-            if server.poll() is not None:
-                sys.exit(f"the server exited with {server.returncode}")
+            if server.proc.poll() is not None:
+                sys.exit(f"the server exited with {server.proc.returncode}")
             if bench is None or bench.poll() is not None:
                 if bench is not None and bench.returncode != 0:
                     sys.exit(f"kvtrio bench failed ({bench.returncode}); see {work}/bench.log")
@@ -82,8 +87,8 @@ def main() -> None:
                 )  # fmt: skip
                 rounds += 1
             if time.monotonic() >= next_sample:
-                samples.append((time.monotonic() - started, rss_mib(server.pid)))
-                shared.append(rss_mib(server.pid, "RssShmem"))
+                samples.append((time.monotonic() - started, rss_mib(pid)))
+                shared.append(rss_mib(pid, "RssShmem"))
                 next_sample += args.every
             time.sleep(0.2)
         if bench is not None and bench.poll() is None:
@@ -92,8 +97,7 @@ def main() -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{args.http_port}/status") as reply:
             status = json.load(reply)
     finally:
-        server.terminate()
-        server.wait(30)
+        server.stop(timeout=30.0)
 
     print(f"soak: {args.minutes:g} min, {rounds} bench runs, L1 {args.l1_size}, "
           f"disk L2 capacity {args.l2_capacity}")  # fmt: skip

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtrio.storage import SharedArena
+from kvtrio.shm import SharedArena
 from kvtrio.transfer import LAYOUT_KINDS, KVLayout, gather, scatter
 from kvtrio.transfer._cpu_native import cpu_helper
 

@@ -30,7 +30,8 @@ import trio
 import kvtrio.server._l2 as l2_module
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.server._l2 import L2Tier
-from kvtrio.storage import Entry, L1Cache, SharedArena
+from kvtrio.shm import SharedArena
+from kvtrio.storage import Entry, L1Cache
 
 QUEUE = 256
 FINGERPRINT = b"f" * 16

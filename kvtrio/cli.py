@@ -23,8 +23,9 @@ if sys.version_info < (3, 11):  # pragma: no cover - exercised by the py310 tox 
 
 from ._logging import configure_logging, event
 from ._version import __version__
-from .config import ByteSize, ServerConfig, field_help, format_size, load_config
+from .config import ServerConfig, field_help, load_config
 from .errors import ConfigError, KvtrioError
+from .options import ByteSize, format_size
 
 __all__ = ["main"]
 
@@ -146,7 +147,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "misses, end of the request. The built-in workload is multi-turn conversations sharing "
         "system prompts; --trace replays a Mooncake trace in hash mode.",
     )
-    from .bench import add_arguments
+    from .benchmark import add_arguments
 
     add_arguments(bench)
 
@@ -203,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif args.command == "status":
             _status(args)
         elif args.command == "bench":
-            from .bench import main as bench_main
+            from .benchmark import main as bench_main
 
             sys.exit(bench_main(args))
     except BaseException as exc:

@@ -7,18 +7,30 @@ is reported as a one-line :class:`~kvtrio.errors.ConfigError` that names where i
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NewType, TypeVar, cast
+from typing import Any
 
 import attrs
 import cattrs
 from attrs import field, frozen
-from cattrs.v import format_exception
 
 from .errors import ConfigError, KvtrioError
+from .options import (
+    ByteSize,
+    HttpAddress,
+    at_least,
+    at_most,
+    describe_error,
+    make_converter,
+    multiple_of,
+    not_negative,
+    one_of,
+    parse_http_address,
+    positive,
+    share,
+)
 from .storage._policies import DEFAULT_EVICTION, EVICTION_POLICIES
 
 if sys.version_info >= (3, 11):
@@ -28,82 +40,17 @@ else:  # pragma: no cover - exercised by the py310 tox env
 
 __all__ = [
     "BackendSpec",
-    "ByteSize",
     "HttpAddress",
     "ServerConfig",
     "config_summary",
     "field_help",
-    "format_size",
     "load_config",
     "parse_backend_spec",
-    "parse_http_address",
-    "parse_size",
-    "structure_options",
 ]
-
-_T = TypeVar("_T")
-ByteSize = NewType("ByteSize", int)
-"""A size in bytes; accepts ``4GiB``, ``512MB``, ``1_000`` or a plain integer."""
-HttpAddress = NewType("HttpAddress", str)
-"""``PORT`` or ``HOST:PORT``; a TOML file may give the port as an integer."""
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 ENV_PREFIX = "KVTRIO_"
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def parse_size(text: str | int) -> int:
-    """Parse a byte size: ``"4GiB"`` → 4294967296, ``"1.5MB"`` → 1500000, ``4096`` → 4096."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    match = _SIZE_RE.match(str(text).replace("_", ""))
-    if match is None:
-        raise ValueError(f"{text!r} is not a size (examples: 4096, 512MiB, 4GiB, 1.5GB)")
-    number, unit = match.groups()
-    unit = (unit or "").lower().rstrip("b")
-    scale = 1024 ** "bkmgt".index(unit[0]) if unit.endswith("i") else _SIZE_UNITS[unit]
-    return int(float(number) * scale)
-
-
-def format_size(size: int) -> str:
-    """A byte size for people, in the spelling :func:`parse_size` reads back: ``4294967296`` →
-    ``4GiB``, ``1536`` → ``1.5KiB``, ``100`` → ``100B`` (at most one decimal; rounded)."""
-    for power, unit in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
-        scale = 1024**power
-        if size >= scale:
-            value = round(size / scale, 1)
-            return f"{value:g}{unit}"
-    return f"{size}B"
-
-
-# Validators raise "NAME: problem" so that load_config can say where a bad value came from.
-
-
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name}: must be greater than 0, got {value}")
-
-
-def _not_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if value < 0:
-        raise ValueError(f"{attribute.name}: must not be negative, got {value}")
-
-
-def _share(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not 0 < value <= 1:
-        raise ValueError(f"{attribute.name}: must be in (0, 1], got {value}")
-
-
-def _at_most(limit: int) -> Any:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
-        if value > limit:
-            raise ValueError(f"{attribute.name}: must be at most {limit}, got {value}")
-
-    return check
-
 
 CHUNK_MULTIPLE = 16
 """``chunk_size`` must be a positive multiple of this: every power-of-two engine block size up to
@@ -113,47 +60,6 @@ at registration). Odd sizes such as 7 could only ever serve block size 1 or 7.""
 MIN_MESSAGE_SIZE = 1 << 20
 """The smallest ``max_message_size``: a lookup of a 128k-token prompt (token mode, 32-bit token
 ids) encodes to 655,576 bytes; anything smaller would refuse ordinary long prompts."""
-
-
-def _multiple_of(factor: int) -> Any:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
-        if value % factor:
-            raise ValueError(
-                f"{attribute.name}: must be a multiple of {factor} (engine block sizes divide "
-                f"it), got {value}"
-            )
-
-    return check
-
-
-def _at_least(floor: int, why: str) -> Any:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: int) -> None:
-        if value < floor:
-            raise ValueError(f"{attribute.name}: must be at least {floor} ({why}), got {value}")
-
-    return check
-
-
-def _one_of(*choices: str) -> Any:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
-        if value not in choices:
-            raise ValueError(
-                f"{attribute.name}: must be one of {', '.join(choices)}, got {value!r}"
-            )
-
-    return check
-
-
-def parse_http_address(text: str) -> tuple[str, int]:
-    """``PORT`` or ``HOST:PORT`` (``[v6]:PORT``) → ``(host, port)``; the host defaults to
-    127.0.0.1. ``ValueError`` with a readable message otherwise."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep:
-        host = "127.0.0.1"
-    host = host.strip("[]") or "127.0.0.1"
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{text!r} is not PORT or HOST:PORT (e.g. 9464 or 0.0.0.0:9464)")
-    return host, int(port)
 
 
 def _http_address(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
@@ -206,12 +112,16 @@ class ServerConfig:
     )
     chunk_size: int = field(
         default=256,
-        validator=[_positive, _at_most(1 << 20), _multiple_of(CHUNK_MULTIPLE)],
+        validator=[
+            positive,
+            at_most(1 << 20),
+            multiple_of(CHUNK_MULTIPLE, "engine block sizes divide it"),
+        ],
         metadata={"help": "Tokens per cached chunk (a multiple of 16)."},
     )
     l1_size: ByteSize | None = field(
         default=None,
-        validator=attrs.validators.optional(_positive),
+        validator=attrs.validators.optional(positive),
         metadata={
             "help": "Capacity of the host-memory tier, shared memory committed at start (e.g. "
             "8GiB). auto: the smallest of 4GiB, half the shm dir's free space and a quarter of "
@@ -220,7 +130,7 @@ class ServerConfig:
     )
     l1_tenants: int = field(
         default=1,
-        validator=[_positive, _at_most(1024)],
+        validator=[positive, at_most(1024)],
         metadata={
             "help": "Tenants whose CPU workers may use L1 at once: each gets its own arena of "
             "--l1-size / N, created at its first registration (docs/security.md)."
@@ -228,7 +138,7 @@ class ServerConfig:
     )
     eviction: str = field(
         default=DEFAULT_EVICTION,
-        validator=_one_of(*EVICTION_POLICIES),
+        validator=one_of(*EVICTION_POLICIES),
         metadata={
             "help": f"L1 eviction policy: {', '.join(EVICTION_POLICIES)} (lru: plain LRU, "
             "blind to prefixes, for comparison)."
@@ -236,51 +146,51 @@ class ServerConfig:
     )
     lookup_timeout: float = field(
         default=0.5,
-        validator=_positive,
+        validator=positive,
         metadata={"help": "Seconds a lookup may take before it answers with what it has."},
     )
     heartbeat_timeout: float = field(
         default=10.0,
-        validator=_positive,
+        validator=positive,
         metadata={"help": "Seconds a silent client keeps its session (and its resources)."},
     )
     drain_timeout: float = field(
         default=10.0,
-        validator=_not_negative,
+        validator=not_negative,
         metadata={
             "help": "Seconds to finish in-flight requests on SIGINT/SIGTERM before stopping."
         },
     )
     max_message_size: ByteSize = field(
         default=ByteSize(16 << 20),
-        validator=_at_least(MIN_MESSAGE_SIZE, "a lookup of a 128k-token prompt needs 656 kB"),
+        validator=at_least(MIN_MESSAGE_SIZE, "a lookup of a 128k-token prompt needs 656 kB"),
         metadata={"help": "Largest request accepted; larger ones get a message_too_large error."},
     )
     session_queue_size: int = field(
         default=1024,
-        validator=_positive,
+        validator=positive,
         metadata={
             "help": "Requests a client may have queued at the server before it gets busy errors."
         },
     )
     pin_ttl: float = field(
         default=60.0,
-        validator=_positive,
+        validator=positive,
         metadata={"help": "Seconds a lookup's or retrieve's pin lives unless released."},
     )
     reservation_ttl: float = field(
         default=30.0,
-        validator=_positive,
+        validator=positive,
         metadata={"help": "Seconds a worker has to write a store's slots and commit them."},
     )
     request_ttl: float = field(
         default=600.0,
-        validator=_positive,
+        validator=positive,
         metadata={"help": "Unused since protocol 2 (the server keeps no prompts); accepted."},
     )
     max_requests: int = field(
         default=16384,
-        validator=_positive,
+        validator=positive,
         metadata={
             "help": "Requests holding pins or reservations at once; beyond it new requests "
             "get busy."
@@ -288,17 +198,17 @@ class ServerConfig:
     )
     max_pins: int = field(
         default=1 << 18,
-        validator=_positive,
+        validator=positive,
         metadata={"help": "Pins (lookup, read and write leases) held at once; beyond it busy."},
     )
     retrieve_timeout: float = field(
         default=5.0,
-        validator=_positive,
+        validator=positive,
         metadata={"help": "Seconds a retrieve waits for its chunks' L2 loads before failing them."},
     )
     write_behind_queue: int = field(
         default=4096,
-        validator=_positive,
+        validator=positive,
         metadata={
             "help": "Chunks waiting to be written to L2 (pinning at most a quarter of L1); "
             "beyond it stores are skipped."
@@ -306,7 +216,7 @@ class ServerConfig:
     )
     l2_loaders: int = field(
         default=4,
-        validator=_positive,
+        validator=positive,
         metadata={"help": "Concurrent L2→L1 loads per backend."},
     )
     shm_dir: str = field(
@@ -330,12 +240,12 @@ class ServerConfig:
     )
     log_level: str = field(
         default="info",
-        validator=_one_of(*LOG_LEVELS),
+        validator=one_of(*LOG_LEVELS),
         metadata={"help": "Logging level (debug, info, warning, error)."},
     )
     log_format: str = field(
         default="text",
-        validator=_one_of(*LOG_FORMATS),
+        validator=one_of(*LOG_FORMATS),
         metadata={"help": "Log lines as text, or json (one object per line)."},
     )
     # Security (docs/security.md).
@@ -369,19 +279,19 @@ class ServerConfig:
     )
     max_sessions: int = field(
         default=1024,
-        validator=_positive,
+        validator=positive,
         metadata={"help": "Client sessions the server holds at once; beyond it: busy."},
     )
     max_leases_per_session: int = field(
         default=65536,
-        validator=_positive,
+        validator=positive,
         metadata={
             "help": "Pins and reservations one client session may hold; beyond: quota_exceeded."
         },
     )
     lease_share: float = field(
         default=0.9,
-        validator=_share,
+        validator=share,
         metadata={
             "help": "Share of L1 that pins and reservations together may take (the rest stays "
             "evictable, so stores keep working)."
@@ -389,12 +299,12 @@ class ServerConfig:
     )
     lease_share_per_key: float = field(
         default=0.5,
-        validator=_share,
+        validator=share,
         metadata={"help": "Share of L1 one CURVE client key's pins and reservations may take."},
     )
     max_sessions_per_key: int = field(
         default=256,
-        validator=_positive,
+        validator=positive,
         metadata={"help": "Sessions one CURVE client key may hold at once; beyond it: busy."},
     )
 
@@ -438,55 +348,8 @@ def field_help() -> dict[str, str]:
 
 
 def _make_converter() -> cattrs.Converter:
-    conv = cattrs.Converter(forbid_extra_keys=True)
-
-    def number(kind: type) -> Any:
-        expected = "an integer" if kind is int else "a number"
-
-        def hook(value: Any, _: Any) -> Any:
-            if isinstance(value, bool):
-                raise TypeError(f"expected {expected}, got a boolean")
-            if isinstance(value, (int, float)) and (kind is float or isinstance(value, int)):
-                return kind(value)
-            if isinstance(value, str):
-                try:
-                    return kind(value.strip().replace("_", ""))
-                except ValueError:
-                    raise ValueError(f"expected {expected}, got {value!r}") from None
-            raise TypeError(f"expected {expected}, got {value!r}")
-
-        return hook
-
-    def string(value: Any, _: Any) -> str:
-        if not isinstance(value, str):
-            raise TypeError(f"expected a string, got {value!r}")
-        return value
-
-    conv.register_structure_hook(int, number(int))
-    conv.register_structure_hook(float, number(float))
-    conv.register_structure_hook(str, string)
-    conv.register_structure_hook(ByteSize, lambda v, _: ByteSize(parse_size(v)))
-
-    def optional_size(value: Any, _: Any) -> ByteSize | None:
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
-            return None  # the default: sized from the machine at start (server/_l1size.py)
-        return ByteSize(parse_size(value))
-
-    conv.register_structure_hook_func(lambda t: t == ByteSize | None, optional_size)
-
-    def http_address(value: Any, _: Any) -> HttpAddress:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return HttpAddress(str(value))
-        return HttpAddress(string(value, _))
-
-    conv.register_structure_hook(HttpAddress, http_address)
-
-    def boolean(value: Any, _: Any) -> bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _BOOLEANS:
-            return _BOOLEANS[value.strip().lower()]
-        raise ValueError(f"expected true or false, got {value!r}")
+    """The option converter plus the server's own type: the L2 backends."""
+    conv = make_converter()
 
     def backends(value: Any, _: Any) -> tuple[BackendSpec, ...]:
         items = value.split(";") if isinstance(value, str) else value
@@ -508,41 +371,11 @@ def _make_converter() -> cattrs.Converter:
                 raise TypeError(f"expected NAME:key=value,... or a table with a name, got {item!r}")
         return tuple(specs)
 
-    conv.register_structure_hook(bool, boolean)
     conv.register_structure_hook_func(lambda t: t == tuple[BackendSpec, ...], backends)
     return conv
 
 
-_BOOLEANS = {
-    "true": True,
-    "yes": True,
-    "on": True,
-    "1": True,
-    "false": False,
-    "no": False,
-    "off": False,
-    "0": False,
-}
-
 _converter = _make_converter()
-
-
-def structure_options(cls: type[_T], raw: dict[str, Any], what: str) -> _T:
-    """Structure backend options (strings from flags, or TOML values) into the attrs class
-    ``cls``; :class:`ConfigError` in one line naming ``what`` and the bad option."""
-    known = [a.name for a in attrs.fields(cast(Any, cls))]
-    unknown = sorted(set(raw) - set(known))
-    if unknown:
-        raise ConfigError(
-            f"{what}: unknown option {unknown[0]!r} (options: {', '.join(known) or 'none'})"
-        )
-    try:
-        return _converter.structure(raw, cls)
-    except Exception as exc:
-        merged = {name: (value, what) for name, value in raw.items()}
-        raise ConfigError(_describe(exc, merged).replace("invalid setting", what, 1)) from None
-
-
 _FIELDS = {a.name: a for a in attrs.fields(ServerConfig)}
 
 
@@ -594,31 +427,4 @@ def load_config(
     try:
         return _converter.structure(raw, ServerConfig)
     except Exception as exc:
-        raise ConfigError(_describe(exc, merged)) from None
-
-
-def _describe(exc: Exception, merged: Mapping[str, tuple[Any, str]]) -> str:
-    def source(name: str) -> str:
-        return merged[name][1] if name in merged else "the default"
-
-    problems: list[str] = []
-    if isinstance(exc, cattrs.ClassValidationError):
-        for line in cattrs.transform_error(exc, path="", format_exception=_format_error):
-            message, _, where = line.rpartition(" @ ")
-            name = where.lstrip(".$")
-            if not name:  # raised by a validator in ServerConfig.__init__: "NAME: problem"
-                name, _, message = message.partition(": ")
-            problems.append(
-                f"{name} = {merged[name][0]!r} (from {source(name)}): {message}"
-                if name in merged
-                else f"{name}: {message}"
-            )
-    else:
-        problems.append(str(exc))
-    return "invalid setting: " + "; ".join(problems)
-
-
-def _format_error(exc: BaseException, type_: Any) -> str:
-    if isinstance(exc, (ValueError, TypeError)):
-        return str(exc)
-    return format_exception(exc, type_)
+        raise ConfigError(describe_error(exc, merged)) from None

@@ -5,23 +5,20 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 import trio
 
-from kvtrio.client import Client
 from kvtrio.config import ServerConfig
-from kvtrio.errors import KvtrioError
-from kvtrio.protocol import Ping, Pong
+from kvtrio.launch import ServerProcess
 from kvtrio.server import ServerHandle, serve
+
+__all__ = ["ServerProcess", "await_async", "await_condition", "wait_for"]
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
@@ -112,62 +109,8 @@ async def server(nursery: trio.Nursery, server_config: ServerConfig) -> AsyncIte
 
 
 # --------------------------------------------------------------------------- server processes
-
-
-@attrs.define
-class ServerProcess:
-    """A ``kvtrio serve`` child process, stopped by PID when the test ends."""
-
-    endpoint: str
-    args: list[str]
-    env: dict[str, str]
-    proc: subprocess.Popen[str] | None = None
-    log_path: Path | None = None
-
-    def start(self, timeout: float = 15.0) -> ServerProcess:
-        assert self.proc is None or self.proc.poll() is not None
-        assert self.log_path is not None
-        log = self.log_path.open("a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtrio", "serve", "--endpoint", self.endpoint, *self.args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            text=True,
-        )
-        log.close()
-        with Client(self.endpoint, timeout=0.5, heartbeat=False) as client:
-
-            def answers() -> bool:
-                assert self.proc is not None
-                if self.proc.poll() is not None:
-                    pytest.fail(f"kvtrio serve exited with {self.proc.returncode}:\n{self.log()}")
-                try:
-                    return isinstance(client.request(Ping()), Pong)
-                except KvtrioError:
-                    return False
-
-            wait_for(answers, timeout, "the server to answer ping")
-        return self
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
-        """Signal the process and wait for it; SIGKILL if it does not exit in time."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        self.stop(signal.SIGKILL)
-
-    def log(self) -> str:
-        assert self.log_path is not None
-        return self.log_path.read_text() if self.log_path.exists() else ""
+# ServerProcess (kvtrio.launch) is the one launcher of `kvtrio serve`, shared with `kvtrio bench`
+# and the scripts under bench/; tests import it from here.
 
 
 @pytest.fixture

@@ -7,8 +7,9 @@ from pathlib import Path
 import attrs
 import pytest
 
-from kvtrio.config import ServerConfig, field_help, load_config, parse_size
+from kvtrio.config import ServerConfig, field_help, load_config
 from kvtrio.errors import ConfigError
+from kvtrio.options import parse_size
 
 
 def test_defaults() -> None:

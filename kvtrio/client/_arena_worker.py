@@ -1,4 +1,9 @@
-"""The CPU worker's copies through the L1 arena, pipelined with the protocol.
+"""The copy path of CPU tensors: the worker copies through the L1 arena, pipelined with the
+protocol.
+
+The arena named by the registration is mapped here (:meth:`ArenaCopies.attach`); each chunk is
+copied between the engine's tensors and its L1 slot by a :class:`kvtrio.transfer.Transfer`
+engine (the CPU one, :data:`kvtrio.transfer.CPU_TRANSFER`).
 
 A **store** of many chunks is sent as a few requests over consecutive chunk ranges
 (:meth:`Span.batches`: one chunk first, then twice as many each time, up to about
@@ -22,157 +27,36 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
-import attrs
 import numpy as np
 
-from ..errors import KvtrioError, NotRegistered, ProtocolError
 from ..protocol import (
     Commit,
     CommitReply,
+    CudaCache,
+    Registered,
     Release,
     Reply,
     Request,
-    Retrieve,
     RetrieveReply,
-    Store,
     StoreReply,
 )
-from ..storage import SharedArena
-from ..transfer import KVLayout, gather, scatter
+from ..shm import SharedArena
+from ..transfer import CPU_TRANSFER, KVLayout, Transfer
+from ._copies import Span, count_failed_slots, failure_cause, reply_of
 from ._failures import Failures
 from ._sync import Client
 
-__all__ = [
-    "BATCH_BYTES",
-    "ArenaWorker",
-    "Span",
-    "count_failed_slots",
-    "failure_cause",
-    "reply_of",
-    "when_all",
-]
+__all__ = ["WRITE_MARGIN", "ArenaCopies"]
 
 log = logging.getLogger("kvtrio.client")
 
-BATCH_BYTES = 32 << 20
-"""Chunk bytes per request of a split store or retrieve (at least one chunk)."""
 WRITE_MARGIN = 2.0
 """Seconds before a reservation expires after which a slot is no longer written."""
-
-_R = TypeVar("_R", bound=Reply)
-
-
-@attrs.frozen
-class Span:
-    """The full chunks of one store or retrieve: chunk ``first + i`` has ``hashes[i]``."""
-
-    request_id: str
-    first: int
-    hashes: tuple[bytes, ...]
-    parent: bytes
-    """The hash of chunk ``first - 1`` (empty for the prompt's first chunk)."""
-    chunk_size: int
-    chunk_bytes: int
-    blocks_per_chunk: int
-    block_ids: Sequence[int]
-    """The engine blocks of the request from its first token on."""
-
-    def blocks(self, chunk: int) -> Sequence[int]:
-        """The engine blocks of chunk ``chunk`` (an index in the prompt)."""
-        per = self.blocks_per_chunk
-        return self.block_ids[chunk * per : (chunk + 1) * per]
-
-    def batches(self, limit: int = BATCH_BYTES) -> list[range]:
-        """Consecutive ranges of ``range(len(hashes))``: 1 chunk, then doubling, at most
-        ``limit`` bytes of chunks each (but at least one chunk). The first reply comes back
-        soonest; the later ones are answered while the earlier batches copy."""
-        cap = max(1, limit // max(1, self.chunk_bytes))
-        batches, start, size = [], 0, 1
-        while start < len(self.hashes):
-            end = min(len(self.hashes), start + size)
-            batches.append(range(start, end))
-            start, size = end, min(cap, size * 2)
-        return batches
-
-    def tokens(self, batch: range) -> tuple[int, int]:
-        """The token range ``[start, end)`` of a batch."""
-        return (self.first + batch.start) * self.chunk_size, (
-            self.first + batch.stop
-        ) * self.chunk_size
-
-    @property
-    def chunks(self) -> int:
-        return len(self.hashes)
-
-    def retrieve(self, start: int, **fields: Any) -> Retrieve:
-        """A partial retrieve of chunks ``start …`` (indices into ``hashes``) to the end."""
-        return Retrieve(
-            self.request_id,
-            (self.first + start) * self.chunk_size,
-            (self.first + self.chunks) * self.chunk_size,
-            self.hashes[start:],
-            partial=True,
-            **fields,
-        )
-
-    def loading(self, reply: RetrieveReply) -> int | None:
-        """The index of the first chunk a partial retrieve's reply says is still loading."""
-        loading = [s.chunk for s in reply.slots if s.status == "loading"]
-        return min(loading) - self.first if loading else None
-
-    def hashes_of(self, slots: Sequence[Any], status: str) -> tuple[bytes, ...]:
-        """The chunk hashes of the slots with ``status``."""
-        return tuple(self.hashes[s.chunk - self.first] for s in slots if s.status == status)
-
-
-def failure_cause(exc: BaseException) -> str:
-    """The ``store_failures`` / ``retrieve_failures`` cause of a failed request."""
-    if isinstance(exc, NotRegistered):
-        return "not_registered"
-    if isinstance(exc, KvtrioError):
-        return "server"
-    return "internal"
-
-
-def reply_of(future: Future[Reply], reply_type: type[_R]) -> _R:
-    """The reply a future settled with, checked against ``reply_type`` (raises what it
-    raised)."""
-    reply = future.result()
-    if not isinstance(reply, reply_type):  # pragma: no cover - decode_reply guarantees it
-        raise ProtocolError(f"expected {reply_type.__name__}, got {type(reply).__name__}")
-    return reply
-
-
-def when_all(futures: Sequence[Future[Reply]], then: Callable[[], None]) -> None:
-    """Call ``then`` once every future is done (at once if there are none; else in the
-    thread that settles the last one)."""
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: Future[Reply]) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            then()
-
-    if not futures:
-        then()
-    for future in futures:
-        future.add_done_callback(one_done)
-
-
-def count_failed_slots(failures: Failures, request_id: str, reply: StoreReply) -> None:
-    """Count the chunks a store's reply says there is no room for."""
-    failed = sum(1 for slot in reply.slots if slot.status == "failed")
-    if failed:
-        failures.store(request_id, "no_room", failed, "L1 full of pinned chunks")
 
 
 def _tail_blocks(layout: KVLayout, chunk: np.ndarray[Any, Any], skip: int) -> np.ndarray[Any, Any]:
@@ -182,12 +66,15 @@ def _tail_blocks(layout: KVLayout, chunk: np.ndarray[Any, Any], skip: int) -> np
     return np.ascontiguousarray(rows[:, :, skip * layout.block_size :]).reshape(-1)
 
 
-class ArenaWorker:
-    """A :class:`~.WorkerAdapter`'s copies for CPU tensors (its transfer thread calls it).
+class ArenaCopies:
+    """The :class:`~._copies.CopyPath` of CPU tensors (see the module docstring).
 
-    ``on_not_registered`` is called (in any thread) when the server says this connection has
-    no registration.
+    ``arrays`` are numpy views of the engine's layers; ``on_not_registered`` is called (in any
+    thread) when the server says this connection has no registration.
     """
+
+    device = "cpu"
+    cuda: CudaCache | None = None
 
     def __init__(
         self,
@@ -196,12 +83,38 @@ class ArenaWorker:
         arrays: list[np.ndarray[Any, Any]],
         failures: Failures,
         on_not_registered: Callable[[], None],
+        transfer: Transfer = CPU_TRANSFER,
     ) -> None:
         self.client = client
         self.layout = layout
         self.arrays = arrays
         self.failures = failures
+        self.transfer = transfer
+        self.arena: SharedArena | None = None
+        """The mapped arena of the latest registration."""
         self._on_not_registered = on_not_registered
+
+    def engine_event(self) -> bytes:
+        return b""  # the engine's thread has finished writing its tensors when it submits
+
+    def attach(self, registered: Registered) -> None:
+        """Map the registration's arena (kept if the server hands out the same one again)."""
+        old = self.arena
+        if old is not None and old.path == registered.arena_path:
+            return
+        self.arena = SharedArena.attach(registered.arena_path, registered.arena_size)
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        arena, self.arena = self.arena, None
+        if arena is not None:
+            arena.close()
+
+    def _mapped(self) -> SharedArena:
+        if self.arena is None:  # pragma: no cover - the adapter attaches before any operation
+            raise RuntimeError("no arena mapped")
+        return self.arena
 
     def _send(self, request: Request) -> Future[Reply]:
         return self.client.submit(request, fail_fast=True)
@@ -229,23 +142,14 @@ class ArenaWorker:
 
     # ----------------------------------------------------------------- store
 
-    def store(self, arena: SharedArena, span: Span) -> list[Future[Reply]]:
+    def store(self, span: Span, event: bytes = b"") -> list[Future[Reply]]:
         """Write every batch's slots and commit them; returns the commit, not waited for
         (what it could not store is counted when it is answered)."""
+        arena = self._mapped()
         rid = span.request_id
         batches = span.batches()
         started = time.monotonic()
-        stores = [
-            self._send(
-                Store(
-                    rid,
-                    *span.tokens(batch),
-                    span.hashes[batch.start : batch.stop],
-                    parent_hash=span.hashes[batch.start - 1] if batch.start else span.parent,
-                )
-            )
-            for batch in batches
-        ]
+        stores = [self._send(span.store(batch)) for batch in batches]
         written: list[bytes] = []
         failed: list[bytes] = []
         unregistered = False
@@ -295,7 +199,7 @@ class ArenaWorker:
                 continue
             try:
                 out = arena.view(slot.offset, slot.nbytes)
-                gather(self.layout, self.arrays, span.blocks(slot.chunk), out)
+                self.transfer.gather(self.layout, self.arrays, span.blocks(slot.chunk), out)
             except Exception:
                 log.exception("copying chunk %d of %s into L1 failed", slot.chunk, span.request_id)
                 failed.append(chunk_hash)
@@ -333,9 +237,9 @@ class ArenaWorker:
 
     def retrieve(
         self,
-        arena: SharedArena,
         span: Span,
         keep_before: int,
+        event: bytes,
         loaded: set[int],
         causes: dict[int, str],
         copied: Callable[[], None] = lambda: None,
@@ -349,7 +253,7 @@ class ArenaWorker:
         Partial retrieves: the server answers at once what is in L1 (the whole range, when no
         L2 load is under way), else as soon as the first chunk's load is done; the chunks still
         loading are asked for again before the ready ones are copied."""
-        layout = self.layout
+        layout, arena = self.layout, self._mapped()
         rid = span.request_id
         start = 0
         future: Future[Reply] | None = self._send(span.retrieve(start))
@@ -381,7 +285,7 @@ class ArenaWorker:
                     if skip:
                         blocks, data = blocks[skip:], _tail_blocks(layout, data, skip)
                     if blocks:
-                        scatter(layout, self.arrays, blocks, data)
+                        self.transfer.scatter(layout, self.arrays, blocks, data)
                     loaded.add(slot.chunk)
             copied()
         finally:

@@ -1,63 +1,87 @@
-"""The CUDA worker's side: export the KV cache by IPC, hand the server events, wait for its.
+"""The copy path of CUDA tensors: the server copies over CUDA IPC; the worker hands it events.
 
-With CUDA tensors the server copies (``docs/gpu.md``): this helper of :class:`WorkerAdapter`
-describes the layers (IPC handles, shape/stride/offset/dtype, the GPU's UUID), records an
-interprocess event on the engine's current stream when an operation is submitted (after the
-forward step the engine queued), and, once the server answers, waits for the server's event,
-so that a future is done only when the bytes are in place.
+With CUDA tensors the server copies (``docs/gpu.md``): this :class:`~._copies.CopyPath`
+describes the layers (IPC handles, shape/stride/offset/dtype, the GPU's UUID) for the
+``register`` message, records an interprocess event on the engine's current stream when an
+operation is submitted (after the forward step the engine queued), sends the operation's engine
+blocks with that event and, once the server answers, waits for the server's event, so that an
+operation is done only when the bytes are in place. There is nothing to commit or release: the
+server does it when its copies complete.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
-from ..protocol import CudaCache
-from ..transfer.cuda import CudaRuntime, Event
+import attrs
+
+from ..errors import NotRegistered
+from ..protocol import CudaCache, CudaLayer, Registered, Reply, RetrieveReply, StoreReply
+from ..transfer.cuda import CudaRuntime, Event, IpcLayer
+from ._copies import Span, count_failed_slots, failure_cause, reply_of
+from ._failures import Failures
+from ._sync import Client
 from ._tensors import describe_cuda_caches
 
-__all__ = ["CudaWorker", "is_cuda_cache"]
+__all__ = ["CudaCopies", "is_cuda_cache"]
 
 _EVENTS = 16
 """Interprocess events used in turn for the engine side of operations. Reusing one early only
 makes the server wait longer (for a later forward step), never less."""
 
 
-def is_cuda_cache(kv_caches: Mapping[str, Any]) -> bool:
-    """Whether the engine's KV tensors are CUDA tensors (without importing torch)."""
+def _wire(layer: IpcLayer) -> CudaLayer:
+    """A layer as the ``register`` message carries it (the same fields)."""
+    return CudaLayer(**attrs.asdict(layer, recurse=False))
+
+
+def is_cuda_cache(kv_caches: Mapping[str, Any], runtime: CudaRuntime | None) -> bool:
+    """Whether the engine's KV tensors are CUDA tensors (without importing torch): the
+    ``runtime``'s answer when one is given, else the tensors' ``device.type``."""
     first = next(iter(kv_caches.values()), None)
-    device = getattr(first, "device", None)
-    return getattr(device, "type", None) == "cuda" or type(first).__name__ == "FakeTensor"
+    if runtime is not None:
+        return first is not None and runtime.tensor_ordinal(first) is not None
+    return getattr(getattr(first, "device", None), "type", None) == "cuda"
 
 
-class CudaWorker:
-    """What a :class:`WorkerAdapter` keeps for CUDA tensors. Thread-safe."""
+class CudaCopies:
+    """What a worker adapter keeps for CUDA tensors, and its operations. Thread-safe."""
+
+    device = "cuda"
 
     def __init__(
         self,
+        client: Client,
         runtime: CudaRuntime,
         kv_caches: Mapping[str, Any],
         block_size: int,
         layout: str | None,
+        failures: Failures,
+        on_not_registered: Callable[[], None],
     ) -> None:
+        self.client = client
         self.runtime = runtime
+        self.failures = failures
+        self._on_not_registered = on_not_registered
         self.layout, tensors = describe_cuda_caches(kv_caches, block_size, layout)
         ordinal = runtime.tensor_ordinal(tensors[0])
         if ordinal is None or any(runtime.tensor_ordinal(t) != ordinal for t in tensors):
             raise ValueError("all KV tensors must be on one GPU")
         self.ordinal = ordinal
         self.tensors = tensors  # kept alive: the server maps their memory
-        self.cache = CudaCache(
+        self.cuda: CudaCache | None = CudaCache(
             device_uuid=runtime.device_uuids()[ordinal],
-            layers=tuple(runtime.export_layer(t) for t in tensors),
+            layers=tuple(_wire(runtime.export_layer(t)) for t in tensors),
         )
         self._events = [runtime.new_event(ordinal) for _ in range(_EVENTS)]
         self._next = 0
         self._opened: dict[bytes, Event] = {}
         self._lock = threading.Lock()
 
-    def record(self) -> bytes:
+    def engine_event(self) -> bytes:
         """Record an event on the calling thread's current stream (the engine's, right after
         its forward step); its IPC handle for the server."""
         with self._lock:
@@ -65,6 +89,12 @@ class CudaWorker:
             self._next = (self._next + 1) % len(self._events)
         event.record(self.runtime.current_stream(self.ordinal))
         return event.ipc_handle()
+
+    def attach(self, registered: Registered) -> None:
+        """Nothing to map: the server copies into the engine's own memory."""
+
+    def close(self) -> None:
+        """Nothing mapped."""
 
     def wait(self, handle: bytes) -> None:
         """Block until the server's event ``handle`` has completed (its copies are done)."""
@@ -74,13 +104,62 @@ class CudaWorker:
                 event = self._opened[handle] = self.runtime.open_event(self.ordinal, handle)
         event.synchronize()
 
-    def block_ids(
-        self, op_block_ids: Sequence[int], start: int, end: int, chunk_size: int, keep_before: int
-    ) -> tuple[int, ...]:
-        """The engine blocks of the full chunks of ``[start, end)``, -1 for those before token
-        ``keep_before`` (the engine has them already)."""
+    def block_ids(self, span: Span, keep_before: int) -> tuple[int, ...]:
+        """The engine blocks of the span's chunks, -1 for those before token ``keep_before``
+        (the engine has them already)."""
         size = self.layout.block_size
-        first, last = start // size, (end // chunk_size) * chunk_size // size
+        first, per = span.first * span.blocks_per_chunk, span.blocks_per_chunk
         return tuple(
-            -1 if b * size < keep_before else int(op_block_ids[b]) for b in range(first, last)
+            -1 if b * size < keep_before else int(span.block_ids[b])
+            for b in range(first, first + span.chunks * per)
         )
+
+    def store(self, span: Span, event: bytes) -> list[Future[Reply]]:
+        """Send the blocks and the engine's event; wait for the server's event (the server
+        commits the chunks itself). Raises what the store request raised."""
+        request = span.store(block_ids=self.block_ids(span, 0), event=event)
+        reply = self.client.call(request, StoreReply, fail_fast=True)
+        count_failed_slots(self.failures, span.request_id, reply)
+        if reply.done_event:
+            self.wait(reply.done_event)
+        return []
+
+    def retrieve(
+        self,
+        span: Span,
+        keep_before: int,
+        event: bytes,
+        loaded: set[int],
+        causes: dict[int, str],
+        copied: Callable[[], None] = lambda: None,
+    ) -> None:
+        """The server copies into the engine's blocks (-1: a block it leaves alone). In
+        partial retrieves, as the arena path: the server queues the copies of the chunks in
+        L1 while later ones still load; each part's chunks count as loaded once its event has
+        completed."""
+        blocks: Sequence[int] = self.block_ids(span, keep_before)
+        per = span.blocks_per_chunk
+
+        def part(start: int) -> Future[Reply]:
+            request = span.retrieve(start, block_ids=tuple(blocks[start * per :]), event=event)
+            return self.client.submit(request, fail_fast=True)
+
+        start = 0
+        future: Future[Reply] | None = part(0)
+        while future is not None:
+            try:
+                reply = reply_of(future, RetrieveReply)
+            except Exception as exc:
+                cause = failure_cause(exc)
+                causes.update((span.first + i, cause) for i in range(start, span.chunks))
+                if isinstance(exc, NotRegistered):
+                    self._on_not_registered()
+                return
+            future, rest = None, span.loading(reply)
+            if rest is not None:  # asked for before waiting for this part's copies
+                start, future = rest, part(rest)
+            read = {slot.chunk for slot in reply.slots if slot.status == "read"}
+            if read and reply.done_event:
+                self.wait(reply.done_event)
+                loaded |= read
+        copied()

@@ -20,8 +20,9 @@ from ..protocol import (
     LookupBatchReply,
     LookupReply,
     Reply,
+    block_chunk_hashes,
+    token_chunk_hashes,
 )
-from ..storage.keys import block_chunk_hashes, token_chunk_hashes
 from ._sync import Client
 
 __all__ = ["SchedulerAdapter", "as_block_hashes", "chunk_hashes"]

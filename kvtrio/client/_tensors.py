@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..transfer import KVLayout
+from ..transfer import KVLayout, layout_kind
 from ..transfer._cpu_native import cpu_helper
 
 __all__ = ["describe_cuda_caches", "describe_kv_caches", "infer_layout_kind"]
@@ -79,18 +79,7 @@ def describe_kv_caches(
         # keeps the block_size K rows first, then the V rows: the same bytes as this shape.
         shape = (shape[0], shape[1], 2, shape[2], shape[3] // 2)
         arrays = [array.reshape(shape) for array in arrays]
-    if kind == "mla" and len(shape) == 3:
-        num_blocks, heads, head_dim = shape[0], 1, shape[2]
-    elif kind == "flash_attn" and len(shape) == 5:
-        num_blocks, heads, head_dim = shape[1], shape[3], shape[4]
-    elif kind == "flash_infer" and len(shape) == 5:
-        num_blocks, heads, head_dim = shape[0], shape[3], shape[4]
-    elif kind == "cpu" and len(shape) == 5:
-        num_blocks, heads, head_dim = shape[1], shape[2], shape[4]
-    elif kind == "vllm_cpu" and len(shape) == 5:
-        num_blocks, heads, head_dim = shape[0], shape[1], shape[4]
-    else:
-        raise ValueError(f"a tensor of shape {shape} cannot have layout {kind!r}")
+    num_blocks, heads, head_dim = layout_kind(kind).sizes(shape)
     kv_layout = KVLayout(
         kind=kind,
         num_layers=len(arrays),
@@ -162,17 +151,17 @@ def describe_cuda_caches(
     if dtype not in _TORCH_DTYPES.values():
         raise ValueError(f"unsupported KV dtype {first.dtype}")
     kind = layout or infer_layout_kind(shape, block_size, "cuda")
-    axes = {"flash_attn": (1, 3, 4), "flash_infer": (0, 3, 4), "mla": (0, None, 2)}
-    if kind not in axes or len(shape) != (3 if kind == "mla" else 5):
+    entry = layout_kind(kind)
+    if not entry.strided or len(shape) != entry.ndim:
         raise ValueError(f"a CUDA tensor of shape {shape} cannot have layout {kind!r}")
-    blocks_axis, heads_axis, dim_axis = axes[kind]
+    num_blocks, heads, head_dim = entry.sizes(shape)
     kv_layout = KVLayout(
         kind=kind,
         num_layers=len(tensors),
-        num_blocks=shape[blocks_axis],
+        num_blocks=num_blocks,
         block_size=block_size,
-        num_heads=1 if heads_axis is None else shape[heads_axis],
-        head_dim=shape[dim_axis],
+        num_heads=heads,
+        head_dim=head_dim,
         dtype=dtype,
     )
     if tuple(kv_layout.layer_shape) != shape:

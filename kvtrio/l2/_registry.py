@@ -13,8 +13,8 @@ from typing import Any
 
 import attrs
 
-from ..config import structure_options
 from ..errors import ConfigError
+from ..options import structure_options
 from ._interface import Backend
 
 __all__ = ["GROUP", "BackendInfo", "create_backend", "describe_backends", "load_backend_class"]

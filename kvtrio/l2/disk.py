@@ -38,7 +38,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from ..config import ByteSize
+from ..options import ByteSize
 from ..storage import DEFAULT_EVICTION, EVICTION_POLICIES, EvictionPolicy, make_policy
 from ._diskio import (
     Written,

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 import trio
 
-from ..config import ByteSize
+from ..options import ByteSize
 from ._interface import Buffers
 from ._locks import LocalLocks
 

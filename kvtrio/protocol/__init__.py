@@ -45,6 +45,12 @@ from ._codec import (
     read_reply_header,
     read_request_header,
 )
+from ._hashes import (
+    HASH_SCHEME_TOKENS,
+    block_chunk_hashes,
+    block_hash_scheme,
+    token_chunk_hashes,
+)
 from ._messages import (
     PROTOCOL_VERSION,
     CacheStats,
@@ -71,6 +77,7 @@ from ._operations import OPERATIONS, REQUEST_TYPES
 
 __all__ = [
     "ERROR_KIND",
+    "HASH_SCHEME_TOKENS",
     "MAX_LOOKUP_BATCH",
     "OPERATIONS",
     "PROTOCOL_VERSION",
@@ -118,6 +125,8 @@ __all__ = [
     "StoreReply",
     "Unregister",
     "as_int_array",
+    "block_chunk_hashes",
+    "block_hash_scheme",
     "converter",
     "decode_header",
     "decode_reply",
@@ -129,4 +138,5 @@ __all__ = [
     "encode_request",
     "read_reply_header",
     "read_request_header",
+    "token_chunk_hashes",
 ]

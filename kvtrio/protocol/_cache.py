@@ -170,7 +170,7 @@ class Lookup(Request):
     """How many leading chunks of this prompt does the cache hold for every rank?
 
     ``chunk_hashes`` are the prompt's chunk hashes (16 bytes each, computed by the client, see
-    ``kvtrio.storage.keys``); the server adds the namespace of the engine's registration. The
+    ``kvtrio.protocol._hashes``); the server adds the namespace of the engine's registration. The
     hit chunks are pinned for the request ``(engine, model, tenant, request)``: ``num_readers``
     pins per object (0: one per rank's object, or ``world_size`` when all ranks share one
     object, as with MLA). A new lookup of the same request replaces the previous one's pins.

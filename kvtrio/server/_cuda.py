@@ -30,9 +30,17 @@ import trio
 
 from ..errors import ErrorCode, RequestError
 from ..protocol import CudaCache, CudaLayer
-from ..storage import SharedArena
+from ..shm import SharedArena
 from ..transfer import KVLayout
-from ..transfer.cuda import ChunkCopy, CopyPipeline, CudaRuntime, Event, PinnedHost, check_extent
+from ..transfer.cuda import (
+    ChunkCopy,
+    CopyPipeline,
+    CudaRuntime,
+    Event,
+    IpcLayer,
+    PinnedHost,
+    check_extent,
+)
 
 __all__ = ["CudaRegistration", "CudaTransfers", "RuntimeFactory"]
 
@@ -127,7 +135,8 @@ class CudaTransfers:
             tensors: list[Any] = []
             try:
                 for layer in spec.layers:
-                    tensors.append(runtime.open_layer(ordinal, layer))
+                    ipc = IpcLayer(**attrs.asdict(layer, recurse=False))  # wire → transfer
+                    tensors.append(runtime.open_layer(ordinal, ipc))
                 key = (ordinal, chunk_bytes)
                 if key not in self._pipelines:
                     self._pipelines[key] = CopyPipeline(device, chunk_bytes)

@@ -18,8 +18,8 @@ from typing import Any
 import trio
 
 from .._logging import event
-from ..config import parse_http_address
 from ..errors import ConfigError
+from ..options import parse_http_address
 from ._metrics import CONTENT_TYPE, ServerMetrics
 from ._state import ServerState
 from ._status import status_document

@@ -31,8 +31,9 @@ from pathlib import Path
 
 from attrs import frozen
 
-from ..config import ServerConfig, format_size
+from ..config import ServerConfig
 from ..errors import ConfigError
+from ..options import format_size
 
 __all__ = [
     "DEFAULT_CAP",

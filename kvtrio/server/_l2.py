@@ -33,7 +33,8 @@ import trio
 from .._logging import event
 from ..l2 import HEADER_SIZE, Backend, BackendError, Corrupt, check, header
 from ..protocol import L2Stats
-from ..storage import Entry, L1Cache, SharedArena
+from ..shm import SharedArena
+from ..storage import Entry, L1Cache
 
 __all__ = ["L2Tier", "Load"]
 

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..errors import ErrorCode, RequestError
-from ..storage import Entry, L1Cache, LeaseTable, SharedArena
+from ..shm import SharedArena
+from ..storage import Entry, L1Cache, LeaseTable
 
 if TYPE_CHECKING:
     from ._session import Session

@@ -11,10 +11,12 @@ import trio
 import zmq
 
 from .._logging import event
-from ..config import ByteSize, ServerConfig
+from ..config import ServerConfig
 from ..errors import ConfigError
 from ..l2 import Backend, create_backend
-from ..storage import L1Cache, SharedArena, default_shm_dir, make_policy
+from ..options import ByteSize
+from ..shm import SharedArena, default_shm_dir
+from ..storage import L1Cache, make_policy
 from ..transport import ensure_endpoint_free, open_socket, serve_zap
 from ._auth import ServerAuth, configure_auth
 from ._cache import CacheService

@@ -13,10 +13,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import attrs
 
-from ..config import ServerConfig, format_size, parse_size
+from ..config import ServerConfig
 from ..errors import ConfigError
+from ..options import format_size, parse_size
 from ..protocol import StatsReply
-from ..storage import default_shm_dir
+from ..shm import default_shm_dir
 
 __all__ = ["status_document", "status_summary", "storage_summary"]
 

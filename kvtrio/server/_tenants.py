@@ -28,7 +28,8 @@ import trio
 
 from .._logging import event
 from ..errors import ErrorCode, RequestError
-from ..storage import Entry, L1Cache, L1Stats, Reservation, SharedArena
+from ..shm import SharedArena
+from ..storage import Entry, L1Cache, L1Stats, Reservation
 
 __all__ = ["TenantArena", "TenantArenas", "TenantL1", "TenantMemory"]
 

@@ -1,11 +1,10 @@
-"""Where chunks live: keys, the shared L1 arena, its index, eviction policies and leases.
+"""Where chunks live: keys, the L1 index of the shared arena, eviction policies and leases.
 
-Synchronous and free of I/O except for mapping the arena; the server drives it from its event
-loop.
+Synchronous and free of I/O; the server drives it from its event loop. The arena itself (the
+shared-memory file) is :mod:`kvtrio.shm`.
 """
 
 from ._allocator import ExtentAllocator
-from ._arena import SharedArena, default_shm_dir, reclaim_stale_arenas
 from ._eviction import LRU, EvictionPolicy
 from ._l1 import Entry, EntryState, L1Cache, L1Stats, Reservation
 from ._leases import Lease, LeaseKind, LeaseTable
@@ -38,13 +37,10 @@ __all__ = [
     "LeaseTable",
     "ModelProfile",
     "Reservation",
-    "SharedArena",
     "block_chunk_hashes",
     "block_hash_scheme",
-    "default_shm_dir",
     "make_policy",
     "namespace",
     "object_key",
-    "reclaim_stale_arenas",
     "token_chunk_hashes",
 ]

@@ -29,8 +29,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from ..protocol import CudaLayer
 from ..transfer import DTYPE_SIZES, KVLayout
+from ..transfer._cuda_engine import IpcLayer
 from ..transfer._geometry import geometry
 from ..transfer._hostlib import HostLibrary
 
@@ -256,12 +256,12 @@ class FakeCuda:
     def tensor_ordinal(self, tensor: Any) -> int | None:
         return self.uuids.index(tensor.uuid) if isinstance(tensor, FakeTensor) else None
 
-    def export_layer(self, tensor: FakeTensor) -> CudaLayer:
+    def export_layer(self, tensor: FakeTensor) -> IpcLayer:
         with self.gpu.cond:
             _uuid, allocation = self.gpu.allocations[tensor.allocation]
         start = tensor.array.__array_interface__["data"][0] - allocation.ctypes.data
         element = DTYPE_SIZES[tensor.dtype]
-        return CudaLayer(
+        return IpcLayer(
             handle=tensor.allocation,
             storage_size=allocation.nbytes - start,
             storage_offset=start,
@@ -275,7 +275,7 @@ class FakeCuda:
             dtype=tensor.dtype,
         )
 
-    def open_layer(self, ordinal: int, layer: CudaLayer) -> FakeTensor:
+    def open_layer(self, ordinal: int, layer: IpcLayer) -> FakeTensor:
         with self.gpu.cond:
             found = self.gpu.allocations.get(layer.handle)
             if found is None:

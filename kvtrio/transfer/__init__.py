@@ -8,16 +8,20 @@ the interface the CPU path and the CUDA engine (:mod:`kvtrio.transfer.cuda`) sha
 
 from ._cpu import gather, scatter
 from ._engines import CPU_TRANSFER, CpuTransfer, Transfer
+from ._kinds import LAYOUTS, LayoutKind, layout_kind
 from ._layouts import DTYPE_SIZES, LAYOUT_KINDS, ChunkFormat, KVLayout
 
 __all__ = [
     "CPU_TRANSFER",
     "DTYPE_SIZES",
+    "LAYOUTS",
     "LAYOUT_KINDS",
     "ChunkFormat",
     "CpuTransfer",
     "KVLayout",
+    "LayoutKind",
     "Transfer",
     "gather",
+    "layout_kind",
     "scatter",
 ]

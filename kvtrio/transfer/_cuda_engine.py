@@ -28,7 +28,6 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from ..protocol import CudaLayer
 from ._cpu import _check_block_ids
 from ._layouts import KVLayout
 
@@ -39,11 +38,41 @@ __all__ = [
     "CudaTransfer",
     "Device",
     "Event",
+    "IpcLayer",
     "PinnedHost",
     "Stream",
 ]
 
 Array = npt.NDArray[Any]
+
+
+@attrs.frozen
+class IpcLayer:
+    """One layer's KV tensor, shared by CUDA IPC: torch's export of its storage
+    (``UntypedStorage._share_cuda_()``) and the tensor's view of that storage.
+
+    The wire carries the same fields as :class:`kvtrio.protocol.CudaLayer`; the worker and the
+    server convert at their edges, so that this layer does not depend on the protocol."""
+
+    handle: bytes
+    """The IPC memory handle of the allocation holding the storage."""
+    storage_size: int
+    """Bytes of the storage."""
+    storage_offset: int
+    """Where the storage starts in the allocation, in bytes."""
+    ref_counter_handle: bytes
+    """torch's shared reference counter (a shared-memory file) that keeps the engine from
+    freeing the storage while the server has it open."""
+    ref_counter_offset: int
+    event_handle: bytes
+    """An IPC event torch recorded when it exported the storage (may be empty)."""
+    event_sync_required: bool
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    """In elements."""
+    offset: int
+    """The tensor's offset into the storage, in elements."""
+    dtype: str
 
 
 class Event(Protocol):
@@ -121,10 +150,10 @@ class CudaRuntime(Protocol):
     def tensor_ordinal(self, tensor: Any) -> int | None:
         """The ordinal of a CUDA tensor, None for a CPU one."""
 
-    def export_layer(self, tensor: Any) -> CudaLayer:
+    def export_layer(self, tensor: Any) -> IpcLayer:
         """Share a tensor's storage by CUDA IPC (worker side)."""
 
-    def open_layer(self, ordinal: int, layer: CudaLayer) -> Any:
+    def open_layer(self, ordinal: int, layer: IpcLayer) -> Any:
         """Open another process's tensor (server side; blocking)."""
 
     def close_layer(self, tensor: Any) -> None:

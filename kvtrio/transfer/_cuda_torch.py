@@ -20,8 +20,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from ..protocol import CudaLayer
 from ._cuda_build import extension_disabled, load_extension
+from ._cuda_engine import IpcLayer
 from ._geometry import geometry, kind_axes
 from ._layouts import KVLayout
 
@@ -182,16 +182,16 @@ class TorchRuntime:
             return self._devices[ordinal]
 
     def tensor_ordinal(self, tensor: Any) -> int | None:
-        device = tensor.device
-        if device.type != "cuda":
+        device: Any = getattr(tensor, "device", None)  # None: not a tensor (a numpy array)
+        if device is None or device.type != "cuda":
             return None
         return int(device.index if device.index is not None else self.torch.cuda.current_device())
 
-    def export_layer(self, tensor: Any) -> CudaLayer:
+    def export_layer(self, tensor: Any) -> IpcLayer:
         (_device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
             tensor.untyped_storage()._share_cuda_()
         )
-        return CudaLayer(
+        return IpcLayer(
             handle=bytes(handle),
             storage_size=int(size),
             storage_offset=int(offset),
@@ -205,7 +205,7 @@ class TorchRuntime:
             dtype=str(tensor.dtype).removeprefix("torch."),
         )
 
-    def open_layer(self, ordinal: int, layer: CudaLayer) -> Any:
+    def open_layer(self, ordinal: int, layer: IpcLayer) -> Any:
         torch = self.torch
         storage = torch.UntypedStorage._new_shared_cuda(
             ordinal,

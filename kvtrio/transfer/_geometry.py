@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ._kinds import LAYOUTS, Axes
 from ._layouts import KVLayout
 
 __all__ = [
@@ -28,21 +29,16 @@ GEOMETRY_FIELDS = 11
 """``KVT_G_FIELDS``: kv, block_size, heads, head_dim, element, num_blocks, then the byte strides
 of kv, block, token, head and dim."""
 
-KIND_AXES: dict[str, tuple[int | None, int, int, int | None, int]] = {
-    # Axis of the layer tensor that holds (kv, block, token, head, dim); None: the axis is absent.
-    "flash_attn": (0, 1, 2, 3, 4),  # (2, blocks, block_size, heads, dim)
-    "flash_infer": (1, 0, 2, 3, 4),  # (blocks, 2, block_size, heads, dim)
-    "mla": (None, 0, 1, None, 2),  # (blocks, block_size, dim)
-    "cpu": (0, 1, 3, 2, 4),  # (2, blocks, heads, block_size, dim)
-}
-"""``vllm_cpu`` is not here: vLLM's CPU kernels keep K transposed within a block and head, so
-K and V have no common strided view. It is a CPU-only layout; the CPU path copies it."""
+KIND_AXES: dict[str, Axes] = {kind.name: kind.axes for kind in LAYOUTS.values() if kind.strided}
+"""Axis of the layer tensor that holds (kv, block, token, head, dim) of each kind the kernels
+copy: the strided kinds of :data:`._kinds.LAYOUTS` (``vllm_cpu`` keeps K transposed within a
+block and head, so K and V have no common strided view: the CPU path copies it)."""
 
 GPU_LAYOUT_KINDS = tuple(KIND_AXES)
 """Layout kinds the CUDA kernels (and the host library) copy."""
 
 
-def kind_axes(kind: str) -> tuple[int | None, int, int, int | None, int]:
+def kind_axes(kind: str) -> Axes:
     """:data:`KIND_AXES` of ``kind``; ``ValueError`` for a kind the CUDA kernels do not copy."""
     axes = KIND_AXES.get(kind)
     if axes is None:

@@ -26,10 +26,13 @@ therefore share chunks. This module only describes shapes; the copies are in :mo
 
 from __future__ import annotations
 
+import functools
 from types import MappingProxyType
 from typing import Any
 
 import attrs
+
+from ._kinds import LAYOUTS, LayoutKind, layout_kind
 
 __all__ = ["DTYPE_SIZES", "LAYOUT_KINDS", "ChunkFormat", "KVLayout"]
 
@@ -46,15 +49,12 @@ DTYPE_SIZES: MappingProxyType[str, int] = MappingProxyType(
 )
 """Bytes per element of every KV dtype kvtrio knows (names as torch spells them)."""
 
-LAYOUT_KINDS: tuple[str, ...] = ("flash_attn", "flash_infer", "mla", "cpu", "vllm_cpu")
-"""The per-layer KV tensor layouts kvtrio can copy from and to."""
+LAYOUT_KINDS: tuple[str, ...] = tuple(LAYOUTS)
+"""The per-layer KV tensor layouts kvtrio can copy from and to (:data:`._kinds.LAYOUTS`)."""
 
 
 def _check_kind(_instance: Any, _attribute: Any, value: Any) -> None:
-    if value not in LAYOUT_KINDS:
-        raise ValueError(
-            f"unknown layout kind {value!r}: expected one of {', '.join(LAYOUT_KINDS)}"
-        )
+    layout_kind(value)
 
 
 def _check_dtype(_instance: Any, _attribute: Any, value: Any) -> None:
@@ -103,11 +103,16 @@ class KVLayout:
     """Element type, one of :data:`DTYPE_SIZES` (arrays may hold it as a same-size integer)."""
 
     def __attrs_post_init__(self) -> None:
-        if self.kind == "mla" and self.num_heads != 1:
+        if self.kind_entry.latent and self.num_heads != 1:
             raise ValueError(
-                f"an mla layout has one latent head: num_heads must be 1, got {self.num_heads} "
-                "(put the latent dim in head_dim)"
+                f"an {self.kind} layout has one latent head: num_heads must be 1, got "
+                f"{self.num_heads} (put the latent dim in head_dim)"
             )
+
+    @functools.cached_property
+    def kind_entry(self) -> LayoutKind:
+        """The registry entry of :attr:`kind`."""
+        return LAYOUTS[self.kind]
 
     @property
     def element_size(self) -> int:
@@ -117,32 +122,25 @@ class KVLayout:
     @property
     def kv(self) -> int:
         """2 (separate K and V tensors) or 1 (``mla``: one latent cache)."""
-        return 1 if self.kind == "mla" else 2
+        return 1 if self.kind_entry.latent else 2
 
     @property
     def row_elements(self) -> int:
         """Elements per token, per layer and per K/V: ``num_heads * head_dim``."""
         return self.num_heads * self.head_dim
 
-    @property
+    @functools.cached_property
     def layer_shape(self) -> tuple[int, ...]:
         """The shape of each layer's KV tensor."""
-        blocks, size, heads, dim = self.num_blocks, self.block_size, self.num_heads, self.head_dim
-        if self.kind == "flash_attn":
-            return (2, blocks, size, heads, dim)
-        if self.kind == "flash_infer":
-            return (blocks, 2, size, heads, dim)
-        if self.kind == "mla":
-            return (blocks, size, dim)
-        if self.kind == "vllm_cpu":
-            return (blocks, heads, 2, size, dim)
-        return (2, blocks, heads, size, dim)
+        return self.kind_entry.layer_shape(
+            self.num_blocks, self.block_size, self.num_heads, self.head_dim
+        )
 
-    @property
+    @functools.cached_property
     def head_major(self) -> bool:
         """Whether a block keeps each head's tokens together (``[head, token, dim]``), unlike
         the token-major canonical chunk: then only ``head_dim`` elements are contiguous in both."""
-        return self.kind in ("cpu", "vllm_cpu")
+        return self.kind_entry.head_major
 
     @property
     def layer_nbytes(self) -> int:

@@ -27,6 +27,7 @@ from ._cuda_engine import (
     CudaTransfer,
     Device,
     Event,
+    IpcLayer,
     PinnedHost,
     Stream,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "Device",
     "Event",
     "HostLibrary",
+    "IpcLayer",
     "PinnedHost",
     "Plan",
     "Stream",

@@ -15,8 +15,9 @@ from ._keys import (
     resolve_client_credentials,
     write_keypair,
 )
+from ._monitor import Monitor, open_monitor
 from ._zap import serve_zap
-from ._zmq import Monitor, Socket, open_monitor, open_socket
+from ._zmq import Socket, open_socket
 
 __all__ = [
     "ANY_TENANT",

@@ -1,4 +1,5 @@
-"""Endpoint checks: is an endpoint well-formed, and is a live listener behind an ``ipc://`` path?
+"""Endpoint checks: is an endpoint well-formed, is a live listener behind an ``ipc://`` path,
+and the wait until a closed socket's ipc listeners are gone.
 
 kvtrio accepts exactly two spellings, ``tcp://HOST:PORT`` and ``ipc://PATH``, everywhere (flags,
 TOML, environment, ``Client``). Anything else is refused at once with one line, and a line that
@@ -9,14 +10,26 @@ background thread (a hang) or, for a port above 65535, bind a different port wit
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import grp
 import os
 import re
 import socket
+from collections.abc import Sequence
+
+import trio
 
 from ..errors import TransportError
 
-__all__ = ["check_endpoint", "ensure_endpoint_free", "ipc_path", "is_listening"]
+__all__ = [
+    "check_endpoint",
+    "ensure_endpoint_free",
+    "group_id",
+    "ipc_path",
+    "is_listening",
+    "wait_released",
+]
 
 _IPC_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1 on Linux
 _HOST = r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)"
@@ -122,3 +135,35 @@ def ensure_endpoint_free(endpoint: str) -> None:
         raise TransportError(
             f"{endpoint} is in use by another process (is kvtrio already running?)"
         )
+
+
+def group_id(name: str) -> int:
+    """The id of the group ``name`` (for ``ipc_group``); :class:`TransportError` if none."""
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise TransportError(f"ipc_group: no group named {name!r}") from None
+
+
+_RELEASE_TIMEOUT = 2.0
+"""Seconds :func:`wait_released` waits at most for libzmq to stop listening on ipc paths."""
+
+
+async def wait_released(paths: Sequence[str]) -> None:
+    """Wait until nothing listens on ``paths`` any more (shielded, bounded).
+
+    libzmq closes a socket's listeners asynchronously, in its I/O thread: without this wait, a
+    server restarted in the same process could find its own predecessor's listener still there
+    and refuse the endpoint as taken.
+    """
+    if not paths:
+        return
+    with (
+        trio.CancelScope(shield=True),
+        trio.move_on_after(_RELEASE_TIMEOUT),
+        contextlib.suppress(TransportError),  # a path we may not probe: nothing to wait for
+    ):
+        delay = 0.0005
+        while any(is_listening(path) for path in paths):
+            await trio.sleep(delay)
+            delay = min(2 * delay, 0.05)

@@ -35,22 +35,18 @@ messages are atomic).
 
 from __future__ import annotations
 
-import contextlib
-import grp
 import os
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, NoReturn, cast
 
 import trio
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from ..errors import PeerUnreachable, TransportError
-from ._endpoints import ipc_path, is_listening
+from ._endpoints import group_id, ipc_path, wait_released
 
-__all__ = ["Monitor", "Socket", "open_monitor", "open_socket"]
+__all__ = ["Socket", "open_socket"]
 
 # Plain ints: pyzmq's constants are enum flags, and flag arithmetic costs microseconds per call.
 _POLLIN = int(zmq.POLLIN)
@@ -93,7 +89,7 @@ class Socket:
         could connect.
         """
         is_ipc = endpoint.startswith("ipc://")
-        gid = _group_id(ipc_group) if is_ipc and ipc_group else None
+        gid = group_id(ipc_group) if is_ipc and ipc_group else None
         previous = os.umask(0o077) if is_ipc else None
         try:
             self._zsock.bind(endpoint)
@@ -415,72 +411,4 @@ async def open_socket(
                 sock.close()
     finally:
         sock.close()
-        await _released(sock._ipc_paths)
-
-
-def _group_id(name: str) -> int:
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        raise TransportError(f"ipc_group: no group named {name!r}") from None
-
-
-_RELEASE_TIMEOUT = 2.0
-"""Seconds :func:`open_socket` waits at most for libzmq to stop listening on ipc paths."""
-
-
-async def _released(paths: Sequence[str]) -> None:
-    """Wait until nothing listens on ``paths`` any more (shielded, bounded).
-
-    libzmq closes a socket's listeners asynchronously, in its I/O thread: without this wait, a
-    server restarted in the same process could find its own predecessor's listener still there
-    and refuse the endpoint as taken.
-    """
-    if not paths:
-        return
-    with (
-        trio.CancelScope(shield=True),
-        trio.move_on_after(_RELEASE_TIMEOUT),
-        contextlib.suppress(TransportError),  # a path we may not probe: nothing to wait for
-    ):
-        delay = 0.0005
-        while any(is_listening(path) for path in paths):
-            await trio.sleep(delay)
-            delay = min(2 * delay, 0.05)
-
-
-class Monitor:
-    """Connection events of a socket, from ZeroMQ's socket monitor. See :func:`open_monitor`."""
-
-    def __init__(self, pair: Socket) -> None:
-        self._pair = pair
-
-    async def receive(self) -> int:
-        """Wait for the next event and return its code (``zmq.EVENT_*``)."""
-        frames = await self._pair.recv_multipart()
-        return int(parse_monitor_message(frames)["event"])
-
-
-@asynccontextmanager
-async def open_monitor(socket: Socket, events: int) -> AsyncIterator[Monitor]:
-    """Follow ``socket``'s connection ``events`` for the duration of the block.
-
-    Open it before connecting ``socket`` (events are not queued for a reader that is not there
-    yet) and leave it before closing ``socket``. On exit, monitoring is switched off *before*
-    the reading socket closes: libzmq sends events with blocking sends from its I/O thread, so
-    an event for a reader that is gone would block every socket of the process (libzmq #3575).
-    """
-    socket._check_open()
-    # Unique forever: libzmq closes sockets asynchronously, so a reused name could still be
-    # bound by the monitor of a socket closed a moment ago and deliver its stale events.
-    endpoint = f"inproc://kvtrio-monitor-{uuid.uuid4().hex}"
-    socket._zsock.monitor(endpoint, events)
-    try:
-        async with open_socket(zmq.PAIR) as pair:
-            pair.connect(endpoint)
-            try:
-                yield Monitor(pair)
-            finally:
-                socket._stop_monitor()
-    finally:
-        socket._stop_monitor()
+        await wait_released(sock._ipc_paths)

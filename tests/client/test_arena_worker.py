@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import trio
 
-import kvtrio.client._arena_worker as arena_worker
 from kvtrio.client import AsyncClient, LoadStoreOp, WorkerAdapter, open_client
-from kvtrio.client._arena_worker import Span
+from kvtrio.client._copies import Span
 from kvtrio.protocol import GetStats, Lookup, LookupReply, StatsReply, Unregister
 from kvtrio.server import ServerHandle
 from kvtrio.storage import token_chunk_hashes
+from kvtrio.transfer import CpuTransfer
 
 from ..conftest import await_async, await_condition
 
@@ -128,16 +128,16 @@ async def test_a_commit_the_server_refuses_is_counted_and_the_store_still_finish
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     adapter, _ = worker
-    gather = arena_worker.gather
+    gather = CpuTransfer.gather
     calls = []
 
-    def gather_then_lose_the_registration(*args: Any) -> None:
-        gather(*args)
+    def gather_then_lose_the_registration(self: CpuTransfer, *args: Any) -> None:
+        gather(self, *args)
         calls.append(args)
         if len(calls) == 1:  # the server forgets the registration before the commit
             adapter.client.request(Unregister())
 
-    monkeypatch.setattr(arena_worker, "gather", gather_then_lose_the_registration)
+    monkeypatch.setattr(CpuTransfer, "gather", gather_then_lose_the_registration)
     store = adapter.submit_store_request("s", LoadStoreOp(SOURCE, PROMPT, end=len(PROMPT)))
     await in_thread(store.result)
     assert len(calls) == 10

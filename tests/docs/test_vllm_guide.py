@@ -25,9 +25,10 @@ import attrs
 import pytest
 
 from kvtrio.cli import _build_parser
-from kvtrio.config import ServerConfig, load_config, structure_options
+from kvtrio.config import ServerConfig, load_config
 from kvtrio.integration._options import parse_options
 from kvtrio.l2 import load_backend_class
+from kvtrio.options import structure_options
 from kvtrio.transport import check_endpoint
 
 from .guide import GUIDE, blocks, script

@@ -172,7 +172,7 @@ def main() -> None:
                 for a in arrays
             ]
         elif cmd == "canonical":  # SHA-256 of the blocks in kvtrio's canonical chunk format
-            layout = adapter._layout
+            layout = adapter.layout
             assert layout is not None
             out = np.empty(layout.chunk_nbytes(len(command["blocks"]) * BLOCK_SIZE), np.uint8)
             gather(layout, arrays, command["blocks"], out)

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 import kvtrio.l2._diskio
-from kvtrio.config import ByteSize
 from kvtrio.l2 import Backend
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
+from kvtrio.options import ByteSize
 from kvtrio.testing import BackendConformance
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtrio.config import ByteSize
 from kvtrio.l2 import BackendError
 from kvtrio.l2._diskio import segment_name
 from kvtrio.l2.disk import DiskBackend, DiskOptions
+from kvtrio.options import ByteSize
 from kvtrio.storage import EVICTION_POLICIES, LRU
 
 

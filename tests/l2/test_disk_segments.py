@@ -15,9 +15,9 @@ import trio
 
 import kvtrio.l2._diskio
 import kvtrio.l2.disk
-from kvtrio.config import ByteSize
 from kvtrio.l2._diskio import ALIGN, RECORD_HEADER, record_size, segment_name
 from kvtrio.l2.disk import DiskBackend, DiskOptions
+from kvtrio.options import ByteSize
 
 from .test_disk import small_filesystem  # noqa: F401 - a fixture
 

@@ -21,6 +21,7 @@ from kvtrio.config import ServerConfig
 from kvtrio.errors import BadRequest
 from kvtrio.protocol import (
     CudaCache,
+    CudaLayer,
     LayoutSpec,
     Lookup,
     LookupReply,
@@ -33,7 +34,8 @@ from kvtrio.protocol import (
     Unregister,
 )
 from kvtrio.server import ServerHandle, _cuda, serve
-from kvtrio.storage import HASH_SCHEME_TOKENS, SharedArena, token_chunk_hashes
+from kvtrio.shm import SharedArena
+from kvtrio.storage import HASH_SCHEME_TOKENS, token_chunk_hashes
 from kvtrio.testing import FakeCuda
 from kvtrio.transfer import KVLayout, gather
 
@@ -109,9 +111,8 @@ class Worker:
         layout = self.layout
         spec = LayoutSpec(layout.kind, LAYERS, BLOCKS, BLOCK, layout.num_heads,
                           layout.head_dim, "float16")  # fmt: skip
-        cuda = CudaCache(
-            self.cuda.uuids[self.ordinal], tuple(self.cuda.export_layer(t) for t in self.layers)
-        )
+        layers = (attrs.asdict(self.cuda.export_layer(t), recurse=False) for t in self.layers)
+        cuda = CudaCache(self.cuda.uuids[self.ordinal], tuple(CudaLayer(**x) for x in layers))
         fields: dict[str, Any] = {
             "engine": "engine", "model": "m", "world_size": 1, "rank": 0, "layout": spec,
             "hash_scheme": HASH_SCHEME_TOKENS, "device": "cuda", "cuda": cuda,

@@ -279,7 +279,8 @@ async def test_a_taken_port_is_a_clear_error(config: ServerConfig) -> None:
 
 
 def test_http_setting_is_off_by_default_and_binds_loopback() -> None:
-    from kvtrio.config import load_config, parse_http_address
+    from kvtrio.config import load_config
+    from kvtrio.options import parse_http_address
 
     assert ServerConfig().http == ""
     assert parse_http_address("9464") == ("127.0.0.1", 9464)

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from kvtrio.client import open_client
-from kvtrio.config import ServerConfig, format_size
+from kvtrio.config import ServerConfig
 from kvtrio.errors import ConfigError
+from kvtrio.options import format_size
 from kvtrio.protocol import GetStats, StatsReply
 from kvtrio.server import _serve, open_server, status_document, status_summary
 from kvtrio.server._l1size import (

@@ -11,11 +11,12 @@ import attrs
 import pytest
 import trio
 
-from kvtrio.config import ByteSize, ServerConfig
+from kvtrio.config import ServerConfig
 from kvtrio.l2 import BackendUnavailable, Buffers
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
+from kvtrio.options import ByteSize
 from kvtrio.protocol import EndSession, LookupReply
 
 from ..conftest import await_async, await_condition

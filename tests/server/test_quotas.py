@@ -24,7 +24,8 @@ from kvtrio.protocol import (
 )
 from kvtrio.server import open_server
 from kvtrio.server._quotas import scrub
-from kvtrio.storage import Entry, EntryState, SharedArena
+from kvtrio.shm import SharedArena
+from kvtrio.storage import Entry, EntryState
 from kvtrio.storage.keys import token_chunk_hashes
 
 from .test_auth import tcp_config, tenant_clients

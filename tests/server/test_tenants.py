@@ -33,7 +33,8 @@ from kvtrio.protocol import (
 )
 from kvtrio.server import open_server
 from kvtrio.server._tenants import TenantArenas
-from kvtrio.storage import Entry, L1Cache, Reservation, SharedArena
+from kvtrio.shm import SharedArena
+from kvtrio.storage import Entry, L1Cache, Reservation
 
 from ..conftest import ServerProcess, await_async
 from .test_auth import tcp_config, tenant_clients

@@ -33,6 +33,7 @@ import trio
 from redis import exceptions
 
 from kvtrio.l2 import BackendError, BackendUnavailable, Buffers, LocalLocks
+from kvtrio.options import not_negative, positive
 
 from ._client import ClusterClient, StandaloneClient
 from ._wire import byte_views
@@ -50,16 +51,6 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     exceptions.RedisClusterException,  # cannot read the slot map, slot not covered
     OSError,  # includes socket timeouts
 )
-
-
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name}: must be greater than 0, got {value}")
-
-
-def _not_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if value < 0:
-        raise ValueError(f"{attribute.name}: must not be negative, got {value}")
 
 
 def _redis_url(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
@@ -83,17 +74,17 @@ class RedisOptions:
     )
     ttl: float = attrs.field(
         default=0.0,
-        validator=_not_negative,
+        validator=not_negative,
         metadata={"help": "Seconds until a stored object expires (0: never)."},
     )
     connections: int = attrs.field(
         default=4,
-        validator=_positive,
+        validator=positive,
         metadata={"help": "Concurrent operations: worker threads and pooled connections."},
     )
     timeout: float = attrs.field(
         default=5.0,
-        validator=_positive,
+        validator=positive,
         metadata={"help": "Seconds to connect or wait on a socket before Redis counts as down."},
     )
 

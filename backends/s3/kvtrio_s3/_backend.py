@@ -26,6 +26,7 @@ import attrs
 import trio
 
 from kvtrio.l2 import BackendError, BackendUnavailable, Buffers, LocalLocks
+from kvtrio.options import at_least, positive
 
 from ._client import MAX_OBJECT_SIZE, S3Client
 
@@ -38,19 +39,6 @@ _COUNTERS = (
     "unavailable",
 )  # fmt: skip
 _PROBE_NAME = "kvtrio-bucket-probe"  # not hex: never the name of an object
-
-
-def _at_least(minimum: float) -> Any:
-    def check(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-        if value < minimum:
-            raise ValueError(f"{attribute.name}: must be at least {minimum}, got {value}")
-
-    return check
-
-
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"{attribute.name}: must be greater than 0, got {value}")
 
 
 def _not_empty(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
@@ -92,7 +80,7 @@ class S3Options:
     )
     connections: int = attrs.field(
         default=16,
-        validator=_at_least(1),
+        validator=at_least(1),
         metadata={"help": "Concurrent S3 requests (worker threads)."},
     )
     create_bucket: bool = attrs.field(
@@ -100,12 +88,12 @@ class S3Options:
     )
     timeout: float = attrs.field(
         default=30.0,
-        validator=_positive,
+        validator=positive,
         metadata={"help": "Seconds a request may take, retries included."},
     )
     retries: int = attrs.field(
         default=3,
-        validator=_at_least(0),
+        validator=at_least(0),
         metadata={"help": "Retries of a request after a 5xx answer or a connection error."},
     )
     sign_payload: bool = attrs.field(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtrio.bench import BenchError, BenchOptions, run_bench
+from kvtrio.benchmark import BenchError, BenchOptions, run_bench
 from kvtrio.client import Client
 from kvtrio.protocol import GetStats, StatsReply
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtrio.bench import BenchOptions
-from kvtrio.bench._simulate import (
+from kvtrio.benchmark import BenchOptions
+from kvtrio.benchmark._simulate import (
     SimRequest,
     chat_requests,
     evaluate,

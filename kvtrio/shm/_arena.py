@@ -24,7 +24,7 @@ from typing import cast
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SharedArena", "default_shm_dir", "reclaim_stale_arenas"]
+__all__ = ["SharedArena", "default_shm_dir", "populate_pages", "reclaim_stale_arenas"]
 
 _SUFFIX = ".l1"
 _MADV_POPULATE_WRITE = 23

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import attrs
 
-from ..config import parse_size
 from ..errors import KvtrioError
+from ..options import parse_size
 from ..storage import EVICTION_POLICIES
 from ..transfer import LAYOUT_KINDS
 from ..transport import check_endpoint

@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,10 +24,11 @@ from rich.console import Console
 if sys.version_info < (3, 11):  # pragma: no cover - exercised by the py310 tox env
     from exceptiongroup import BaseExceptionGroup
 
-from ..client import Client, SchedulerAdapter
-from ..config import format_size, parse_size
+from ..client import SchedulerAdapter
 from ..errors import KvtrioError
-from ..protocol import GetStats, Ping, StatsReply
+from ..launch import ServerProcess, ServerStartError
+from ..options import format_size, parse_size
+from ..protocol import GetStats, StatsReply
 from ..transfer import KVLayout
 from ._driver import Driver, engine_blocks
 from ._engine import model_name, worker_main
@@ -264,59 +264,32 @@ def _own_server(options: BenchOptions, console: Console) -> Iterator[str]:
     workdir = Path(
         tempfile.mkdtemp(prefix="kvtrio-bench-", dir="/tmp" if os.path.isdir("/tmp") else None)
     )
-    endpoint = f"ipc://{workdir}/kvtrio.sock"
-    command = [
-        sys.executable,
-        "-m",
-        "kvtrio",
-        "serve",
-        "--endpoint",
-        endpoint,
-        "--chunk-size",
-        str(options.chunk_size),
-        "--l1-size",
-        options.l1_size,
-        "--log-level",
-        "warning",
-    ]
+    args = ["--chunk-size", str(options.chunk_size), "--l1-size", options.l1_size]
+    args += ["--log-level", "warning"]
     if options.eviction:
-        command += ["--eviction", options.eviction]
+        args += ["--eviction", options.eviction]
     for spec in options.l2:
         if spec == "disk":
             spec = f"disk:path={workdir / 'l2'}"
-        command += ["--l2", spec]
-    log_path = workdir / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTRIO_")}
-    with log_path.open("w") as log:
-        # Its own session: a Ctrl-C meant for the bench must not drain the server under it.
-        server = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        args += ["--l2", spec]
+    # Its own session: a Ctrl-C meant for the bench must not drain the server under it.
+    server = ServerProcess(
+        f"ipc://{workdir}/kvtrio.sock",
+        args,
+        {k: v for k, v in os.environ.items() if not k.startswith("KVTRIO_")},
+        log_path=workdir / "server.log",
+        new_session=True,
+    )
     try:
-        with Client(endpoint, timeout=0.5, heartbeat=False, client_name="kvtrio-bench") as probe:
-
-            def up() -> bool:
-                if server.poll() is not None:
-                    tail = log_path.read_text().strip().splitlines()[-1:] or ["(no output)"]
-                    raise BenchError(f"the server did not start: {tail[0]}")
-                try:
-                    probe.request(Ping())
-                except KvtrioError:
-                    return False
-                return True
-
-            _wait(up, 30.0, "the server did not answer within 30 s")
-        yield endpoint
+        try:
+            server.start(timeout=30.0)
+        except ServerStartError as exc:
+            raise BenchError(f"the server did not start: {exc}") from None
+        yield server.endpoint
     finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(15)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-        if server.returncode not in (0, None, -signal.SIGTERM):
-            console.print(log_path.read_text()[-2000:], highlight=False)
+        returncode = server.stop()
+        if returncode not in (0, None, -signal.SIGTERM):
+            console.print(server.log()[-2000:], highlight=False)
         _remove_tree(workdir)
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtrio.storage import SharedArena
-from kvtrio.storage import _arena as arena_module
+from kvtrio.shm import SharedArena
+from kvtrio.shm import _arena as arena_module
 
 SIZE = 256 << 20
 

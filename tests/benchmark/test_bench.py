@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kvtrio.bench import BenchError, BenchOptions, run_bench
+from kvtrio.benchmark import BenchError, BenchOptions, run_bench
 
 KVTRIO = str(Path(sys.executable).with_name("kvtrio"))
 SMALL_ENGINE = ("--world-size", "2", "--layers", "2", "--heads", "2", "--head-dim", "16")
@@ -167,7 +167,7 @@ def test_settings_that_cannot_work_are_refused_before_starting(
 
 
 def test_the_bench_directory_is_removed_with_its_l2_segments(tmp_path: Path) -> None:
-    from kvtrio.bench._run import _remove_tree
+    from kvtrio.benchmark._run import _remove_tree
 
     workdir = tmp_path / "kvtrio-bench-x"
     (workdir / "l2" / "segments").mkdir(parents=True)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..client import LoadStoreOp, WorkerAdapter
-from ..storage import HASH_SCHEME_TOKENS, block_hash_scheme
+from ..protocol import HASH_SCHEME_TOKENS, block_hash_scheme
 from ..transfer import KVLayout
 from ._content import BlockContent, numpy_dtype
 from ._options import BenchOptions

@@ -29,7 +29,7 @@ def _block_views(layout: KVLayout, arrays: Sequence[np.ndarray[Any, Any]]) -> li
     """Per layer, a ``(lead, num_blocks, bytes)`` byte view in which block ``b`` is ``[:, b]``.
 
     Every layout keeps its blocks on axis 0, or on axis 1 behind a K/V axis of 2."""
-    lead = 2 if layout.kind in ("flash_attn", "cpu") else 1
+    lead = 2 if layout.kind_entry.axes[1] == 1 else 1
     return [a.view(np.uint8).reshape(lead, layout.num_blocks, -1) for a in arrays]
 
 

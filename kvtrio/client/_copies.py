@@ -1,0 +1,222 @@
+"""How a worker adapter's stores and retrieves move bytes: the copy path and what it works on.
+
+A :class:`CopyPath` is chosen once, when the engine registers its KV tensors
+(:meth:`~kvtrio.client.WorkerAdapter.register_kv_caches`), and every store and retrieve of
+the adapter runs on it, in the adapter's transfer thread:
+
+* :class:`~._arena_worker.ArenaCopies` (CPU tensors): the worker copies between its tensors
+  and L1 slots of the shared arena, with a :class:`kvtrio.transfer.Transfer` engine, pipelined
+  with the protocol (stores in growing batches, one commit; partial retrieves);
+* :class:`~._cuda_worker.CudaCopies` (CUDA tensors): the server copies over CUDA IPC; the
+  worker hands it the engine's blocks and event and waits for the server's event.
+
+:class:`Span` is an operation as both see it: the full chunks of a token range, their hashes
+and engine blocks. The helpers below are shared by both paths.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar
+
+import attrs
+
+from ..errors import KvtrioError, NotRegistered, ProtocolError
+from ..protocol import (
+    CudaCache,
+    Registered,
+    Reply,
+    Retrieve,
+    RetrieveReply,
+    Store,
+    StoreReply,
+)
+from ..transfer import KVLayout
+from ._failures import Failures
+
+__all__ = [
+    "BATCH_BYTES",
+    "CopyPath",
+    "Span",
+    "count_failed_slots",
+    "failure_cause",
+    "reply_of",
+    "when_all",
+]
+
+BATCH_BYTES = 32 << 20
+"""Chunk bytes per request of a split store or retrieve (at least one chunk)."""
+
+_R = TypeVar("_R", bound=Reply)
+
+
+@attrs.frozen
+class Span:
+    """The full chunks of one store or retrieve: chunk ``first + i`` has ``hashes[i]``."""
+
+    request_id: str
+    first: int
+    hashes: tuple[bytes, ...]
+    parent: bytes
+    """The hash of chunk ``first - 1`` (empty for the prompt's first chunk)."""
+    chunk_size: int
+    chunk_bytes: int
+    blocks_per_chunk: int
+    block_ids: Sequence[int]
+    """The engine blocks of the request from its first token on."""
+
+    def blocks(self, chunk: int) -> Sequence[int]:
+        """The engine blocks of chunk ``chunk`` (an index in the prompt)."""
+        per = self.blocks_per_chunk
+        return self.block_ids[chunk * per : (chunk + 1) * per]
+
+    def batches(self, limit: int = BATCH_BYTES) -> list[range]:
+        """Consecutive ranges of ``range(len(hashes))``: 1 chunk, then doubling, at most
+        ``limit`` bytes of chunks each (but at least one chunk). The first reply comes back
+        soonest; the later ones are answered while the earlier batches copy."""
+        cap = max(1, limit // max(1, self.chunk_bytes))
+        batches, start, size = [], 0, 1
+        while start < len(self.hashes):
+            end = min(len(self.hashes), start + size)
+            batches.append(range(start, end))
+            start, size = end, min(cap, size * 2)
+        return batches
+
+    def tokens(self, batch: range) -> tuple[int, int]:
+        """The token range ``[start, end)`` of a batch."""
+        return (self.first + batch.start) * self.chunk_size, (
+            self.first + batch.stop
+        ) * self.chunk_size
+
+    @property
+    def chunks(self) -> int:
+        return len(self.hashes)
+
+    def store(self, batch: range | None = None, **fields: Any) -> Store:
+        """The store of a batch of chunks (indices into ``hashes``; all of them if None),
+        linked to the chunk before it."""
+        batch = range(self.chunks) if batch is None else batch
+        return Store(
+            self.request_id,
+            *self.tokens(batch),
+            self.hashes[batch.start : batch.stop],
+            parent_hash=self.hashes[batch.start - 1] if batch.start else self.parent,
+            **fields,
+        )
+
+    def retrieve(self, start: int, **fields: Any) -> Retrieve:
+        """A partial retrieve of chunks ``start …`` (indices into ``hashes``) to the end."""
+        return Retrieve(
+            self.request_id,
+            (self.first + start) * self.chunk_size,
+            (self.first + self.chunks) * self.chunk_size,
+            self.hashes[start:],
+            partial=True,
+            **fields,
+        )
+
+    def loading(self, reply: RetrieveReply) -> int | None:
+        """The index of the first chunk a partial retrieve's reply says is still loading."""
+        loading = [s.chunk for s in reply.slots if s.status == "loading"]
+        return min(loading) - self.first if loading else None
+
+    def hashes_of(self, slots: Sequence[Any], status: str) -> tuple[bytes, ...]:
+        """The chunk hashes of the slots with ``status``."""
+        return tuple(self.hashes[s.chunk - self.first] for s in slots if s.status == status)
+
+
+class CopyPath(Protocol):
+    """How one worker adapter's operations move bytes (see the module docstring).
+
+    Every method but :meth:`engine_event` runs in the adapter's transfer thread, one call at
+    a time. Failures of single chunks or batches are counted in the adapter's
+    :class:`~._failures.Failures`; the methods raise only for a failure of the whole
+    operation (a :class:`~kvtrio.errors.KvtrioError` of its one request, ``ValueError`` for
+    arguments it cannot serve), which the adapter counts.
+    """
+
+    layout: KVLayout
+    device: str
+    """The ``device`` of the ``register`` message: ``cpu`` or ``cuda``."""
+    cuda: CudaCache | None
+    """The ``cuda`` field of the ``register`` message (CUDA IPC exports), if any."""
+
+    def engine_event(self) -> bytes:
+        """At submission, in the engine's thread: an IPC event recorded on the engine's
+        current stream, for the server's copies to wait for (empty if there is none)."""
+        ...
+
+    def attach(self, registered: Registered) -> None:
+        """Make ready what the registration's operations use (map the arena it names);
+        ``OSError`` saying why it cannot."""
+        ...
+
+    def close(self) -> None:
+        """Release what :meth:`attach` made ready (at shutdown)."""
+        ...
+
+    def store(self, span: Span, event: bytes) -> list[Future[Reply]]:
+        """Store the span's chunks in L1; the requests still to be answered (the commit),
+        which the caller does not wait for in the transfer thread."""
+        ...
+
+    def retrieve(
+        self,
+        span: Span,
+        keep_before: int,
+        event: bytes,
+        loaded: set[int],
+        causes: dict[int, str],
+        copied: Callable[[], None],
+    ) -> None:
+        """Copy the chunks the server has into the engine's blocks, leaving the tokens before
+        ``keep_before`` alone; add each chunk in place to ``loaded``, give chunks the server
+        did not answer a cause in ``causes``, call ``copied`` when that is all (before any
+        clean-up request is sent)."""
+        ...
+
+
+def failure_cause(exc: BaseException) -> str:
+    """The ``store_failures`` / ``retrieve_failures`` cause of a failed request."""
+    if isinstance(exc, NotRegistered):
+        return "not_registered"
+    if isinstance(exc, KvtrioError):
+        return "server"
+    return "internal"
+
+
+def reply_of(future: Future[Reply], reply_type: type[_R]) -> _R:
+    """The reply a future settled with, checked against ``reply_type`` (raises what it
+    raised)."""
+    reply = future.result()
+    if not isinstance(reply, reply_type):  # pragma: no cover - decode_reply guarantees it
+        raise ProtocolError(f"expected {reply_type.__name__}, got {type(reply).__name__}")
+    return reply
+
+
+def when_all(futures: Sequence[Future[Reply]], then: Callable[[], None]) -> None:
+    """Call ``then`` once every future is done (at once if there are none; else in the
+    thread that settles the last one)."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Future[Reply]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    if not futures:
+        then()
+    for future in futures:
+        future.add_done_callback(one_done)
+
+
+def count_failed_slots(failures: Failures, request_id: str, reply: StoreReply) -> None:
+    """Count the chunks a store's reply says there is no room for."""
+    failed = sum(1 for slot in reply.slots if slot.status == "failed")
+    if failed:
+        failures.store(request_id, "no_room", failed, "L1 full of pinned chunks")

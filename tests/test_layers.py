@@ -1,0 +1,218 @@
+"""kvtrio's import structure: no import cycles, and no layer imports a layer above it.
+
+Imports are read from the source with :mod:`ast` (nothing is executed), function-level imports
+included: they run too, only later. Imports under ``if TYPE_CHECKING:`` do not count: they are
+never executed, so they neither form a cycle at run time nor make a lower layer load an upper
+one (they only give the type checker names).
+
+The layer order is :data:`LAYERS`, the folder map of ``docs/design.md`` ("Structure, client
+side (issue 14)"): a package or module may import its own package and anything in a lower
+tier, nothing in its own tier or above; :data:`FORBIDDEN` adds what the tiers alone would allow
+but must not happen.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kvtrio
+
+ROOT = Path(kvtrio.__file__).parent
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("_version", "errors"),
+    ("_logging", "options", "shm", "protocol", "transport", "transfer"),
+    ("storage",),
+    ("l2", "config"),
+    ("server", "client", "testing"),
+    ("integration", "launch"),
+    ("benchmark",),
+    ("cli",),
+    ("__main__",),
+)
+"""Tiers of kvtrio's top-level packages and modules, lowest first (see the module doc)."""
+
+FORBIDDEN = {
+    "client": {"server", "storage", "l2", "config"},
+    "testing": {"server", "client"},
+}
+"""Imports the tiers would allow but the design does not: the client is what engines install
+next to their own code and knows only the wire (protocol, transport), the shared arena and the
+copies; the test helpers stand below both server and client."""
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    hidden: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            for child in node.body:
+                hidden.update(id(n) for n in ast.walk(child))
+    return hidden
+
+
+def imports(path: Path, modules: set[str]) -> Iterator[tuple[str, int]]:
+    """The kvtrio modules ``path`` imports (``(module, line)``), resolved to modules (a
+    ``from package import submodule`` names the submodule)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    hidden = _type_checking_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "kvtrio":
+                    yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "kvtrio":
+                continue
+            for alias in node.names:
+                submodule = f"{target}.{alias.name}"
+                yield (submodule if submodule in modules else target), node.lineno
+
+
+def graph() -> dict[str, dict[str, int]]:
+    """module → {imported module: line of the first import}."""
+    paths = sorted(ROOT.rglob("*.py"))
+    modules = {module_name(p) for p in paths}
+    edges: dict[str, dict[str, int]] = {}
+    for path in paths:
+        found = edges.setdefault(module_name(path), {})
+        for target, line in imports(path, modules):
+            if target != module_name(path):
+                found.setdefault(target, line)
+    return edges
+
+
+def top(module: str) -> str:
+    """The top-level package or module of ``kvtrio.x.y``: ``x``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def tier(name: str) -> int:
+    for index, names in enumerate(LAYERS):
+        if name in names:
+            return index
+    raise AssertionError(f"kvtrio.{name} is in no layer: add it to LAYERS and docs/design.md")
+
+
+def test_every_top_level_package_has_a_layer() -> None:
+    names = {top(m) for m in graph()} - {""}
+    for name in sorted(names):
+        tier(name)
+
+
+def test_no_layer_imports_one_above_or_beside_it() -> None:
+    wrong = []
+    for module, targets in graph().items():
+        mine = top(module)
+        if not mine:  # kvtrio/__init__.py: the version only
+            assert set(targets) <= {"kvtrio._version"}, targets
+            continue
+        for target, line in targets.items():
+            theirs = top(target)
+            if theirs == mine:
+                continue
+            if tier(theirs) >= tier(mine) or theirs in FORBIDDEN.get(mine, ()):
+                wrong.append(f"{module} (line {line}) imports {target}")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def test_the_client_needs_neither_server_nor_storage() -> None:
+    """Spelled out, since it is the rule engines rely on (FORBIDDEN checks it too)."""
+    for module, targets in graph().items():
+        if top(module) == "client":
+            assert not {top(t) for t in targets} & {"server", "storage"}, module
+
+
+def find_cycle(edges: dict[str, dict[str, int]]) -> list[str] | None:
+    """One import cycle (its modules, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        stack.append(module)
+        for target in edges.get(module, {}):
+            if state.get(target) == 1:
+                return [*stack[stack.index(target) :], target]
+            if target not in state and (cycle := visit(target)) is not None:
+                return cycle
+        stack.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(edges):
+        if module not in state and (cycle := visit(module)) is not None:
+            return cycle
+    return None
+
+
+def test_no_import_cycles() -> None:
+    cycle = find_cycle(graph())
+    assert cycle is None, "import cycle: " + " → ".join(cycle or [])
+
+
+@pytest.mark.parametrize(
+    ("edges", "cyclic"),
+    [
+        ({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}}, True),
+        ({"a": {"b": 1}, "b": {"c": 1}, "c": {}}, False),
+        ({"a": {"a.x": 1}, "a.x": {"a": 1}}, True),
+    ],
+)
+def test_the_cycle_finder_finds_cycles(edges: dict[str, dict[str, int]], cyclic: bool) -> None:
+    assert (find_cycle(edges) is not None) is cyclic
+
+
+def test_type_checking_imports_do_not_count(tmp_path: Path) -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from .b import B\n"
+        "from .c import C\n"
+    )
+    tree = ast.parse(source)
+    hidden = _type_checking_only(tree)
+    counted = [
+        n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and id(n) not in hidden
+    ]
+    assert counted == ["typing", "c"]
+
+
+MAX_LINES = 450
+"""No module of kvtrio/ is longer (the house rule: modules of 150–450 lines)."""
+
+KNOWN_LONG = {
+    "server/_cache.py": "issue 14 item 1: split into a package on the struct-server branch",
+    "server/_l2.py": "issue 14: the server side (struct-server branch)",
+}
+"""Modules over :data:`MAX_LINES` that another branch is splitting; remove them once merged."""
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    long = {
+        path.relative_to(ROOT).as_posix(): lines
+        for path in ROOT.rglob("*.py")
+        if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    unknown = {path: lines for path, lines in long.items() if path not in KNOWN_LONG}
+    assert not unknown, f"modules over {MAX_LINES} lines: {unknown}"

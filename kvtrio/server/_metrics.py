@@ -27,8 +27,8 @@ from prometheus_client.registry import Collector
 
 from ..errors import ErrorCode
 from ..protocol import OPERATIONS, StatsReply
-from ._l2 import L2Tier
 from ._state import ServerState
+from .l2tier import L2Tier
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 

@@ -17,16 +17,15 @@ from ..l2 import Backend, create_backend
 from ..storage import L1Cache, SharedArena, default_shm_dir, make_policy
 from ..transport import ensure_endpoint_free, open_socket, serve_zap
 from ._auth import ServerAuth, configure_auth
-from ._cache import CacheService
-from ._cuda import CudaTransfers, RuntimeFactory
 from ._http import bind_http, serve_http
 from ._l1size import L1Plan, measure_room, plan_l1
-from ._l2 import L2Tier
 from ._metrics import ServerMetrics
 from ._operations import register_core_operations
 from ._router import Router
 from ._state import ServerState
 from ._tenants import TenantArenas
+from .cache import CacheService, CudaTransfers, RuntimeFactory
+from .l2tier import L2Tier
 
 __all__ = ["ServerHandle", "open_server", "serve"]
 
@@ -151,14 +150,11 @@ async def open_server(
                         pump=False,  # the router owns the socket's edge
                     ) as socket:
                         endpoint = socket.bind(config.endpoint, ipc_group=config.ipc_group)
-                        state = ServerState(config, endpoint, auth)
-                        state.l1_sizing = plan.sizing
                         log.info(
                             "%s",
                             auth.describe(endpoint),
                             extra=event("auth", mode=auth.mode, endpoint=endpoint),
                         )
-                        register_core_operations(state)
                         arenas = TenantArenas(
                             arena,
                             lambda size, base: L1Cache(
@@ -176,9 +172,12 @@ async def open_server(
                             flushers=2,
                             loaders=config.l2_loaders,
                         )
-                        cuda = CudaTransfers(arena, cuda_runtime)
-                        cache = CacheService(state, arenas, l2, cuda)
-                        cache.install()
+                        cache = CacheService(config, arenas, l2, CudaTransfers(arena, cuda_runtime))
+                        state = ServerState(
+                            config, endpoint, auth, cache=cache, l1_sizing=plan.sizing
+                        )
+                        register_core_operations(state)
+                        cache.install(state)
                         metrics = ServerMetrics(state)
                         metrics.install(l2)
                         async with trio.open_nursery() as root, trio.open_nursery() as sessions:

@@ -25,11 +25,11 @@ from typing import Any
 import attrs
 import trio
 
-from ..errors import ErrorCode, RequestError
-from ..protocol import CudaCache, CudaLayer
-from ..storage import SharedArena
-from ..transfer import KVLayout
-from ..transfer.cuda import ChunkCopy, CopyPipeline, CudaRuntime, Event, PinnedHost, check_extent
+from ...errors import ErrorCode, RequestError
+from ...protocol import CudaCache, CudaLayer
+from ...storage import SharedArena
+from ...transfer import KVLayout
+from ...transfer.cuda import ChunkCopy, CopyPipeline, CudaRuntime, Event, PinnedHost, check_extent
 
 __all__ = ["CudaRegistration", "CudaTransfers", "RuntimeFactory"]
 
@@ -46,7 +46,7 @@ _EVENTS_PER_REGISTRATION = 8
 
 
 def _default_runtime() -> CudaRuntime | None:
-    from ..transfer.cuda import torch_runtime
+    from ...transfer.cuda import torch_runtime
 
     return torch_runtime()
 
@@ -101,7 +101,9 @@ class CudaTransfers:
 
     # ----------------------------------------------------------------- registration
 
-    async def open(self, spec: CudaCache | None, layout: KVLayout, chunk_bytes: int) -> Any:
+    async def open(
+        self, spec: CudaCache | None, layout: KVLayout, chunk_bytes: int
+    ) -> CudaRegistration:
         """Validate and open a CUDA registration; ``RequestError`` says what is wrong.
 
         Cancellation: the blocking part finishes; what it opened is closed again.

@@ -23,17 +23,15 @@ CUDA engine underneath.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 import attrs
 
 from ...protocol import Retrieve, RetrieveReply, Slot, Store, StoreReply
 from ...storage import Entry, SharedArena
 from .._state import Later
+from ._keys import RequestKey
 from ._quotas import scrub, scrub_now
-
-if TYPE_CHECKING:
-    from ._registry import Registration, RequestKey
 
 __all__ = ["NO_BLOCKS", "Blocks", "CopyPath", "HostCopy", "Job", "LeaseEnds", "WriteEnd"]
 
@@ -50,7 +48,10 @@ class Job:
     owner: str
     """The session that holds the operation's leases."""
     request: RequestKey
-    registration: Registration
+    space: bytes
+    """The namespace of the registration's objects."""
+    fingerprint: bytes
+    """The registration's profile digest (committed chunks carry it to L2)."""
     hashes: Sequence[bytes]
     """The chunk hashes of ``slots``, in order (``hashes[i]`` is chunk ``slots[0].chunk + i``)."""
     slots: Sequence[Slot]
@@ -62,9 +63,8 @@ class Job:
     def object_keys(self, status: str) -> tuple[list[Slot], list[bytes]]:
         """The slots with ``status`` and the keys of their objects."""
         first = self.slots[0].chunk if self.slots else 0
-        space = self.registration.space
         slots = [slot for slot in self.slots if slot.status == status]
-        return slots, [space + self.hashes[slot.chunk - first] for slot in slots]
+        return slots, [self.space + self.hashes[slot.chunk - first] for slot in slots]
 
 
 WriteEnd = Literal["commit", "abort", "quarantine"]

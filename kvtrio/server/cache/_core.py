@@ -24,16 +24,15 @@ from .._session import Session
 from .._tenants import TenantArenas
 from ..l2tier import L2Tier
 from ._copy import WriteEnd
+from ._keys import RequestKey, checked_hashes, request_key
 from ._limits import RequestLimits
 from ._prefetch import Prefetcher
 from ._quotas import Quotas
-from ._registry import Registration, Registry, RequestKey, request_key
+from ._registry import Registration, Registry
 
-__all__ = ["CHUNK_HASH_SIZE", "CacheCore", "checked_hashes"]
+__all__ = ["CacheCore"]
 
 log = logging.getLogger("kvtrio.cache")
-
-CHUNK_HASH_SIZE = 16
 
 
 class CacheCore:
@@ -192,12 +191,3 @@ class CacheCore:
                 ),
             )
         return released
-
-
-def checked_hashes(hashes: Sequence[bytes], name: str = "chunk_hashes") -> Sequence[bytes]:
-    """Chunk hashes as sent: each exactly 16 bytes, else ``bad_request``."""
-    if any(len(h) != CHUNK_HASH_SIZE for h in hashes):
-        raise RequestError(
-            ErrorCode.BAD_REQUEST, f"{name}: every chunk hash is {CHUNK_HASH_SIZE} bytes"
-        )
-    return hashes

@@ -74,7 +74,7 @@ class CudaCopy:
         (quarantine them if the copies failed). No zeroing: only what the GPU wrote is
         committed."""
         end_write, owner, request = self._ends.end_write, job.owner, job.request
-        fingerprint = job.registration.fingerprint
+        fingerprint = job.fingerprint
 
         def complete(object_keys: Sequence[bytes], ok: bool) -> None:
             # A lease that is gone expired or its session ended: quarantined, never committed.

@@ -18,8 +18,9 @@ from ...protocol import EndSession, FreeLookupLocks, Lookup, LookupReply, Releas
 from .._session import Session
 from .._state import Later
 from ..l2tier import TierBackend
-from ._core import CacheCore, checked_hashes
-from ._registry import ModelEntry, RequestKey, request_key
+from ._core import CacheCore
+from ._keys import RequestKey, checked_hashes, request_key
+from ._registry import ModelEntry
 
 __all__ = ["Lookups"]
 

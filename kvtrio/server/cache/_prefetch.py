@@ -16,7 +16,7 @@ import trio
 from ...config import ServerConfig
 from ...storage import Entry, L1Cache, Reservation
 from ..l2tier import L2Tier, Load, TierBackend
-from ._registry import RequestKey
+from ._keys import RequestKey
 
 __all__ = ["Prefetcher"]
 

@@ -19,8 +19,9 @@ from ...storage import LeaseKind
 from .._session import Session
 from .._state import Later
 from ._copy import Blocks, Job
-from ._core import CacheCore, checked_hashes
-from ._registry import Registration, RequestKey
+from ._core import CacheCore
+from ._keys import RequestKey, checked_hashes
+from ._registry import Registration
 
 __all__ = ["Reads"]
 
@@ -107,7 +108,16 @@ class Reads:
                 core.l1.unpin(object_key, consumed)
             slots.append(Slot(index, "read", core.local(entry.offset), entry.nbytes))
         slots += [Slot(index, "loading") for index in chunks[ready:]]
-        job = Job(session.id, request, registration, hashes, slots, blocks, retrieve.event)
+        job = Job(
+            session.id,
+            request,
+            registration.space,
+            registration.fingerprint,
+            hashes,
+            slots,
+            blocks,
+            retrieve.event,
+        )
         return registration.copy.retrieve(job)
 
     def release(self, session: Session, release: Release) -> Released:

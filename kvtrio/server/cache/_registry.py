@@ -3,8 +3,6 @@ version 2 every operation carries its own chunk hashes."""
 
 from __future__ import annotations
 
-from typing import NewType
-
 import attrs
 
 from ...errors import ErrorCode, RequestError
@@ -13,17 +11,7 @@ from ...storage import HASH_SCHEME_TOKENS, ModelProfile, namespace
 from ...transfer import KVLayout
 from ._copy import CopyPath
 
-__all__ = ["ModelEntry", "Registration", "Registry", "RequestKey", "layout_of", "request_key"]
-
-RequestKey = NewType("RequestKey", str)
-"""A request as the cache's tables know it (its engine, model, tenant and request id); the
-keys of cached objects, by contrast, are ``bytes`` (namespace + chunk hash)."""
-
-
-def request_key(engine: str, model: str, tenant: str, request_id: str) -> RequestKey:
-    """Requests are named per engine, model and tenant: engines reuse request ids freely."""
-    return RequestKey("\x00".join((engine, model, tenant, request_id)))
-
+__all__ = ["ModelEntry", "Registration", "Registry", "layout_of"]
 
 ModelKey = tuple[str, str, bytes, int]
 """``(model, tenant, profile digest, world size)``: engines that share cached chunks."""

@@ -16,7 +16,8 @@ from ...storage import Entry, LeaseKind, Reservation
 from .._session import Session
 from .._state import Later
 from ._copy import Job
-from ._core import CacheCore, checked_hashes
+from ._core import CacheCore
+from ._keys import checked_hashes
 
 __all__ = ["Writes"]
 
@@ -56,7 +57,16 @@ class Writes:
                 slots.append(Slot(index, "busy"))
             else:
                 slots.append(Slot(index, "failed"))
-        job = Job(session.id, request, registration, hashes, slots, blocks, store.event)
+        job = Job(
+            session.id,
+            request,
+            registration.space,
+            registration.fingerprint,
+            hashes,
+            slots,
+            blocks,
+            store.event,
+        )
         return copy.store(job, reserved)
 
     def commit(self, session: Session, commit: Commit) -> CommitReply:

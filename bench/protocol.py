@@ -16,8 +16,17 @@ these machines are shared and noisy):
   authentication and encryption cost (keys in a temporary directory);
 * the request path of an engine's scheduler (``bench/_request_path.py``, the plain ``kvtrio``
   row only): ``ping``; lookup → result (1-chunk and 128-chunk prompts) with a blocking and with
-  a spinning caller; lookups/s with 64 in flight; a burst of 64 new requests the way the vLLM
-  connector takes them (``--requests / 10`` round trips each, ratios to the raw rows);
+  a spinning caller, and the client's hashing of those prompts; lookups/s with 64 in flight; a
+  burst of 64 new requests the way the vLLM connector takes them (``--requests / 10`` round
+  trips each, ratios to the raw rows);
+* who costs what in a ping: raw DEALER → raw ROUTER (answering kvtrio's reply bytes), raw
+  DEALER → ``kvtrio serve`` (the server's share), kvtrio client → raw ROUTER (the client's
+  share), kvtrio → kvtrio; each with the CPU per ping of the client's and the server's process;
+* every ``kvtrio serve`` gets ``--l1-size 256MiB`` unless ``--server-args`` says otherwise, and
+  is measured only once its start-up is over (its CPU use stops: preallocating a 4 GiB L1 takes
+  ~1.7 s of CPU, which shared the 2 cores with the first rounds' measurements before);
+* run it with ``PYTHONPATH=<another tree>`` for the same rows of that tree's client and server
+  (its burst row without lookup batches if that tree has none): before/after comparisons;
 * with ``--baseline-src DIR`` (e.g. ``git archive main | tar -x -C DIR``), the same against the
   server of that source tree, in the same rounds: what a change costs on the request path.
 """
@@ -45,6 +54,8 @@ from cattrs.preconf.msgpack import make_converter
 from kvtrio.client import Client, SchedulerAdapter
 from kvtrio.protocol import (
     PROTOCOL_VERSION,
+    HelloReply,
+    Pong,
     Probe,
     ProbeReply,
     decode_header,
@@ -64,7 +75,8 @@ WINDOW = 64
 
 
 def raw_server(kind: str, endpoint: str) -> None:
-    """Echo loop of the raw baselines (run in a child process)."""
+    """Echo loop of the raw baselines (run in a child process). ``kvecho``: a raw ROUTER that
+    answers kvtrio's hello, ping and goodbye with kvtrio's reply bytes (the client's share)."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REP if kind == "rep" else zmq.ROUTER)
     sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -75,6 +87,19 @@ def raw_server(kind: str, endpoint: str) -> None:
         while True:
             sock.recv_multipart()
             sock.send_multipart(REPLY_FRAMES)
+    if kind == "kvecho":
+        hello = HelloReply("raw", PROTOCOL_VERSION, "raw", 256, 3600.0, 1 << 24)
+        bodies = {
+            "hello": encode_reply(0, "hello", hello)[1],
+            "ping": encode_reply(0, "ping", Pong("raw"))[1],
+            "goodbye": encode_reply(0, "goodbye", Pong("raw"))[1],
+        }
+        while True:
+            identity, header, _ = sock.recv_multipart()
+            _, request_id, op = msgpack.unpackb(header)
+            sock.send_multipart(
+                [identity, msgpack.packb((PROTOCOL_VERSION, request_id, op)), bodies[op]]
+            )
     while True:
         frames = sock.recv_multipart()
         sock.send_multipart([frames[0], *REPLY_FRAMES])
@@ -163,16 +188,25 @@ def kvtrio_windowed(client: Client, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def request_path(client: Client, n: int) -> dict[str, float]:
+def wait_connected(client: Client) -> None:
+    deadline = time.monotonic() + 15
+    while client.server_info is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def request_path(client: Client, n: int, pings: int, server_pid: int) -> dict[str, float]:
     """The scheduler's request path (see ``bench/_request_path.py``)."""
     adapter = SchedulerAdapter(client.endpoint, "bench", 1, 0, 16, client=client, timeout=10)
-    row = {"ping": path_bench.ping(client, n)}
+    row = path_bench.ping(client, pings, server_pid)
+    raw = path_bench.raw_ping(client.endpoint, pings, server_pid)  # the server's share
+    row.update({f"raw_{k}": v for k, v in raw.items()})
     for chunks in (1, 128):
         for spin in (False, True):
             count = n if chunks == 1 else max(50, n // 10)
             row[f"lookup{chunks}{'spin' if spin else ''}"] = path_bench.lookup(
                 adapter, chunks, count, spin=spin
             )
+        row[f"hashing{chunks}"] = path_bench.hashing(chunks, adapter.chunk_size)
     row["lookup_rps"] = path_bench.lookups_per_second(client, "bench", n * 5)
     row["burst"] = path_bench.burst(adapter, 5)
     return row
@@ -239,6 +273,7 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
     codec = codec_us()
     n = args.requests
+    pings = max(1000, n)  # CPU per ping from 10 ms clock ticks: enough pings for µs
     for round_ in range(args.repeats):
         for kind in ("rep", "router"):
             ep = endpoint(f"{kind}{round_}")
@@ -251,7 +286,24 @@ def main() -> None:
             finally:
                 proc.kill()
                 proc.wait()
+        # The client's share of a ping: a raw ROUTER answering kvtrio's reply bytes, pinged
+        # by a raw DEALER and by kvtrio's client.
+        ep = endpoint(f"kvecho{round_}")
+        proc = start([sys.executable, __file__, "--raw-server", "kvecho", ep], wait_line)
+        try:
+            row = path_bench.raw_ping(ep, pings, proc.pid)
+            with Client(ep, heartbeat=False) as client:
+                wait_connected(client)
+                row.update(
+                    {f"kv_{k}": v for k, v in path_bench.ping(client, pings, proc.pid).items()}
+                )
+            results["kvecho"].append(row)
+        finally:
+            proc.kill()
+            proc.wait()
         extra = shlex.split(args.server_args)
+        if "--l1-size" not in extra:  # not 4 GiB to preallocate per server start
+            extra += ["--l1-size", "256MiB"]
         servers: list[tuple[str, Path | None, str, list[str]]] = [
             ("kvtrio", None, endpoint(f"kvtrio{round_}"), extra),
             # tcp on loopback, the same server with CURVE (the default) and without.
@@ -274,13 +326,12 @@ def main() -> None:
             try:
                 plain = ep.startswith("tcp://") and kind != "tcp-curve"
                 with Client(ep, heartbeat=False, server_key="none" if plain else None) as client:
-                    deadline = time.monotonic() + 15
-                    while client.server_info is None and time.monotonic() < deadline:
-                        time.sleep(0.01)
+                    wait_connected(client)
+                    path_bench.wait_quiet(proc.pid)  # its start-up is over
                     row = kvtrio_sequential(client, n)
                     row["win_rps"] = kvtrio_windowed(client, n)
                     if kind == "kvtrio":
-                        row.update(request_path(client, max(200, n // 10)))
+                        row.update(request_path(client, max(200, n // 10), pings, proc.pid))
                     results[kind].append(row)
             finally:
                 proc.kill()
@@ -350,6 +401,13 @@ def request_path_table(med: Callable[[str, str], float]) -> None:
     for label, key, target in rows:
         value = med("kvtrio", key)
         print(f"{label:30}{value * 1e6:>8.1f}{value / rep:>11.2f}{value / router:>10.2f}  {target}")
+    for chunks in (1, 128):
+        hashing = med("kvtrio", f"hashing{chunks}")
+        rest = med("kvtrio", f"lookup{chunks}") - hashing
+        print(
+            f"  of a {chunks}-chunk lookup, the client hashing its tokens: {hashing * 1e6:,.1f} µs;"
+            f" the rest {rest * 1e6:,.1f} µs = {rest / rep:.2f}× REQ/REP"
+        )
     rps, raw_rps = med("kvtrio", "lookup_rps"), med("router", "win_rps")
     print(
         f"lookups/s, 64 in flight: {rps:,.0f} ({rps / raw_rps:.2f} of raw DEALER/ROUTER "
@@ -361,6 +419,20 @@ def request_path_table(med: Callable[[str, str], float]) -> None:
         f"burst of 64 new requests: scheduler time {burst * 1e6:,.0f} µs = "
         f"{burst / one:.1f}× one blocking lookup round trip (target ≤ 3×)"
     )
+    print(f"\nping, who costs what{'p50 µs':>18}{'client CPU µs':>15}{'server CPU µs':>15}")
+    shares = [
+        ("raw DEALER → raw ROUTER", "kvecho", ""),
+        ("raw DEALER → kvtrio serve", "kvtrio", "raw_"),
+        ("kvtrio client → raw ROUTER", "kvecho", "kv_"),
+        ("kvtrio client → kvtrio serve", "kvtrio", ""),
+    ]
+    for label, kind, prefix in shares:
+        print(
+            f"{label:30}{med(kind, prefix + 'ping') * 1e6:>8.1f}"
+            f"{med(kind, prefix + 'ping_client_cpu') * 1e6:>15.1f}"
+            f"{med(kind, prefix + 'ping_server_cpu') * 1e6:>15.1f}"
+        )
+    print("(CPU of each whole process, libzmq's I/O thread included)")
 
 
 if __name__ == "__main__":

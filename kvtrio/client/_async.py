@@ -6,9 +6,8 @@ import itertools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
-from typing import TypeVar, cast
+from typing import NoReturn, TypeVar, cast
 
-import attrs
 import outcome
 import trio
 import zmq
@@ -44,17 +43,36 @@ log = logging.getLogger("kvtrio.client")
 _Rep = TypeVar("_Rep", bound=Reply)
 
 
-@attrs.define(eq=False)
 class _Call:
-    request_type: type[Request]
-    done: trio.Event = attrs.field(factory=trio.Event)
-    sent: bool = False
-    result: outcome.Outcome[Reply] | None = None
+    """A request in flight: its reply (or error) once settled, and the task waiting for it."""
+
+    __slots__ = ("request_type", "result", "sent", "task")
+
+    def __init__(self, request_type: type[Request]) -> None:
+        self.request_type = request_type
+        self.sent = False
+        self.result: outcome.Outcome[Reply] | None = None
+        self.task: trio.lowlevel.Task | None = None
 
     def settle(self, result: outcome.Outcome[Reply]) -> None:
         if self.result is None:
             self.result = result
-            self.done.set()
+            if self.task is not None:
+                trio.lowlevel.reschedule(self.task)
+                self.task = None
+
+    async def wait(self) -> None:
+        """Wait until settled (cancellation: stops waiting; the call may still settle)."""
+        if self.result is not None:
+            await trio.lowlevel.checkpoint()
+            return
+        self.task = trio.lowlevel.current_task()
+
+        def abort(_: trio.lowlevel.RaiseCancelT) -> trio.lowlevel.Abort:
+            self.task = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
 
 
 class AsyncClient:
@@ -97,11 +115,16 @@ class AsyncClient:
         self._calls[request_id] = call
         try:
             with trio.move_on_after(timeout):
-                await self._up.wait()  # never queue a request for a connection that is down
-                await self._socket.send_multipart(encode_request(request_id, request))
+                if not self._up.is_set():
+                    await self._up.wait()  # never queue a request for a connection that is down
+                frames = encode_request(request_id, request)
+                # No scheduling round for the send when the socket takes it at once (at the
+                # high-water mark it waits); the wait for the reply is this call's checkpoint.
+                if not self._socket.try_send_multipart(frames):
+                    await self._socket.send_multipart(frames)
                 call.sent = True
                 self._last_send = trio.current_time()
-                await call.done.wait()
+                await call.wait()
         except trio.ClosedResourceError:
             raise ClientClosed("the client is closed") from None
         finally:
@@ -130,23 +153,27 @@ class AsyncClient:
 
     # ----------------------------------------------------------------- background tasks
 
-    async def _receive_replies(self) -> None:
-        # Take and deliver replies with no checkpoint in between, so that when the connection
-        # drops no reply is held by this task while the monitor task fails the calls in flight.
+    async def _receive_replies(self) -> NoReturn:
+        # This task owns the socket's edge (no pump): a reply wakes it, it delivers, the
+        # requester runs; two scheduling rounds per request. Replies are taken and delivered
+        # with no checkpoint in between, so that when the connection drops no reply is held by
+        # this task while the monitor task fails the calls in flight.
+        await self._socket.serve_edge(self._drain)
+
+    def _drain(self) -> bool:
         socket = self._socket
-        while True:
-            await socket.wait_readable()
-            while (frames := socket.try_recv_multipart()) is not None:
-                self._deliver(frames)
+        while (frames := socket.try_recv_multipart()) is not None:
+            self._deliver(frames)
+        return False
 
     def _deliver(self, frames: list[bytes]) -> None:
         """Settle the call a reply answers (late replies and garbage are ignored)."""
         header = read_reply_header(frames)
-        call = self._calls.get(header.request_id) if header is not None else None
+        call = self._calls.get(header[0]) if header is not None else None
         if header is None or call is None:
             return
         try:
-            result: Reply | ServerError = reply_or_error(header, frames[1], call.request_type)
+            result: Reply | ServerError = reply_or_error(header[1], frames[1], call.request_type)
         except ProtocolError as exc:
             call.settle(outcome.Error(exc))
             return
@@ -234,7 +261,7 @@ async def open_client(
     endpoint = check_endpoint(endpoint)
     options = {**dealer_options(), **curve_options(endpoint, server_key, client_key)}
     async with (
-        open_socket(zmq.DEALER, options=options) as socket,
+        open_socket(zmq.DEALER, options=options, pump=False) as socket,
         open_monitor(socket, MONITOR_EVENTS) as monitor,
         trio.open_nursery() as nursery,
     ):

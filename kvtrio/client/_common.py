@@ -12,13 +12,12 @@ from ..errors import ProtocolError, ServerError
 from ..protocol import (
     PROTOCOL_VERSION,
     ErrorReply,
-    Header,
     Hello,
     Reply,
     Request,
-    decode_reply,
-    decode_reply_header,
+    decode_reply_body,
 )
+from ..protocol import read_reply_header as read_header_frame
 from ..transport import curve_client_options, resolve_client_credentials
 
 __all__ = [
@@ -109,19 +108,21 @@ def hello_request(client_name: str) -> Hello:
     )
 
 
-def read_reply_header(frames: list[bytes]) -> Header | None:
-    """The header of a reply, or None for a message that is not a well-formed reply."""
+def read_reply_header(frames: list[bytes]) -> tuple[int, str] | None:
+    """``(request_id, kind)`` of a reply, or None for a message that is not a well-formed
+    reply."""
     if len(frames) != 2:
         return None
     try:
-        return decode_reply_header(frames[0])
+        return read_header_frame(frames[0])
     except ProtocolError:
         return None
 
 
-def reply_or_error(header: Header, body: bytes, request_type: type[Request]) -> Reply | ServerError:
-    """Decode a reply body; an error reply becomes the :class:`ServerError` to raise."""
-    reply = decode_reply(header, body, request_type)
-    if isinstance(reply, ErrorReply):
+def reply_or_error(kind: str, body: bytes, request_type: type[Request]) -> Reply | ServerError:
+    """Decode the body of a ``kind`` reply; an error reply becomes the :class:`ServerError` to
+    raise."""
+    reply = decode_reply_body(kind, body, request_type)
+    if type(reply) is ErrorReply:
         return ServerError.from_reply(reply.code, reply.message)
     return reply

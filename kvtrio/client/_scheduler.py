@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -9,8 +10,16 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 
-from ..errors import KvtrioError
-from ..protocol import EndSession, FreeLookupLocks, Lookup, LookupReply, Reply
+from ..errors import ErrorCode, KvtrioError, ServerError
+from ..protocol import (
+    EndSession,
+    FreeLookupLocks,
+    Lookup,
+    LookupBatch,
+    LookupBatchReply,
+    LookupReply,
+    Reply,
+)
 from ..storage.keys import block_chunk_hashes, token_chunk_hashes
 from ._sync import Client
 
@@ -51,6 +60,17 @@ def chunk_hashes(
     raise ValueError("the prompt's token ids or block hashes are needed")
 
 
+class _Queued:
+    """A deferred lookup: queued for the next batch, then the batch's future and its index."""
+
+    __slots__ = ("batch", "hashes", "index")
+
+    def __init__(self, hashes: tuple[bytes, ...]) -> None:
+        self.hashes = hashes
+        self.batch: Future[Reply] | None = None
+        self.index = 0
+
+
 class SchedulerAdapter:
     """What an engine's scheduler calls (method names of vLLM's LMCache multiprocess adapter).
 
@@ -58,6 +78,10 @@ class SchedulerAdapter:
     server is away, lookups report 0 hits at once (``fail_fast``); nothing here raises into the
     engine: failures are logged and count as misses. ``engine_id`` names the engine: its workers
     must be given the same one (request ids are scoped by it).
+
+    Deferred lookups (``defer=True``) are queued and go out together, as one ``lookup_batch``
+    message, at :meth:`flush_lookups` or when one of them is waited for: what a scheduler step
+    with a burst of new requests should do (one message for the step, not one per request).
     """
 
     def __init__(
@@ -94,7 +118,15 @@ class SchedulerAdapter:
                 client_key=client_key,
             )
         )
-        self._lookups: dict[str, Future[Reply]] = {}
+        self._lookups: dict[str, Future[Reply] | _Queued] = {}
+        self._queue: list[tuple[str, _Queued]] = []
+        """Deferred lookups not sent yet (see :meth:`flush_lookups`)."""
+        self._batches = True
+        """False once the server answered that it has no ``lookup_batch`` (older server)."""
+        self._sent: collections.deque[tuple[EndSession | FreeLookupLocks, Future[Reply]]] = (
+            collections.deque()
+        )
+        """Fire-and-forget requests not known to be answered yet (checked for failures later)."""
         self._lock = threading.Lock()
 
     @property
@@ -111,8 +143,14 @@ class SchedulerAdapter:
         request_id: str,
         block_hashes: Sequence[bytes | int] | None = None,
         token_ids: Sequence[int] | None = None,
+        *,
+        defer: bool = False,
     ) -> None:
-        """Start a lookup for ``request_id`` unless one is already pending or answered."""
+        """Start a lookup for ``request_id`` unless one is already pending or answered.
+
+        With ``defer``, it is queued and sent with the other queued ones at the next
+        :meth:`flush_lookups` (or when it is waited for).
+        """
         with self._lock:
             if request_id in self._lookups:
                 return
@@ -129,29 +167,69 @@ class SchedulerAdapter:
                 failed.set_result(LookupReply(0, 0))
                 self._lookups[request_id] = failed
                 return
-            lookup = Lookup(
-                request=request_id,
+            if defer and self._batches:
+                queued = _Queued(tuple(hashes))
+                self._lookups[request_id] = queued
+                self._queue.append((request_id, queued))
+                return
+            self._lookups[request_id] = self._submit(request_id, tuple(hashes))
+
+    def _submit(self, request_id: str, hashes: tuple[bytes, ...]) -> Future[Reply]:
+        lookup = Lookup(
+            request=request_id,
+            model=self.model_name,
+            world_size=self.world_size,
+            chunk_hashes=hashes,
+            tenant=self.tenant,
+            engine=self.engine_id,
+        )
+        return self.client.submit(lookup, timeout=self.timeout, fail_fast=True)
+
+    def flush_lookups(self) -> None:
+        """Send the deferred lookups: one ``lookup_batch`` message (a ``lookup`` if only one)."""
+        with self._lock:
+            queue, self._queue = self._queue, []
+            queue = [(rid, queued) for rid, queued in queue if self._lookups.get(rid) is queued]
+            if len(queue) == 1 or (queue and not self._batches):
+                for request_id, queued in queue:
+                    self._lookups[request_id] = self._submit(request_id, queued.hashes)
+                return
+            if not queue:
+                return
+            batch = LookupBatch(
                 model=self.model_name,
                 world_size=self.world_size,
-                chunk_hashes=tuple(hashes),
+                requests=tuple(request_id for request_id, _ in queue),
+                chunk_hashes=tuple(queued.hashes for _, queued in queue),
                 tenant=self.tenant,
                 engine=self.engine_id,
             )
-            self._lookups[request_id] = self.client.submit(
-                lookup, timeout=self.timeout, fail_fast=True
-            )
+            future = self.client.submit(batch, timeout=self.timeout, fail_fast=True)
+            for index, (_, queued) in enumerate(queue):
+                queued.batch = future
+                queued.index = index
 
     def check_lookup_result(self, request_id: str, *, wait: float = 0.0) -> int | None:
         """Matched tokens of the lookup, or None while it is pending (0 if it failed); waits
-        up to ``wait`` seconds for a pending one.
+        up to ``wait`` seconds for a pending one (sending the deferred ones first).
 
         Without a wait it still makes progress: replies that arrived are received here, in the
         calling thread (a busy scheduler thread never waits for another thread to get the GIL).
         """
         with self._lock:
-            future = self._lookups.get(request_id)
-        if future is None:
+            entry = self._lookups.get(request_id)
+        if entry is None:
             return None
+        if type(entry) is _Queued:
+            if entry.batch is None:
+                if wait <= 0:
+                    return None  # (deferred: not sent yet, no answer possible)
+                self.flush_lookups()
+                if entry.batch is None:  # sent as a plain lookup
+                    return self.check_lookup_result(request_id, wait=wait)
+            future = entry.batch
+        else:
+            future = entry  # type: ignore[assignment]
         if not future.done():
             if wait > 0:
                 with contextlib.suppress(concurrent.futures.TimeoutError):
@@ -162,11 +240,31 @@ class SchedulerAdapter:
                 return None
         try:
             reply = future.result()
+        except ServerError as exc:
+            if type(entry) is _Queued and exc.code is ErrorCode.UNKNOWN_OPERATION:
+                self._unbatched(request_id, entry)  # an older server: sent alone now
+                return None
+            log.debug("lookup of %s failed: %s", request_id, exc)
+            return 0
         except KvtrioError as exc:
             log.debug("lookup of %s failed: %s", request_id, exc)
             return 0
+        if type(reply) is LookupBatchReply:
+            assert type(entry) is _Queued
+            for failure in reply.failed:
+                if failure.index == entry.index:
+                    log.debug("lookup of %s failed: %s", request_id, failure.message)
+                    return 0
+            return reply.hit_tokens[entry.index]
         assert isinstance(reply, LookupReply)
         return reply.hit_tokens
+
+    def _unbatched(self, request_id: str, queued: _Queued) -> None:
+        """The server has no ``lookup_batch``: send this lookup alone (and no more batches)."""
+        with self._lock:
+            self._batches = False
+            if self._lookups.get(request_id) is queued:
+                self._lookups[request_id] = self._submit(request_id, queued.hashes)
 
     def cleanup_lookup_result(self, request_id: str) -> None:
         """Forget the local result of ``request_id``'s lookup (its pins stay for the retrieve)."""
@@ -183,11 +281,19 @@ class SchedulerAdapter:
         self._send(EndSession(request_id, self.model_name, self.tenant, self.engine_id))
 
     def _send(self, request: EndSession | FreeLookupLocks) -> None:
-        def done(future: Future[Reply]) -> None:
-            if not future.cancelled() and future.exception() is not None:
-                log.debug("%s of %s failed: %s", request.op, request.request, future.exception())
-
-        self.client.submit(request, timeout=self.timeout, fail_fast=True).add_done_callback(done)
+        """Send without waiting for the answer. No done callback: a pending future with one
+        makes the client's background thread receive, and take the GIL from a busy scheduler
+        thread; the answers are received by whoever drains the socket next, and looked at
+        (failures logged) at the next call here."""
+        future = self.client.submit(request, timeout=self.timeout, fail_fast=True)
+        with self._lock:
+            sent = self._sent
+            sent.append((request, future))
+            while sent and sent[0][1].done():  # (answered in order, per connection)
+                done, answered = sent.popleft()
+                error = None if answered.cancelled() else answered.exception()
+                if error is not None:
+                    log.debug("%s of %s failed: %s", done.op, done.request, error)
 
     def close(self) -> None:
         if self._own_client:

@@ -24,7 +24,7 @@ import select
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -101,6 +101,9 @@ class Client:
         self._socket_lock = threading.Lock()  # the DEALER socket and self._conn
         self._lead_lock = threading.Lock()  # held by the one caller sleeping on the socket
         self._leader: int | None = None  # that caller's thread id
+        self._handoff = threading.Condition(threading.Lock())  # followers wait on it
+        self._followers = 0  # callers waiting while another one leads (under _handoff)
+        self._lead_poller: select.poll | None = None  # the leader's, made once
         self._io_wake_at = 0.0  # when the background thread wakes next (monotonic)
         self._io_thread_id: int | None = None
         self._io_watching = False  # the background thread sleeps on the socket
@@ -232,8 +235,15 @@ class Client:
         if not self._io_watching:
             self._wake()
 
-    def _settle(self, settled: list[Outcome]) -> None:
+    def _settle(self, settled: Sequence[Outcome]) -> None:
         settle(settled)
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """Futures were settled (or cancelled): the callers waiting for them look again."""
+        if self._followers:
+            with self._handoff:
+                self._handoff.notify_all()
         leader = self._leader
         if leader is not None and leader != threading.get_ident():
             with contextlib.suppress(BlockingIOError, OSError):  # full: it wakes anyway
@@ -242,38 +252,54 @@ class Client:
     def _wait(self, future: ReplyFuture, timeout: float | None) -> None:
         """Receive until ``future`` settles or ``timeout`` passes, in this thread.
 
-        One waiting caller at a time sleeps on the socket (its FD, edge-triggered, re-armed by
-        every drain); others wait on their futures, which that leader, the holder of the socket
-        lock, or the background thread settles. On cancellation (KeyboardInterrupt) leadership
-        is handed back; nothing is lost (the reply is settled by whoever drains next).
+        One waiting caller at a time, the leader, sleeps on the socket (its FD, edge-triggered,
+        re-armed by every drain); the others, followers, wait until their future settles or
+        the leader leaves, and then one of them leads. On cancellation (KeyboardInterrupt)
+        leadership is handed on; nothing is lost (the reply is settled by whoever drains next).
         """
         end = None if timeout is None else time.monotonic() + timeout
-        while not future.done():
+        while not future.finished:
             now = time.monotonic()
             if end is not None and now >= end:
                 return
             if not self._lead_lock.acquire(blocking=False):
-                remaining = None if end is None else end - now
-                wait = future.deadline - now + 0.001
-                with contextlib.suppress(Exception):
-                    Future.exception(future, min(wait, remaining or wait))
+                self._follow(future, end, now)
                 continue
             try:
                 self._lead(future, end)
             finally:
                 self._leader = None
                 self._lead_lock.release()
-                if self.in_flight:
+                if self._followers:
+                    with self._handoff:
+                        self._handoff.notify_all()  # one of them leads now
+                if self._io_wanted:
                     self._wake()  # the background thread watches the socket again
+
+    def _follow(self, future: ReplyFuture, end: float | None, now: float) -> None:
+        """Wait while another caller leads and ``future`` is pending (at most until ``end``,
+        or until just past the future's deadline, when it must have expired)."""
+        limit = future.deadline + 0.001 if end is None else min(end, future.deadline + 0.001)
+        with self._handoff:
+            self._followers += 1
+            try:
+                # Checked under the condition's lock, which the leader takes to notify after
+                # leaving and the settler after settling: no wake-up can be missed.
+                if not future.finished and self._lead_lock.locked():
+                    self._handoff.wait(limit - now)
+            finally:
+                self._followers -= 1
 
     def _lead(self, future: ReplyFuture, end: float | None) -> None:
         self._leader = threading.get_ident()
-        poller = select.poll()
-        poller.register(self._dealer_fd, _POLLIN)
-        poller.register(self._lead_r, _POLLIN)
+        poller = self._lead_poller
+        if poller is None:  # (one leader at a time: it is used by one thread at a time)
+            poller = self._lead_poller = select.poll()
+            poller.register(self._dealer_fd, _POLLIN)
+            poller.register(self._lead_r, _POLLIN)
         while True:
             self.poll()
-            if future.done() or self._closing:
+            if future.finished or self._closing:
                 return
             now = time.monotonic()
             wake_at = future.deadline if end is None else min(end, future.deadline)
@@ -284,7 +310,7 @@ class Client:
                             self._conn.expire(now)
                             settled = self._conn.take_settled()
                         else:
-                            settled = []
+                            settled = ()
                     self._settle(settled)
                     continue
                 return
@@ -339,7 +365,7 @@ class Client:
                 dealer.disable_monitor()  # before closing its reader: see transport.open_monitor
                 monitor.close(linger=0)
                 dealer.close(linger=0)
-            settle(settled)
+            self._settle(settled)
 
 
 class _Background:

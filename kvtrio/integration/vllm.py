@@ -159,12 +159,16 @@ class KvtrioConnector(KVConnectorBase_V1):
         if not plan.load or request.status == RequestStatus.PREEMPTED:
             return 0, False
         tokens = request.all_token_ids
-        self._scheduler.maybe_submit_lookup_request(request.request_id, token_ids=tokens)
+        # Deferred: the step's lookups go out together, one message at the end of the step
+        # (build_connector_meta), or when one is waited for.
+        self._scheduler.maybe_submit_lookup_request(
+            request.request_id, token_ids=tokens, defer=True
+        )
         hit = self._scheduler.check_lookup_result(request.request_id)
         if hit is None and not self._step_waited:
             # At most one wait per scheduler step: in a burst of new requests the others'
-            # lookups are already on their way and are collected at the next step, not waited
-            # for one after another.
+            # lookups go out at the end of the step and are collected at the next one, not
+            # waited for one after another.
             self._step_waited = True
             hit = self._scheduler.check_lookup_result(
                 request.request_id, wait=self.options.lookup_wait
@@ -254,6 +258,8 @@ class KvtrioConnector(KVConnectorBase_V1):
         scheduled request that completes whole chunks in this step."""
         transfers, self._ready = self._ready, []
         self._step_waited = False  # the step is scheduled: the next one may wait again
+        if self._scheduler is not None:
+            self._scheduler.flush_lookups()  # this step's deferred lookups, in one message
         preempted = frozenset(scheduler_output.preempted_req_ids or ())
         manager = self._kv_cache_manager
         if manager is None:

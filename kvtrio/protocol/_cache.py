@@ -31,6 +31,9 @@ __all__ = [
     "FreeLookupLocks",
     "LayoutSpec",
     "Lookup",
+    "LookupBatch",
+    "LookupBatchReply",
+    "LookupFailure",
     "LookupReply",
     "Register",
     "Registered",
@@ -184,6 +187,63 @@ class Lookup(Request):
     engine: str = ""
 
 
+@frozen
+class LookupFailure:
+    """Why one lookup of a :class:`LookupBatch` failed (an error code, as in error replies)."""
+
+    index: int
+    code: str
+    message: str
+
+
+@frozen
+class LookupBatchReply(Reply):
+    """The answers to a :class:`LookupBatch`, in its order (a failed lookup has 0 hits and an
+    entry in ``failed``)."""
+
+    hit_tokens: IntTuple
+    hit_chunks: IntTuple
+    failed: tuple[LookupFailure, ...] = ()
+
+
+@frozen
+class LookupBatch(Request):
+    """Several lookups of one engine's scheduler in one message: lookup ``i`` is that of
+    request ``requests[i]`` with ``chunk_hashes[i]``; every other field is shared. Each is
+    handled as its own :class:`Lookup` would be, in order; one reply answers them all.
+    """
+
+    op: ClassVar[str] = "lookup_batch"
+    reply_type: ClassVar[type[Reply]] = LookupBatchReply
+
+    model: str
+    world_size: int
+    requests: tuple[str, ...]
+    chunk_hashes: tuple[BytesTuple, ...]
+    num_readers: int = 0
+    tenant: str = ""
+    engine: str = ""
+
+    def lookups(self) -> list[Lookup]:
+        """The lookups of the batch (``ValueError`` if its arrays differ in length)."""
+        if len(self.requests) != len(self.chunk_hashes):
+            raise ValueError(
+                f"{len(self.requests)} requests but {len(self.chunk_hashes)} chunk hash lists"
+            )
+        return [
+            Lookup(
+                request,
+                self.model,
+                self.world_size,
+                hashes,
+                self.num_readers,
+                self.tenant,
+                self.engine,
+            )
+            for request, hashes in zip(self.requests, self.chunk_hashes, strict=True)
+        ]
+
+
 # --------------------------------------------------------------------------- store / retrieve
 
 
@@ -335,6 +395,7 @@ CACHE_REQUEST_TYPES: tuple[type[Request], ...] = (
     Register,
     Unregister,
     Lookup,
+    LookupBatch,
     Store,
     Commit,
     Retrieve,

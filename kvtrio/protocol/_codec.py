@@ -14,6 +14,7 @@ where they are used, by the C code that packs them (see :func:`as_int_array`).
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -34,11 +35,13 @@ __all__ = [
     "converter",
     "decode_header",
     "decode_reply",
+    "decode_reply_body",
     "decode_reply_header",
     "decode_request",
     "encode_error",
     "encode_reply",
     "encode_request",
+    "read_reply_header",
     "read_request_header",
 ]
 
@@ -49,6 +52,7 @@ _MAX_REQUEST_ID = 2**64 - 1
 _M = TypeVar("_M")
 IntTuple = tuple[int, ...]
 BytesTuple = tuple[bytes, ...]
+StrTuple = tuple[str, ...]
 
 
 class HeaderError(ProtocolError):
@@ -95,6 +99,12 @@ def _structure_bytes_tuple(value: Any, _: Any) -> BytesTuple:
     raise TypeError(f"expected an array of binary values, got {_msgpack_type(value)}")
 
 
+def _structure_str_tuple(value: Any, _: Any) -> StrTuple:
+    if type(value) is tuple and all(type(item) is str for item in value):
+        return cast(StrTuple, value)
+    raise TypeError(f"expected an array of strings, got {_msgpack_type(value)}")
+
+
 def _msgpack_type(value: object) -> str:
     names = {
         bool: "a boolean",
@@ -120,6 +130,8 @@ def _make_converter() -> cattrs.Converter:
     conv.register_unstructure_hook_func(lambda t: t == IntTuple, lambda v: v)
     conv.register_structure_hook_func(lambda t: t == BytesTuple, _structure_bytes_tuple)
     conv.register_unstructure_hook_func(lambda t: t == BytesTuple, lambda v: v)
+    conv.register_structure_hook_func(lambda t: t == StrTuple, _structure_str_tuple)
+    conv.register_unstructure_hook_func(lambda t: t == StrTuple, lambda v: v)
     return cast(cattrs.Converter, conv)
 
 
@@ -158,7 +170,7 @@ def _structure(body: object, cls: type[_M], what: str) -> _M:
         hook = _STRUCTURE.get(cls)
         if hook is None:
             hook = _STRUCTURE[cls] = converter.get_structure_hook(cls)
-        return cast(_M, hook(body, cls))
+        return hook(body, cls)  # type: ignore[no-any-return]  # (no cast call: hot path)
     except Exception as exc:
         details = cattrs.transform_error(exc, path="body", format_exception=_format_error)
         raise ProtocolError(f"{what}: {'; '.join(details) or exc}") from None
@@ -175,8 +187,17 @@ def _unpack(frame: bytes) -> Any:
     return msgpack.unpackb(frame, use_list=False, raw=False, strict_map_key=True)
 
 
+_packers = threading.local()
+
+
 def _pack(obj: object) -> bytes:
-    return cast(bytes, msgpack.packb(obj, use_bin_type=True))
+    # One Packer per thread, reused: msgpack.packb makes a new one per call (1.3 µs against
+    # 0.4 µs for the packing itself on this machine); a Packer resets itself after an error.
+    try:
+        packer = _packers.packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(obj)  # type: ignore[no-any-return]
 
 
 # --------------------------------------------------------------------------- headers
@@ -283,6 +304,18 @@ def decode_reply_header(frame: bytes) -> Header:
     A server of another version answers with an ``unsupported_version`` error reply, and the
     client must be able to read it.
     """
+    raw = _unpack_reply_header(frame)
+    return Header(*raw)
+
+
+def read_reply_header(frame: bytes) -> tuple[int, str]:
+    """:func:`decode_reply_header` for the clients' hot path: ``(request_id, kind)``, no object
+    built. Raises :class:`ProtocolError` as it does."""
+    _, request_id, kind = _unpack_reply_header(frame)
+    return request_id, kind
+
+
+def _unpack_reply_header(frame: bytes) -> tuple[int, int, str]:
     try:
         raw = _unpack(frame)
     except Exception:
@@ -295,17 +328,22 @@ def decode_reply_header(frame: bytes) -> Header:
         or type(raw[2]) is not str
     ):
         raise ProtocolError("the reply header must be the array [version, request_id, kind]")
-    return Header(*raw)
+    return cast("tuple[int, int, str]", raw)
 
 
 def decode_reply(header: Header, body: bytes, request_type: type[Request]) -> Reply:
     """Decode a reply body to ``request_type.reply_type``, or to :class:`ErrorReply`."""
+    return decode_reply_body(header.kind, body, request_type)
+
+
+def decode_reply_body(kind: str, body: bytes, request_type: type[Request]) -> Reply:
+    """:func:`decode_reply` from the header's ``kind`` alone."""
     try:
         raw = _unpack(body)
     except Exception:
         raise ProtocolError(f"the {request_type.op!r} reply body is not valid msgpack") from None
-    if header.kind == ERROR_KIND:
+    if kind == ERROR_KIND:
         return _structure(raw, ErrorReply, "invalid error reply")
-    if header.kind != request_type.op:
-        raise ProtocolError(f"expected a {request_type.op!r} reply, got {header.kind[:64]!r}")
+    if kind != request_type.op:
+        raise ProtocolError(f"expected a {request_type.op!r} reply, got {kind[:64]!r}")
     return _structure(raw, request_type.reply_type, f"invalid {request_type.op!r} reply")

@@ -1,11 +1,13 @@
 """Prometheus metrics of one server (``docs/metrics.md`` lists every name and label).
 
-Two kinds of instruments, to keep the request path cheap:
+Three kinds of instruments, to keep the request path cheap:
 
-* **observed per event**: request counts and latencies by operation, L2 calls by backend and
-  operation. prometheus-client counters and histograms, their labelled children looked up once
-  per label set and cached (an observation then costs ~2 µs, next to ~350 µs of server CPU per
-  request);
+* **tallied per request**: request counts and latencies by operation go into plain dicts and
+  lists of the trio thread (a dict update and a ``bisect``, 0.2 µs, against 1.9 µs for a
+  prometheus-client counter and histogram, whose every step takes a mutex), turned into metric
+  families when scraped;
+* **observed per event**: L2 calls by backend and operation, prometheus-client counters and
+  histograms (an L2 call costs far more than the observation);
 * **read at scrape time**: everything the server already counts for ``stats`` (sessions, hits and
   misses, L1 levels, pins, leases, write-behind, per-backend counters) is turned into metric
   families from one :class:`~kvtrio.protocol.StatsReply` snapshot, so the hot path pays nothing
@@ -17,13 +19,21 @@ format runs in a worker thread.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Iterable, Iterator
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ..errors import ErrorCode
 from ..protocol import OPERATIONS, StatsReply
@@ -67,19 +77,10 @@ class ServerMetrics:
 
     def __init__(self, state: ServerState) -> None:
         self.state = state
-        self.requests = Counter(
-            "kvtrio_requests",
-            "Requests answered, by operation and outcome (ok or the error code).",
-            ["op", "outcome"],
-            registry=None,
-        )
-        self.latency = Histogram(
-            "kvtrio_request_duration_seconds",
-            "Time from reading a request to sending its reply, by operation.",
-            ["op"],
-            buckets=REQUEST_BUCKETS,
-            registry=None,
-        )
+        self._request_counts: dict[tuple[str, ErrorCode | None], int] = {}
+        """Requests answered, by (operation label, error code or None)."""
+        self._latency: dict[str, list[float]] = {}
+        """Per operation label: the count of each bucket (the last one +Inf), then the sum."""
         self.l2_ops = Counter(
             "kvtrio_l2_operations",
             "Calls into L2 backends, by backend, operation and outcome (ok or error).",
@@ -93,8 +94,7 @@ class ServerMetrics:
             buckets=L2_BUCKETS,
             registry=None,
         )
-        self._request_children: dict[tuple[str, ErrorCode | None], tuple[Counter, Histogram]] = {}
-        self._known_ops = set(OPERATIONS)
+        self._known_ops = frozenset(OPERATIONS)
 
     def install(self, l2: L2Tier | None = None) -> None:
         """Make the server report requests (and its L2 tier, if given, its backend calls)."""
@@ -105,21 +105,38 @@ class ServerMetrics:
     # ----------------------------------------------------------------- hot path
 
     def observe_request(self, op: str, code: ErrorCode | None, seconds: float) -> None:
-        """Count one answered request and its latency (cached children: no label lookup)."""
-        children = self._request_children.get((op, code))
-        if children is None:
-            children = self._children(op, code)
-        count, latency = children
-        count.inc()
-        latency.observe(seconds)
+        """Count one answered request and its latency (in the trio thread)."""
+        label = op if op in self._known_ops else _UNKNOWN_OP  # client-chosen: bounded labels
+        key = (label, code)
+        counts = self._request_counts
+        counts[key] = counts.get(key, 0) + 1
+        latency = self._latency.get(label)
+        if latency is None:
+            latency = self._latency[label] = [0.0] * (len(REQUEST_BUCKETS) + 2)
+        latency[bisect.bisect_left(REQUEST_BUCKETS, seconds)] += 1  # (le: bounds included)
+        latency[-1] += seconds
 
-    def _children(self, op: str, code: ErrorCode | None) -> tuple[Counter, Histogram]:
-        label = op if op in self._known_ops else _UNKNOWN_OP
-        outcome = "ok" if code is None else code.value
-        children = (self.requests.labels(label, outcome), self.latency.labels(label))
-        if op in self._known_ops or op == "?":  # unknown names are not cached: no growth
-            self._request_children[(op, code)] = children
-        return children
+    def request_families(self) -> Iterator[Metric]:
+        """The request counter and latency histogram, from the tallies (call in the trio
+        thread)."""
+        requests = CounterMetricFamily(
+            "kvtrio_requests",
+            "Requests answered, by operation and outcome (ok or the error code).",
+            labels=["op", "outcome"],
+        )
+        for (label, code), count in sorted(self._request_counts.items(), key=_by_labels):
+            requests.add_metric([label, "ok" if code is None else code.value], count)
+        yield requests
+        latency = HistogramMetricFamily(
+            "kvtrio_request_duration_seconds",
+            "Time from reading a request to sending its reply, by operation.",
+            labels=["op"],
+        )
+        bounds = [*map(floatToGoString, REQUEST_BUCKETS), "+Inf"]
+        for label, tally in sorted(self._latency.items()):
+            cumulative = list(itertools.accumulate(tally[:-1]))
+            latency.add_metric([label], list(zip(bounds, cumulative, strict=True)), tally[-1])
+        yield latency
 
     def observe_l2(self, backend: str, op: str, seconds: float, ok: bool) -> None:
         self.l2_ops.labels(backend, op, "ok" if ok else "error").inc()
@@ -133,14 +150,19 @@ class ServerMetrics:
 
         Cancellation: the rendering thread finishes; its result is abandoned.
         """
-        families = list(families_from_stats(self.state.stats()))
+        families = [*families_from_stats(self.state.stats()), *self.request_families()]
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Snapshot(families))
-        for metric in (self.requests, self.latency, self.l2_ops, self.l2_latency):
+        for metric in (self.l2_ops, self.l2_latency):
             registry.register(metric)
         return await trio.to_thread.run_sync(
             generate_latest, registry, limiter=_RENDER, abandon_on_cancel=True
         )
+
+
+def _by_labels(item: tuple[tuple[str, ErrorCode | None], int]) -> tuple[str, str]:
+    (label, code), _ = item
+    return label, "" if code is None else code.value
 
 
 class _Snapshot(Collector):

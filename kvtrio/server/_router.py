@@ -12,7 +12,7 @@ is full delays only its own session.
 from __future__ import annotations
 
 import logging
-from typing import cast
+from typing import NoReturn
 
 import trio
 
@@ -41,25 +41,32 @@ class Router:
         self.outbox = Outbox(state, socket)
         self.answer_now = self.outbox.answer_now
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> NoReturn:
         """Receive and route (or answer) messages until cancelled; the socket must have been
         opened with ``pump=False`` (this task is its one reader)."""
         task_status.started()
+        await self._socket.serve_edge(self._drain)
+
+    def _drain(self) -> bool:
+        """Route up to :data:`_BATCH` queued messages; False once the socket is empty."""
         socket = self._socket
-        receive = socket.try_recv_authenticated if self._state.auth.curve else None
-        while True:
-            await socket.wait_edge()  # this task owns the socket's edge: drain it all
-            for _ in range(_BATCH):  # then let other tasks run, and come back at once
-                if receive is not None:  # each message with the user id of its connection
-                    message = receive()
-                    if message is None:
-                        break
-                    self.route(*message)
-                else:
-                    frames = socket.try_recv_multipart()
-                    if frames is None:
-                        break
-                    self.route(frames)
+        if self._state.auth.curve:  # each message with the user id of its connection
+            receive = socket.try_recv_authenticated
+            for _ in range(_BATCH):
+                message = receive()
+                if message is None:
+                    return False
+                self.route(*message)
+            return True
+        receive_frames = socket.try_recv_multipart
+        for _ in range(_BATCH):
+            frames = receive_frames()
+            if frames is None:
+                return False
+            self.route(frames)
+        return True
 
     def route(self, frames: list[bytes], user: str = "") -> None:
         """Hand one message to its session, or answer/drop it here. Never waits.
@@ -82,7 +89,7 @@ class Router:
         else:
             item = Incoming(request_id, kind, parts[-1], _check_frames(parts, state), now)
         state.counters.requests += 1
-        session = cast("Session | None", state.sessions.get(identity))  # (only ours are there)
+        session: Session | None = state.sessions.get(identity)  # type: ignore[assignment]
         if session is not None and session.ending:
             session = None  # ended but not cleaned up yet: this message starts a new session
         if state.draining:

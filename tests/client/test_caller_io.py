@@ -7,7 +7,7 @@ import concurrent.futures
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import pytest
@@ -17,6 +17,7 @@ from kvtrio.errors import RequestTimeout
 from kvtrio.protocol import Ping, Pong, Probe, ProbeReply, Reply
 
 from ..conftest import ServerProcess, wait_for
+from .raw_server import client_of_raw_server
 
 
 def test_a_spinning_caller_receives_its_own_reply(
@@ -28,7 +29,7 @@ def test_a_spinning_caller_receives_its_own_reply(
     settled_in: list[int] = []
     real_settle = _sync.settle
 
-    def recording(outcomes: list[_sync.Outcome]) -> None:
+    def recording(outcomes: Sequence[_sync.Outcome]) -> None:
         settled_in.extend(threading.get_ident() for _ in outcomes)
         real_settle(outcomes)
 
@@ -112,3 +113,25 @@ def test_a_blocked_caller_times_out_at_its_deadline(
             assert time.monotonic() - start < 5
         finally:
             server.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_waiting_caller_takes_over_when_the_receiving_one_leaves(endpoint: str) -> None:
+    # Two threads wait for replies; the one receiving (sleeping on the socket) gets its reply
+    # first and returns. The other's reply, coming later, must reach it at once, not when the
+    # background thread next wakes up (up to a second) or at its deadline.
+    with (
+        client_of_raw_server(endpoint) as (client, server),
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+        first = pool.submit(client.request, Ping())
+        first_request = server.take()
+        wait_for(lambda: client._leader is not None, what="a caller on the socket")
+        second = pool.submit(client.request, Ping())
+        second_request = server.take()
+        wait_for(lambda: client._followers == 1, what="the second caller to wait")
+        server.answer(first_request, Pong("raw"))
+        assert isinstance(first.result(timeout=5), Pong)
+        start = time.monotonic()
+        server.answer(second_request, Pong("raw"))
+        assert isinstance(second.result(timeout=5), Pong)
+        assert time.monotonic() - start < 0.5

@@ -33,6 +33,7 @@ from kvtrio.protocol import (
     Unregister,
 )
 from kvtrio.server import ServerHandle, serve
+from kvtrio.server.cache import _cuda
 from kvtrio.storage import HASH_SCHEME_TOKENS, SharedArena, token_chunk_hashes
 from kvtrio.testing import FakeCuda
 from kvtrio.transfer import KVLayout, gather
@@ -226,6 +227,28 @@ async def test_the_copy_waits_for_the_engine_event(client: AsyncClient, gpus: Gp
     await worker.wait(got.done_event)
     assert worker.canonical(TARGET[:PER_CHUNK]) == expected
     assert worker.per_layer(TARGET) == worker.per_layer(SOURCE)
+
+
+async def test_a_store_the_worker_saw_done_is_visible_to_its_next_lookup(
+    client: AsyncClient, gpus: Gpus
+) -> None:
+    """The worker's future is done when the server's done event has completed; the lookup it
+    sends next must see the chunks even if the server's completion watcher has not run yet
+    (here it cannot: its thread limiter is held)."""
+    worker = Worker(client, gpus.worker)
+    worker.fill(3)
+    await worker.register()
+    holder = object()
+    await _cuda._WAIT_LIMITER.acquire_on_behalf_of(holder)
+    try:
+        reply = await worker.store("r3", SOURCE)
+        await worker.wait(reply.done_event)
+        assert await hits(client) == 3
+        got = await worker.retrieve("r3", TARGET)
+        await worker.wait(got.done_event)
+        assert worker.per_layer(TARGET) == worker.per_layer(SOURCE)
+    finally:
+        _cuda._WAIT_LIMITER.release_on_behalf_of(holder)
 
 
 async def test_retrieve_leaves_blocks_marked_minus_one_alone(

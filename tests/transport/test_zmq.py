@@ -39,11 +39,18 @@ def raw_router(endpoint: str) -> AsyncIterator[zmq.Socket[bytes]]:
 
 
 async def _recv_as_edge_owner(socket: Socket) -> list[bytes]:
-    while True:
-        await socket.wait_edge()
-        frames = socket.try_recv_multipart()
-        if frames is not None:
-            return frames
+    """Serve ``socket``'s edge until one message came; return it."""
+    got: list[list[bytes]] = []
+    with trio.CancelScope() as scope:
+
+        def drain() -> bool:
+            while (frames := socket.try_recv_multipart()) is not None:
+                got.append(frames)
+                scope.cancel()
+            return False
+
+        await socket.serve_edge(drain)
+    return got[0]
 
 
 async def _lost_wakeup_scenario(
@@ -125,7 +132,7 @@ async def test_an_edge_owning_reader_is_woken_by_close(endpoint: str) -> None:
     async with open_socket(zmq.DEALER, pump=False) as dealer:
         dealer.connect(endpoint)
         with pytest.raises(RuntimeError):
-            await dealer.recv_multipart()  # no pump: only wait_edge() may wait
+            await dealer.recv_multipart()  # no pump: only serve_edge() may wait
         raised: list[BaseException] = []
 
         async def reader() -> None:
@@ -139,6 +146,43 @@ async def test_an_edge_owning_reader_is_woken_by_close(endpoint: str) -> None:
             await trio.testing.wait_all_tasks_blocked()
             dealer.close()
         assert len(raised) == 1
+
+
+async def test_an_edge_owner_survives_the_lost_wakeup_again_and_again(
+    raw_router: zmq.Socket[bytes], endpoint: str
+) -> None:
+    # serve_edge keeps one cancel scope for many waits and makes a new one after rule 3
+    # cancelled it: every round of the scenario must wake the same serving task.
+    async with open_socket(zmq.DEALER, pump=False) as dealer:
+        dealer.connect(endpoint)
+        assert dealer.try_send_multipart([b"who am i"])
+        assert raw_router.poll(5000)
+        identity, _ = raw_router.recv_multipart()
+        got: list[list[bytes]] = []
+        arrived = trio.Event()
+
+        def drain() -> bool:
+            while (frames := dealer.try_recv_multipart()) is not None:
+                got.append(frames)
+                arrived.set()
+            return False
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(dealer.serve_edge, drain)
+            for round_ in range(3):
+                await trio.testing.wait_all_tasks_blocked()  # the owner waits on the FD
+                arrived = trio.Event()
+                raw_router.send_multipart([identity, b"reply %d" % round_])
+                readable, _, _ = select.select([dealer._fd], [], [], 5.0)
+                assert readable, "the message never reached the dealer"
+                time.sleep(0.01)  # noqa: ASYNC251 - let libzmq's send throttle window pass
+                assert dealer.try_send_multipart([b"unrelated send"])  # consumes the edge
+                with trio.fail_after(1.0):
+                    await arrived.wait()
+                assert got[-1] == [b"reply %d" % round_]
+            with pytest.raises(trio.BusyResourceError):
+                await dealer.serve_edge(drain)  # one edge owner at a time
+            nursery.cancel_scope.cancel()
 
 
 @pytest.fixture
@@ -210,13 +254,19 @@ async def test_cancelled_receive_takes_no_message(endpoint: str) -> None:
         assert payload == b"after"
 
 
-async def test_send_waits_at_the_high_water_mark(endpoint: str) -> None:
-    """A DEALER with IMMEDIATE and no peer cannot send; the send parks, then completes."""
+@pytest.mark.parametrize("pump", [True, False])
+async def test_send_waits_at_the_high_water_mark(endpoint: str, pump: bool) -> None:
+    """A DEALER with IMMEDIATE and no peer cannot send; the send parks, then completes (woken
+    by the pump, or by the task serving the edge of a socket without pump)."""
     options = {zmq.IMMEDIATE: 1, zmq.SNDHWM: 1}
-    async with open_socket(zmq.DEALER, options=options) as dealer:
+    async with open_socket(zmq.DEALER, options=options, pump=pump) as dealer:
         dealer.connect(endpoint)
         assert not dealer.try_send_multipart([b"nobody there"])
         async with trio.open_nursery() as nursery:
+            if not pump:
+                nursery.start_soon(
+                    dealer.serve_edge, lambda: dealer.try_recv_multipart() is not None
+                )
             nursery.start_soon(dealer.send_multipart, [b"queued"])
             await trio.testing.wait_all_tasks_blocked()
             async with open_socket(zmq.ROUTER) as router:
@@ -224,6 +274,7 @@ async def test_send_waits_at_the_high_water_mark(endpoint: str) -> None:
                 with trio.fail_after(5):
                     _, payload = await router.recv_multipart()
                 assert payload == b"queued"
+            nursery.cancel_scope.cancel()
 
 
 def test_bind_reports_the_real_port() -> None:

@@ -11,7 +11,7 @@ when it expires. This module holds the tables and those ends; the operations are
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -38,8 +38,18 @@ log = logging.getLogger("kvtrio.cache")
 class CacheCore:
     """The L1 cache's tables (one per server) and the steps the operations share."""
 
-    def __init__(self, config: ServerConfig, arenas: TenantArenas, l2: L2Tier) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        arenas: TenantArenas,
+        l2: L2Tier,
+        settle_copies: Callable[[], None] = lambda: None,
+    ) -> None:
         self.config = config
+        self.settle_copies = settle_copies
+        """Run the completions of server-side copies that have already finished (non-blocking):
+        called first by the operations that read the cache, so a copy the worker saw done is
+        visible to its next request."""
         self.arenas = arenas  # one per tenant (docs/security.md)
         self.l1: L1Cache = arenas.l1
         self.l2 = l2

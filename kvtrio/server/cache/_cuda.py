@@ -10,8 +10,11 @@ Stores and retrieves only *queue* work (kernel launches and asynchronous copies:
 for the GPU in the event loop) and return the IPC handle of the operation's ``done`` event. The
 watcher task (:meth:`CudaTransfers.serve`) waits for those events in order, in a worker thread,
 and runs each operation's completion: a store's chunks are committed only then, a retrieve's
-pins released only then. Closing a registration is queued behind its work the same way, so an
-IPC mapping is never closed under a copy. The queue is a deque, not a bounded channel: every
+pins released only then. Requests that read the cache first run the completions whose events
+have already finished (:meth:`CudaTransfers.settle`, non-blocking queries), so a chunk whose
+store the worker has seen done is never missed by the lookup that follows. Closing a
+registration is queued behind its work the same way, so an IPC mapping is never closed under a
+copy. The queue is a deque, not a bounded channel: every
 entry holds L1 reservations or pins, so L1's capacity bounds it.
 """
 
@@ -267,6 +270,29 @@ class CudaTransfers:
         self._queue(_Pending(done, complete=complete))
         return done.ipc_handle()
 
+    def settle(self) -> None:
+        """Run now, in order, the completions whose copies have already finished.
+
+        A worker's operation is done when it sees the server's done event complete, and its
+        next request (a lookup of what it stored) can reach the server before :meth:`serve`'s
+        thread wait has returned: the request would miss a chunk that is in L1. Requests that
+        read the cache call this first, so "done" at the worker means "visible" at the server.
+        Only non-blocking event queries; an item that needs a thread (a close) or whose query
+        fails stops it, and :meth:`serve` handles the rest.
+        """
+        while self._pending:
+            item = self._pending[0]
+            if item.event is None or item.close is not None:
+                return
+            try:
+                if not item.event.query():
+                    return
+            except Exception:
+                return  # a failed copy: serve() logs and counts it
+            self._pending.popleft()
+            if item.complete is not None:
+                item.complete(True)
+
     def _queue(self, pending: _Pending) -> None:
         self._pending.append(pending)
         self._wakeup.unpark_all()
@@ -292,6 +318,8 @@ class CudaTransfers:
                     log.exception("a CUDA copy failed")
                     self.failures += 1
                     ok = False
+            if not self._pending or self._pending[0] is not item:
+                continue  # settle() completed it while the thread waited
             if item.close is not None:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(item.close, limiter=_CUDA_LIMITER)

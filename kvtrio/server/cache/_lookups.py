@@ -40,6 +40,7 @@ class Lookups:
     def lookup(self, session: Session, lookup: Lookup) -> LookupReply | Later:
         """Pin the L1 prefix now; L2 work, if any, is left to a :class:`Later`."""
         core = self.core
+        core.settle_copies()  # copies the worker already saw done are visible
         hashes = checked_hashes(lookup.chunk_hashes)
         model = core.registry.engine_model(lookup.engine, lookup.model, lookup.tenant)
         if model is None:

@@ -40,6 +40,7 @@ class Reads:
         the Later (the session ends): nothing is pinned yet; the loads go on for the request.
         """
         core = self.core
+        core.settle_copies()
         registration = core.registration(session)
         request, hashes, chunks = core.chunks(registration, retrieve)
         blocks = registration.copy.check(retrieve, chunks)  # before anything is pinned

@@ -30,6 +30,7 @@ from ...protocol import (
 from .._state import ServerState
 from .._tenants import TenantArenas
 from ..l2tier import L2Tier
+from ._batch import register_lookup_batch
 from ._core import CacheCore
 from ._cuda import CudaTransfers
 from ._lookups import Lookups
@@ -56,7 +57,7 @@ class CacheService:
         cuda: CudaTransfers | None = None,
     ) -> None:
         self.cuda = cuda if cuda is not None else CudaTransfers(arenas.first)
-        self.core = core = CacheCore(config, arenas, l2)
+        self.core = core = CacheCore(config, arenas, l2, self.cuda.settle)
         self.registrations = Registrations(core, self.cuda)
         self.lookups = Lookups(core)
         self.writes = Writes(core)
@@ -68,6 +69,7 @@ class CacheService:
         state.register(Unregister, self.registrations.unregister)
         # Inline: answered in the router's round; a Later part (L2, a large scrub) in a task.
         state.register_inline(Lookup, self.lookups.lookup, concurrent=True)
+        register_lookup_batch(state, self.lookups.lookup)
         state.register_inline(Store, self.writes.store)
         state.register_inline(Commit, self.writes.commit)
         state.register_inline(Retrieve, self.reads.retrieve)  # (waiting for L2 loads: a Later)

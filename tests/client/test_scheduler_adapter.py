@@ -1,0 +1,121 @@
+"""SchedulerAdapter: deferred lookups go out together as one ``lookup_batch``, each request
+gets its own answer from it, and an older server without ``lookup_batch`` still answers."""
+
+from __future__ import annotations
+
+import time
+
+from kvtrio.client import Client, SchedulerAdapter
+from kvtrio.errors import ErrorCode
+from kvtrio.protocol import (
+    EndSession,
+    Lookup,
+    LookupBatch,
+    LookupBatchReply,
+    LookupFailure,
+    LookupReply,
+)
+from kvtrio.storage import token_chunk_hashes
+
+from .raw_server import RawServer, Taken, client_of_raw_server
+
+PROMPTS = {"a": list(range(512)), "b": list(range(1000, 1256)), "c": list(range(5))}
+
+
+def _adapter(client: Client) -> SchedulerAdapter:
+    return SchedulerAdapter("", "m", 2, 0, 16, client=client, timeout=5, engine_id="e")
+
+
+def _defer_all(adapter: SchedulerAdapter) -> None:
+    for request_id, tokens in PROMPTS.items():
+        adapter.maybe_submit_lookup_request(request_id, token_ids=tokens, defer=True)
+        assert adapter.check_lookup_result(request_id) is None  # not sent: no answer yet
+
+
+def _answered(adapter: SchedulerAdapter, request_id: str) -> int:
+    deadline = time.monotonic() + 10
+    while (hit := adapter.check_lookup_result(request_id, wait=0.05)) is None:
+        assert time.monotonic() < deadline, f"no answer for {request_id}"
+    return hit
+
+
+def _requests(server: RawServer, adapter: SchedulerAdapter, count: int) -> list[Taken]:
+    """The next ``count`` requests, looking at every lookup meanwhile (which resends some)."""
+    taken: list[Taken] = []
+    deadline = time.monotonic() + 10
+    while len(taken) < count:
+        assert time.monotonic() < deadline, f"{len(taken)} requests of {count} came"
+        for request_id in PROMPTS:
+            adapter.check_lookup_result(request_id)
+        if server.sock.poll(20):
+            taken.append(server.take())
+    return taken
+
+
+def test_deferred_lookups_go_out_as_one_batch_at_the_flush(endpoint: str) -> None:
+    with client_of_raw_server(endpoint) as (client, server):
+        adapter = _adapter(client)
+        _defer_all(adapter)
+        assert not server.sock.poll(50)  # nothing sent before the flush
+        adapter.flush_lookups()
+        taken = server.take()
+        batch = taken.request
+        assert isinstance(batch, LookupBatch)
+        assert batch.requests == ("a", "b", "c")
+        assert batch.chunk_hashes == tuple(
+            tuple(token_chunk_hashes(tokens, 256)) for tokens in PROMPTS.values()
+        )
+        assert (batch.model, batch.world_size, batch.engine) == ("m", 2, "e")
+        failed = (LookupFailure(1, "busy", "too many requests"),)
+        server.answer(taken, LookupBatchReply((512, 256, 0), (2, 1, 0), failed))
+        assert [_answered(adapter, r) for r in PROMPTS] == [512, 0, 0]
+
+
+def test_waiting_for_a_deferred_lookup_sends_the_queue(endpoint: str) -> None:
+    with client_of_raw_server(endpoint) as (client, server):
+        adapter = _adapter(client)
+        adapter.maybe_submit_lookup_request("a", token_ids=PROMPTS["a"], defer=True)
+        adapter.maybe_submit_lookup_request("b", token_ids=PROMPTS["b"], defer=True)
+        assert adapter.check_lookup_result("b", wait=0.01) is None  # sent, not answered
+        taken = server.take()
+        assert isinstance(taken.request, LookupBatch)
+        assert taken.request.requests == ("a", "b")
+        server.answer(taken, LookupBatchReply((512, 256), (2, 1)))
+        assert _answered(adapter, "b") == 256
+        assert _answered(adapter, "a") == 512
+
+
+def test_one_deferred_lookup_goes_alone_and_ended_ones_not_at_all(endpoint: str) -> None:
+    with client_of_raw_server(endpoint) as (client, server):
+        adapter = _adapter(client)
+        _defer_all(adapter)
+        adapter.end_session("a")  # finished before the flush: its lookup is dropped
+        adapter.end_session("b")
+        assert isinstance(server.take().request, EndSession)
+        assert isinstance(server.take().request, EndSession)
+        adapter.flush_lookups()
+        taken = server.take()
+        assert isinstance(taken.request, Lookup)
+        assert taken.request.request == "c"
+        server.answer(taken, LookupReply(0, 0))
+        assert _answered(adapter, "c") == 0
+
+
+def test_a_server_without_lookup_batch_gets_single_lookups(endpoint: str) -> None:
+    with client_of_raw_server(endpoint) as (client, server):
+        adapter = _adapter(client)
+        _defer_all(adapter)
+        adapter.flush_lookups()
+        taken = server.take()
+        assert taken.op == "lookup_batch"
+        server.refuse(taken, ErrorCode.UNKNOWN_OPERATION, "unknown operation 'lookup_batch'")
+        hits = {"a": 512, "b": 256, "c": 0}
+        for single in _requests(server, adapter, 3):  # each resent alone once looked at
+            request = single.request
+            assert isinstance(request, Lookup)
+            server.answer(single, LookupReply(hits[request.request], hits[request.request] // 256))
+        assert {r: _answered(adapter, r) for r in PROMPTS} == hits
+        adapter.maybe_submit_lookup_request("d", token_ids=PROMPTS["a"], defer=True)
+        adapter.maybe_submit_lookup_request("e", token_ids=PROMPTS["b"], defer=True)
+        adapter.flush_lookups()
+        assert [server.take().op for _ in range(2)] == ["lookup", "lookup"]  # no more batches

@@ -1,0 +1,96 @@
+"""``lookup_batch``: several lookups in one message answer as the same lookups one by one."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import trio
+
+from kvtrio.config import ServerConfig
+from kvtrio.errors import BadRequest
+from kvtrio.l2.fault import FaultBackend
+from kvtrio.l2.memory import MemoryBackend
+from kvtrio.protocol import (
+    Commit,
+    EndSession,
+    Lookup,
+    LookupBatch,
+    LookupBatchReply,
+    LookupFailure,
+    LookupReply,
+    Store,
+    StoreReply,
+)
+from kvtrio.storage import token_chunk_hashes
+
+from ..conftest import await_condition
+from .test_l2_tier import CHUNK, HASHES, cache, running, store, written_to_l2
+
+
+@pytest.fixture
+def config(server_config: ServerConfig) -> ServerConfig:
+    return attrs.evolve(server_config, lookup_timeout=0.3, retrieve_timeout=2.0)
+
+
+async def test_a_batch_answers_and_pins_as_its_lookups_one_by_one(config: ServerConfig) -> None:
+    async with running(config, MemoryBackend()) as (_, worker, scheduler):
+        await store(worker, "stored", 6)
+        await written_to_l2(worker, 6)  # (the write-behind pins them until then)
+        prompts = (HASHES[:8], HASHES[:2], (b"\x01" * 16,), ())  # 6 in L1, 2, unknown, empty
+        batch = LookupBatch("m", 1, ("a", "b", "c", "d"), prompts)
+        reply = await scheduler.call(batch, LookupBatchReply)
+        assert reply == LookupBatchReply((6 * CHUNK, 2 * CHUNK, 0, 0), (6, 2, 0, 0))
+        pins = (await cache(worker)).l1_pins
+        singles = [
+            await scheduler.call(Lookup(f"s{i}", "m", 1, p), LookupReply)
+            for i, p in enumerate(prompts)
+        ]
+        assert [(s.hit_tokens, s.hit_chunks) for s in singles] == list(
+            zip(reply.hit_tokens, reply.hit_chunks, strict=True)
+        )
+        assert (await cache(worker)).l1_pins == 2 * pins  # the same pins again
+        for request in ("a", "b", "s0", "s1"):
+            await scheduler.request(EndSession(request, "m"))
+        assert (await cache(worker)).l1_pins == 0
+
+
+async def test_a_failed_lookup_is_reported_and_the_others_answer(config: ServerConfig) -> None:
+    async with running(config, MemoryBackend()) as (_, worker, scheduler):
+        await store(worker, "stored", 2)
+        batch = LookupBatch("m", 1, ("a", "bad", "c"), (HASHES[:2], (b"short",), HASHES[:1]))
+        reply = await scheduler.call(batch, LookupBatchReply)
+        assert reply.hit_chunks == (2, 0, 1)
+        assert len(reply.failed) == 1
+        assert reply.failed[0].index == 1
+        assert reply.failed[0].code == "bad_request"
+        assert reply.failed[0] == LookupFailure(1, "bad_request", reply.failed[0].message)
+
+
+async def test_a_batch_whose_arrays_differ_in_length_is_a_bad_request(
+    config: ServerConfig,
+) -> None:
+    async with running(config, MemoryBackend()) as (_, _worker, scheduler):
+        with pytest.raises(BadRequest):
+            await scheduler.request(LookupBatch("m", 1, ("a", "b"), (HASHES[:1],)))
+
+
+async def test_the_l2_parts_of_a_batch_run_together(config: ServerConfig) -> None:
+    config = attrs.evolve(config, lookup_timeout=5.0)
+    fault = FaultBackend(inner=MemoryBackend())
+    prompts = [HASHES, tuple(token_chunk_hashes(range(90_000, 90_000 + 10 * CHUNK), CHUNK))]
+    async with running(config, fault) as (_, worker, scheduler):
+        for index, hashes in enumerate(prompts):
+            reply = await worker.call(Store(f"p{index}", 0, 10 * CHUNK, hashes), StoreReply)
+            await worker.request(Commit(f"p{index}", written=tuple(hashes)))
+            assert [slot.status for slot in reply.slots] == ["write"] * 10
+        await written_to_l2(worker, 20)
+    async with running(config, fault) as (_, worker, scheduler):  # L1 is empty now
+        fault.configure(latency=0.5)  # each L2 lookup takes 0.5 s: together, not in turn
+        batch = LookupBatch("m", 1, ("a", "b", "c"), (prompts[0], prompts[1], HASHES[:0]))
+        started = trio.current_time()
+        reply = await scheduler.call(batch, LookupBatchReply)
+        assert trio.current_time() - started < 2 * 0.5
+        assert reply == LookupBatchReply((10 * CHUNK, 10 * CHUNK, 0), (10, 10, 0))
+        for request in ("a", "b"):
+            await scheduler.request(EndSession(request, "m"))
+        await await_condition(lambda: fault.statistics()["locks"] == 0, what="L2 unlocked")

@@ -164,6 +164,7 @@ async def open_server(
                             directory=config.shm_dir or None,
                             group=config.ipc_group,
                         )
+                        metrics = ServerMetrics()
                         l2 = L2Tier(
                             backends,
                             arenas.l1,
@@ -171,15 +172,19 @@ async def open_server(
                             queue_size=config.write_behind_queue,
                             flushers=2,
                             loaders=config.l2_loaders,
+                            observe=metrics.observe_l2,
                         )
                         cache = CacheService(config, arenas, l2, CudaTransfers(arena, cuda_runtime))
                         state = ServerState(
-                            config, endpoint, auth, cache=cache, l1_sizing=plan.sizing
+                            config,
+                            endpoint,
+                            auth,
+                            cache=cache,
+                            observe_request=metrics.observe_request,
+                            l1_sizing=plan.sizing,
                         )
                         register_core_operations(state)
                         cache.install(state)
-                        metrics = ServerMetrics(state)
-                        metrics.install(l2)
                         async with trio.open_nursery() as root, trio.open_nursery() as sessions:
                             http_url = None
                             if http_socket is not None:  # first: /healthz says "starting"

@@ -33,6 +33,7 @@ __all__ = [
     "Handler",
     "InlineHandler",
     "Later",
+    "ObserveRequest",
     "Operation",
     "ServerState",
 ]
@@ -52,6 +53,9 @@ class Later:
     def __init__(self, run: Callable[[], Awaitable[Reply]]) -> None:
         self.run = run
 
+
+ObserveRequest = Callable[[str, ErrorCode | None, float], None]
+"""``(operation, error code or None, seconds)``, called once per answered request."""
 
 InlineHandler = Callable[[Any, Any], "Reply | Later"]
 """``def handler(session, request) -> reply or Later``: never waits; answered by the router in
@@ -120,6 +124,7 @@ class ServerState:
         auth: ServerAuth | None = None,
         *,
         cache: CacheReport | None = None,
+        observe_request: ObserveRequest | None = None,
         l1_sizing: str = "",
     ) -> None:
         self.config = config
@@ -141,8 +146,8 @@ class ServerState:
         self.draining = False
         self.serving = False
         """True once the router takes requests (``/healthz`` answers 200 while not draining)."""
-        self.observe_request: Callable[[str, ErrorCode | None, float], None] | None = None
-        """Set by the metrics: ``(operation, error code or None, seconds)`` per answered request."""
+        self.observe_request = observe_request
+        """The metrics' observer of every answered request, if any (see :data:`ObserveRequest`)."""
         self.pending = 0
         """Requests accepted by the router that have not been answered (or dropped) yet."""
         self.l1_sizing = l1_sizing

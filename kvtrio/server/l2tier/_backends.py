@@ -81,9 +81,9 @@ class TierBackend:
 class Calls:
     """Observation of backend calls, and the calls shared by lookups, loads and the probe."""
 
-    def __init__(self) -> None:
-        self.observe: Observe | None = None
-        """Set by the metrics (see :data:`Observe`)."""
+    def __init__(self, observe: Observe | None = None) -> None:
+        self.observe = observe
+        """The metrics' observer (see :data:`Observe`), if any."""
 
     def observed(self, backend: TierBackend, op: str, started: float, ok: bool) -> None:
         """Report one call that started at ``started`` (``trio.current_time()``)."""

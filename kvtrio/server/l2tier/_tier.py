@@ -40,13 +40,15 @@ class L2Tier:
         queue_size: int,
         flushers: int,
         loaders: int,
+        observe: Observe | None = None,
     ) -> None:
+        """``observe`` is told of every backend call (the metrics'; see :data:`Observe`)."""
         names = [name for name, _ in backends]
         self.backends = [
             TierBackend(backend, name, name if names.count(name) == 1 else f"{name}#{i + 1}")
             for i, (name, backend) in enumerate(backends)
         ]
-        self._calls = Calls()
+        self._calls = Calls(observe)
         self.writes = WriteBehind(
             self.backends, l1, arena, self._calls, queue_size=queue_size, flushers=flushers
         )
@@ -55,15 +57,6 @@ class L2Tier:
     @property
     def enabled(self) -> bool:
         return bool(self.backends)
-
-    @property
-    def observe(self) -> Observe | None:
-        """Set by the metrics: ``(backend label, operation, seconds, succeeded)`` per call."""
-        return self._calls.observe
-
-    @observe.setter
-    def observe(self, observe: Observe | None) -> None:
-        self._calls.observe = observe
 
     # ----------------------------------------------------------------- tasks
 

@@ -5,7 +5,9 @@
   request path's seams (``_state``, ``_session``), the tenants' arenas and the L2 tier;
 - the rest of the server uses the cache through its package, never its private modules;
 - the cache operations (lookups, writes, reads) do not know which copy path they serve: the
-  host/CUDA choice is made once, at registration.
+  host/CUDA choice is made once, at registration;
+- the request path imports in one direction: router → sessions → the hand-off seam → state
+  (the sessions reply through a ``Replies`` protocol, not the router or its outbox).
 """
 
 from __future__ import annotations
@@ -99,3 +101,18 @@ def test_the_cache_operations_do_not_branch_on_the_copy_path(name: str) -> None:
     assert not [
         n for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in ("cuda", "cpu")
     ], name
+
+
+REQUEST_PATH_MAY_NOT_IMPORT = {
+    "_state": {"_router", "_session", "_handoff", "_outbox", "_metrics"},
+    "_handoff": {"_router", "_session", "_outbox"},
+    "_session": {"_router", "_outbox"},
+    "_outbox": {"_router", "_session", "_handoff"},
+    "_metrics": {"_state", "_router", "_session"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(REQUEST_PATH_MAY_NOT_IMPORT))
+def test_the_request_path_imports_in_one_direction(name: str) -> None:
+    imported = {t.rpartition(".")[2] for t in server_imports(SERVER / f"{name}.py")}
+    assert not imported & REQUEST_PATH_MAY_NOT_IMPORT[name], (name, imported)

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import trio
 
-import kvtrio.server._l2 as l2_module
+import kvtrio.server.l2tier._writes as l2_module
 from kvtrio.l2.disk import DiskBackend, DiskOptions
-from kvtrio.server._l2 import L2Tier
+from kvtrio.server.l2tier import L2Tier
 from kvtrio.shm import SharedArena
 from kvtrio.storage import Entry, L1Cache
 

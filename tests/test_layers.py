@@ -201,12 +201,6 @@ def test_type_checking_imports_do_not_count(tmp_path: Path) -> None:
 MAX_LINES = 450
 """No module of kvtrio/ is longer (the house rule: modules of 150–450 lines)."""
 
-KNOWN_LONG = {
-    "server/_cache.py": "issue 14 item 1: split into a package on the struct-server branch",
-    "server/_l2.py": "issue 14: the server side (struct-server branch)",
-}
-"""Modules over :data:`MAX_LINES` that another branch is splitting; remove them once merged."""
-
 
 def test_no_module_is_over_the_line_limit() -> None:
     long = {
@@ -214,5 +208,4 @@ def test_no_module_is_over_the_line_limit() -> None:
         for path in ROOT.rglob("*.py")
         if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
     }
-    unknown = {path: lines for path, lines in long.items() if path not in KNOWN_LONG}
-    assert not unknown, f"modules over {MAX_LINES} lines: {unknown}"
+    assert not long, f"modules over {MAX_LINES} lines: {long}"

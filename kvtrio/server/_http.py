@@ -54,7 +54,7 @@ class HttpApp:
             return
         path = scope["path"]
         if path == "/metrics":
-            await _respond(send, 200, await self.metrics.render(), CONTENT_TYPE)
+            await _respond(send, 200, await self.metrics.render(self.state.stats()), CONTENT_TYPE)
         elif path == "/healthz":
             phase = self.state.phase
             status = 200 if phase == "serving" else 503

@@ -37,8 +37,6 @@ from prometheus_client.utils import floatToGoString
 
 from ..errors import ErrorCode
 from ..protocol import OPERATIONS, StatsReply
-from ._l2 import L2Tier
-from ._state import ServerState
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
@@ -73,10 +71,11 @@ create label values without bound)."""
 
 
 class ServerMetrics:
-    """The metrics of one server; :meth:`install` hooks them into its state."""
+    """The metrics of one server. Made first: the server's state takes
+    :meth:`observe_request` and its L2 tier :meth:`observe_l2` at their construction, and a
+    scrape passes :meth:`render` the state's ``stats`` snapshot."""
 
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
+    def __init__(self) -> None:
         self._request_counts: dict[tuple[str, ErrorCode | None], int] = {}
         """Requests answered, by (operation label, error code or None)."""
         self._latency: dict[str, list[float]] = {}
@@ -95,12 +94,6 @@ class ServerMetrics:
             registry=None,
         )
         self._known_ops = frozenset(OPERATIONS)
-
-    def install(self, l2: L2Tier | None = None) -> None:
-        """Make the server report requests (and its L2 tier, if given, its backend calls)."""
-        self.state.observe_request = self.observe_request
-        if l2 is not None:
-            l2.observe = self.observe_l2
 
     # ----------------------------------------------------------------- hot path
 
@@ -144,13 +137,14 @@ class ServerMetrics:
 
     # ----------------------------------------------------------------- scraping
 
-    async def render(self) -> bytes:
-        """The text exposition format of every metric: a snapshot of the server's state taken
-        here, rendered in a worker thread.
+    async def render(self, stats: StatsReply) -> bytes:
+        """The text exposition format of every metric: ``stats`` (the server's ``stats``
+        snapshot, taken by the caller in the trio thread) and the tallies, rendered in a worker
+        thread.
 
         Cancellation: the rendering thread finishes; its result is abandoned.
         """
-        families = [*families_from_stats(self.state.stats()), *self.request_families()]
+        families = [*families_from_stats(stats), *self.request_families()]
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Snapshot(families))
         for metric in (self.l2_ops, self.l2_latency):

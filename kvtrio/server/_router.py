@@ -19,8 +19,9 @@ import trio
 from ..errors import ErrorCode, ProtocolError, RequestError
 from ..protocol import HeaderError, read_request_header
 from ..transport import Socket
+from ._handoff import Incoming
 from ._outbox import Outbox
-from ._session import Incoming, Session
+from ._session import Session
 from ._state import ServerState
 
 __all__ = ["MAX_HEADER_SIZE", "Router"]

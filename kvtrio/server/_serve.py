@@ -19,16 +19,15 @@ from ..shm import SharedArena, default_shm_dir
 from ..storage import L1Cache, make_policy
 from ..transport import ensure_endpoint_free, open_socket, serve_zap
 from ._auth import ServerAuth, configure_auth
-from ._cache import CacheService
-from ._cuda import CudaTransfers, RuntimeFactory
 from ._http import bind_http, serve_http
 from ._l1size import L1Plan, measure_room, plan_l1
-from ._l2 import L2Tier
 from ._metrics import ServerMetrics
 from ._operations import register_core_operations
 from ._router import Router
 from ._state import ServerState
 from ._tenants import TenantArenas
+from .cache import CacheService, CudaTransfers, RuntimeFactory
+from .l2tier import L2Tier
 
 __all__ = ["ServerHandle", "open_server", "serve"]
 
@@ -153,14 +152,11 @@ async def open_server(
                         pump=False,  # the router owns the socket's edge
                     ) as socket:
                         endpoint = socket.bind(config.endpoint, ipc_group=config.ipc_group)
-                        state = ServerState(config, endpoint, auth)
-                        state.l1_sizing = plan.sizing
                         log.info(
                             "%s",
                             auth.describe(endpoint),
                             extra=event("auth", mode=auth.mode, endpoint=endpoint),
                         )
-                        register_core_operations(state)
                         arenas = TenantArenas(
                             arena,
                             lambda size, base: L1Cache(
@@ -170,6 +166,7 @@ async def open_server(
                             directory=config.shm_dir or None,
                             group=config.ipc_group,
                         )
+                        metrics = ServerMetrics()
                         l2 = L2Tier(
                             backends,
                             arenas.l1,
@@ -177,12 +174,19 @@ async def open_server(
                             queue_size=config.write_behind_queue,
                             flushers=2,
                             loaders=config.l2_loaders,
+                            observe=metrics.observe_l2,
                         )
-                        cuda = CudaTransfers(arena, cuda_runtime)
-                        cache = CacheService(state, arenas, l2, cuda)
-                        cache.install()
-                        metrics = ServerMetrics(state)
-                        metrics.install(l2)
+                        cache = CacheService(config, arenas, l2, CudaTransfers(arena, cuda_runtime))
+                        state = ServerState(
+                            config,
+                            endpoint,
+                            auth,
+                            cache=cache,
+                            observe_request=metrics.observe_request,
+                            l1_sizing=plan.sizing,
+                        )
+                        register_core_operations(state)
+                        cache.install(state)
                         async with trio.open_nursery() as root, trio.open_nursery() as sessions:
                             http_url = None
                             if http_socket is not None:  # first: /healthz says "starting"

@@ -20,10 +20,10 @@ from ..protocol import (
     encode_reply,
 )
 from ._auth import Principal, check_tenant
-from ._outbox import Outbox
+from ._handoff import Incoming, Replies
 from ._state import Later, Operation, ServerState
 
-__all__ = ["CLEANUP_TIMEOUT", "Incoming", "Session"]
+__all__ = ["CLEANUP_TIMEOUT", "Session"]
 
 log = logging.getLogger("kvtrio.server")
 
@@ -34,36 +34,6 @@ CLEANUP_TIMEOUT = 5.0
 
 Cleanup = Callable[[], Awaitable[None]]
 _GOODBYE = Goodbye.op
-
-
-class Incoming:
-    """A request as the router hands it to a session: header already read, body not decoded.
-
-    ``error`` is set when the router already knows the request must fail (bad framing, too
-    large); the session then answers it with that error, in order. A plain class with slots:
-    one is made per message.
-    """
-
-    __slots__ = ("body", "error", "frames", "kind", "later", "received", "request_id")
-
-    def __init__(
-        self,
-        request_id: int,
-        kind: str,
-        body: bytes,
-        error: RequestError | None = None,
-        received: float = 0.0,
-    ) -> None:
-        self.request_id = request_id
-        self.kind = kind
-        self.body = body
-        self.error = error
-        self.received = received
-        """``trio.current_time()`` when the router read it (request latency starts here)."""
-        self.frames: list[bytes] | None = None
-        """Set when it was answered inline but the client could not take the reply then."""
-        self.later: Later | None = None
-        """Set when an inline handler left the rest to the session's task."""
 
 
 class Session:
@@ -79,7 +49,7 @@ class Session:
     """
 
     def __init__(
-        self, identity: bytes, state: ServerState, outbox: Outbox, principal: Principal
+        self, identity: bytes, state: ServerState, outbox: Replies, principal: Principal
     ) -> None:
         self.identity = identity
         self.principal = principal

@@ -27,7 +27,16 @@ from ..transport import ANY_TENANT
 from ._auth import Principal, ServerAuth
 from ._status import storage_summary
 
-__all__ = ["Counters", "Handler", "InlineHandler", "Later", "Operation", "ServerState"]
+__all__ = [
+    "CacheReport",
+    "Counters",
+    "Handler",
+    "InlineHandler",
+    "Later",
+    "ObserveRequest",
+    "Operation",
+    "ServerState",
+]
 
 _R = TypeVar("_R", bound=Request)
 Handler = Callable[[Any, Any], Awaitable[Reply]]
@@ -44,6 +53,9 @@ class Later:
     def __init__(self, run: Callable[[], Awaitable[Reply]]) -> None:
         self.run = run
 
+
+ObserveRequest = Callable[[str, ErrorCode | None, float], None]
+"""``(operation, error code or None, seconds)``, called once per answered request."""
 
 InlineHandler = Callable[[Any, Any], "Reply | Later"]
 """``def handler(session, request) -> reply or Later``: never waits; answered by the router in
@@ -74,6 +86,14 @@ class SessionView(Protocol):
     def stats(self, now: float) -> SessionStats: ...
 
 
+class CacheReport(Protocol):
+    """The cache's part of ``stats`` (the cache service; a server without one reports none)."""
+
+    def stats(self) -> CacheStats: ...
+
+    def l2_stats(self) -> tuple[L2Stats, ...]: ...
+
+
 @attrs.define
 class Counters:
     """Monotonic server counters (see ``ServerCounters`` in the protocol for their meaning)."""
@@ -97,7 +117,16 @@ class Counters:
 class ServerState:
     """Everything the router, the sessions and the handlers share. One per ``serve`` call."""
 
-    def __init__(self, config: ServerConfig, endpoint: str, auth: ServerAuth | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        endpoint: str,
+        auth: ServerAuth | None = None,
+        *,
+        cache: CacheReport | None = None,
+        observe_request: ObserveRequest | None = None,
+        l1_sizing: str = "",
+    ) -> None:
         self.config = config
         self.auth = auth or ServerAuth("ipc" if endpoint.startswith("ipc://") else "insecure")
         """Who clients are and how many sessions they may hold (see ``_auth``)."""
@@ -112,17 +141,16 @@ class ServerState:
         self.operations: dict[type[Request], Operation] = {}
         self.inline_operations: dict[str, Operation] = {}
         """Operation name → operation, for those the router answers inline."""
-        self.cache_stats: Callable[[], CacheStats] | None = None
-        """Set by the cache service: its part of the ``stats`` reply."""
-        self.l2_stats: Callable[[], tuple[L2Stats, ...]] | None = None
+        self.cache = cache
+        """Reports the cache's part of the ``stats`` reply."""
         self.draining = False
         self.serving = False
         """True once the router takes requests (``/healthz`` answers 200 while not draining)."""
-        self.observe_request: Callable[[str, ErrorCode | None, float], None] | None = None
-        """Set by the metrics: ``(operation, error code or None, seconds)`` per answered request."""
+        self.observe_request = observe_request
+        """The metrics' observer of every answered request, if any (see :data:`ObserveRequest`)."""
         self.pending = 0
         """Requests accepted by the router that have not been answered (or dropped) yet."""
-        self.l1_sizing = ""
+        self.l1_sizing = l1_sizing
         """Why L1 has its size (``default``, ``configured``, ``50% of /dev/shm's 3GiB free``)."""
         self._idle = trio.Event()
 
@@ -213,6 +241,6 @@ class ServerState:
                 sessions_expired=c.sessions_expired,
             ),
             sessions=tuple(session.stats(now) for session in sessions),
-            cache=self.cache_stats() if self.cache_stats is not None else None,
-            l2=self.l2_stats() if self.l2_stats is not None else (),
+            cache=self.cache.stats() if self.cache is not None else None,
+            l2=self.cache.l2_stats() if self.cache is not None else (),
         )

@@ -9,7 +9,7 @@ view of the same GPUs (another ordinal order), talking the protocol directly.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import numpy as np
@@ -33,7 +33,8 @@ from kvtrio.protocol import (
     StoreReply,
     Unregister,
 )
-from kvtrio.server import ServerHandle, _cuda, serve
+from kvtrio.server import ServerHandle, serve
+from kvtrio.server.cache import CudaTransfers
 from kvtrio.shm import SharedArena
 from kvtrio.storage import HASH_SCHEME_TOKENS, token_chunk_hashes
 from kvtrio.testing import FakeCuda
@@ -230,16 +231,17 @@ async def test_the_copy_waits_for_the_engine_event(client: AsyncClient, gpus: Gp
 
 
 async def test_a_store_the_worker_saw_done_is_visible_to_its_next_lookup(
-    client: AsyncClient, gpus: Gpus
+    cuda_server: ServerHandle, client: AsyncClient, gpus: Gpus
 ) -> None:
     """The worker's future is done when the server's done event has completed; the lookup it
     sends next must see the chunks even if the server's completion watcher has not run yet
     (here it cannot: its thread limiter is held)."""
+    transfers: CudaTransfers = cast(Any, cuda_server.state.cache).cuda
     worker = Worker(client, gpus.worker)
     worker.fill(3)
     await worker.register()
     holder = object()
-    await _cuda._WAIT_LIMITER.acquire_on_behalf_of(holder)
+    await transfers.wait_limiter.acquire_on_behalf_of(holder)
     try:
         reply = await worker.store("r3", SOURCE)
         await worker.wait(reply.done_event)
@@ -248,7 +250,7 @@ async def test_a_store_the_worker_saw_done_is_visible_to_its_next_lookup(
         await worker.wait(got.done_event)
         assert worker.per_layer(TARGET) == worker.per_layer(SOURCE)
     finally:
-        _cuda._WAIT_LIMITER.release_on_behalf_of(holder)
+        transfers.wait_limiter.release_on_behalf_of(holder)
 
 
 async def test_retrieve_leaves_blocks_marked_minus_one_alone(

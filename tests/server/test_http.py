@@ -211,7 +211,7 @@ async def test_healthz_is_503_while_draining_and_the_request_in_flight_is_answer
 
 async def test_healthz_is_503_while_starting() -> None:
     state = ServerState(ServerConfig(l2=()), "ipc:///nowhere")
-    app = HttpApp(state, ServerMetrics(state))
+    app = HttpApp(state, ServerMetrics())
     sent: list[MutableMapping[str, Any]] = []
 
     async def receive() -> MutableMapping[str, Any]:

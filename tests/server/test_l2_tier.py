@@ -428,6 +428,25 @@ async def test_a_cancelled_batch_leaves_nothing_locked_or_reserved(config: Serve
         assert backend.deleted == []
 
 
+async def test_a_requests_end_cancels_its_own_loads_and_no_others(config: ServerConfig) -> None:
+    backend = _RecordingLoads()
+    await _only_in_l2(config, backend)
+    backend.block = True  # every batch hangs in the backend until its request ends
+    async with running(config, backend) as (_, worker, scheduler):
+        assert (await lookup(scheduler, "a", 6)).hit_chunks == 6
+        other = Lookup("b", "m", 1, HASHES[6:10])  # (the server does not check the chain)
+        assert (await scheduler.call(other, LookupReply)).hit_chunks == 4
+        assert (await cache(worker)).loads_pending == 10
+        await scheduler.request(EndSession("a", "m"))
+        state = await cache(worker)
+        assert (state.loads_pending, state.l1_writing) == (4, 4)  # b's loads go on
+        assert sorted(_chunk_of(k) for k in backend.unlocked) == list(range(6))
+        await scheduler.request(EndSession("b", "m"))
+        state = await cache(worker)
+        assert (state.loads_pending, state.l1_writing, state.l1_pins) == (0, 0, 0)
+        await await_condition(lambda: backend.statistics()["locks"] == 0, what="L2 unlocked")
+
+
 async def test_a_corrupt_object_in_a_batch_fails_alone_and_is_deleted(
     config: ServerConfig,
 ) -> None:

@@ -23,7 +23,7 @@ from kvtrio.protocol import (
     StoreReply,
 )
 from kvtrio.server import open_server
-from kvtrio.server._quotas import scrub
+from kvtrio.server.cache._quotas import scrub
 from kvtrio.shm import SharedArena
 from kvtrio.storage import Entry, EntryState
 from kvtrio.storage.keys import token_chunk_hashes

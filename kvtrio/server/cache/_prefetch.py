@@ -10,70 +10,76 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import trio
 
-from ..config import ServerConfig
-from ..storage import Entry, L1Cache, Reservation
-from ._l2 import L2Tier, Load
+from ...config import ServerConfig
+from ...storage import Entry, L1Cache, Reservation
+from ..l2tier import L2Tier, Load, TierBackend
+from ._keys import RequestKey
 
 __all__ = ["Prefetcher"]
 
-PinForLookup = Callable[[str, str, bytes, int, float], None]
+PinForLookup = Callable[[RequestKey, str, bytes, int, float], None]
 """``(request, owner session, object key, readers, expires_at)``: pin and record a lease."""
 
 
 class Prefetcher:
+    """The L2 → L1 loads the lookups started, by request and by the session that owns them."""
+
     def __init__(self, l1: L1Cache, l2: L2Tier, config: ServerConfig, pin: PinForLookup) -> None:
         self.l1 = l1
         self.l2 = l2
         self.config = config
         self._pin = pin
-        self._loads: dict[tuple[str, bytes], Load] = {}  # (request, object key) → its load
-        self._by_owner: dict[str, set[tuple[str, bytes]]] = {}
-        self._per_request: collections.Counter[str] = collections.Counter()  # unfinished loads
-        self._waits: dict[str, dict[bytes, float]] = {}  # request → namespace → deadline
+        self._loads: dict[RequestKey, dict[bytes, Load]] = {}  # request → object key → load
+        self._count = 0
+        self._by_owner: dict[str, set[tuple[RequestKey, bytes]]] = {}
+        self._per_request: collections.Counter[RequestKey] = collections.Counter()  # unfinished
+        self._waits: dict[RequestKey, dict[bytes, float]] = {}  # request → namespace → deadline
         self.failed = 0
 
     @property
     def pending_count(self) -> int:
-        return len(self._loads)
+        return self._count
 
-    def pending(self, key: str, object_keys: Sequence[bytes]) -> list[Load]:
-        """The unfinished loads of these objects for request ``key``."""
-        return [load for k in object_keys if (load := self._loads.get((key, k))) is not None]
+    def pending(self, request: RequestKey, object_keys: Sequence[bytes]) -> list[Load]:
+        """The unfinished loads of these objects for ``request``."""
+        loads = self._loads.get(request)
+        if not loads:
+            return []
+        return [load for k in object_keys if (load := loads.get(k)) is not None]
 
-    def wait_deadline(self, key: str, space: bytes, proposed: float) -> float:
-        """Until when the retrieves of request ``key`` into namespace ``space`` wait for its
+    def wait_deadline(self, request: RequestKey, space: bytes, proposed: float) -> float:
+        """Until when the retrieves of ``request`` into namespace ``space`` wait for its
         loads: ``proposed`` for the first one that waits; those after it share that deadline
         while any load of the request is unfinished (a new lookup of the request starts over).
         """
-        return self._waits.setdefault(key, {}).setdefault(space, proposed)
+        return self._waits.setdefault(request, {}).setdefault(space, proposed)
 
-    def deadline(self, key: str, space: bytes) -> float | None:
+    def deadline(self, request: RequestKey, space: bytes) -> float | None:
         """The deadline :meth:`wait_deadline` set, if a retrieve has waited."""
-        return self._waits.get(key, {}).get(space)
+        return self._waits.get(request, {}).get(space)
 
-    def cancel_request(self, key: str) -> None:
-        self._waits.pop(key, None)
-        for (request, _), load in list(self._loads.items()):
-            if request == key:
-                load.scope.cancel()
+    def cancel_request(self, request: RequestKey) -> None:
+        """Cancel the request's loads (its own only: no scan of the others')."""
+        self._waits.pop(request, None)
+        for load in self._loads.get(request, {}).values():
+            load.scope.cancel()
 
     def cancel_owner(self, owner: str) -> None:
-        for load_key in self._by_owner.pop(owner, ()):
-            load = self._loads.get(load_key)
+        for request, object_key in self._by_owner.pop(owner, ()):
+            load = self._loads.get(request, {}).get(object_key)
             if load is not None:
                 load.scope.cancel()
 
     async def start(
         self,
         owner: str,
-        key: str,
+        request: RequestKey,
         spaces: Sequence[bytes],
         hashes: Sequence[bytes],
-        sources: Sequence[Sequence[Any]],
+        sources: Sequence[Sequence[TierBackend]],
         readers: int,
         fingerprint: bytes,
         chunk_bytes: int,
@@ -88,8 +94,8 @@ class Prefetcher:
         comes last (shielded).
         """
         placed = 0
-        release: tuple[list[list[Any]], list[list[bytes]]] = ([], [])
-        by_source: dict[int, tuple[Any, list[tuple[bytes, Entry]]]] = {}
+        release: tuple[list[list[TierBackend]], list[list[bytes]]] = ([], [])
+        by_source: dict[int, tuple[TierBackend, list[tuple[bytes, Entry]]]] = {}
         expires = trio.current_time() + self.config.pin_ttl
         for index, (chunk_hash, chunk_sources) in enumerate(zip(hashes, sources, strict=True)):
             keys = [space + chunk_hash for space in spaces]
@@ -103,37 +109,44 @@ class Prefetcher:
                 break
             for object_key, outcome, source in zip(keys, outcomes, chunk_sources, strict=True):
                 if outcome is Reservation.PRESENT:  # it reached L1 meanwhile
-                    self._pin(key, owner, object_key, readers, expires)
+                    self._pin(request, owner, object_key, readers, expires)
                     release[0].append([source])
                     release[1].append([object_key])
                 elif isinstance(outcome, Entry):
                     by_source.setdefault(id(source), (source, []))[1].append((object_key, outcome))
             placed += 1
-        done = self._done(key, owner, readers)
+        done = self._done(request, owner, readers)
         owned = self._by_owner.setdefault(owner, set()) if by_source else set()
+        loads = self._loads.setdefault(request, {}) if by_source else {}
         for source, items in by_source.values():
             for load in self.l2.start_loads(items, source, fingerprint, done):
-                self._loads[(key, load.key)] = load
-                self._per_request[key] += 1
-                owned.add((key, load.key))
+                if load.key not in loads:
+                    self._count += 1
+                loads[load.key] = load
+                self._per_request[request] += 1
+                owned.add((request, load.key))
         if release[0]:
             await self.l2.release(*release)
         return placed
 
-    def _done(self, key: str, owner: str, readers: int) -> Callable[[Load], None]:
+    def _done(self, request: RequestKey, owner: str, readers: int) -> Callable[[Load], None]:
         def done(load: Load) -> None:
-            self._loads.pop((key, load.key), None)
-            self._per_request[key] -= 1
-            if self._per_request[key] <= 0:
-                del self._per_request[key]
-                self._waits.pop(key, None)
+            loads = self._loads.get(request)
+            if loads is not None and loads.pop(load.key, None) is not None:
+                self._count -= 1
+                if not loads:
+                    del self._loads[request]
+            self._per_request[request] -= 1
+            if self._per_request[request] <= 0:
+                del self._per_request[request]
+                self._waits.pop(request, None)
             owned = self._by_owner.get(owner)
             if owned is not None:
-                owned.discard((key, load.key))
+                owned.discard((request, load.key))
             if load.ok and not load.scope.cancel_called:
                 self.l1.commit(load.key)
                 expires = trio.current_time() + self.config.pin_ttl
-                self._pin(key, owner, load.key, readers, expires)
+                self._pin(request, owner, load.key, readers, expires)
             elif load.scope.cancel_called:
                 # Our copy thread has finished, but a plugin backend might abandon its thread:
                 # keep the slot out of use for a while, as for any writer that may be late.

@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import trio
 
-from ..errors import ProtocolError, RequestError
-from ..protocol import Lookup, LookupBatch, LookupBatchReply, LookupFailure, LookupReply
-from ._session import Session
-from ._state import Later, ServerState
+from ...errors import ProtocolError, RequestError
+from ...protocol import Lookup, LookupBatch, LookupBatchReply, LookupFailure, LookupReply
+from .._session import Session
+from .._state import Later, ServerState
 
 __all__ = ["register_lookup_batch"]
 

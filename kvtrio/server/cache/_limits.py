@@ -9,9 +9,9 @@ holds nothing costs nothing (the server keeps no prompts). Synchronous, no I/O.
 
 from __future__ import annotations
 
-from ..errors import ErrorCode, RequestError
-from ..protocol import Register
-from ..storage import LeaseTable
+from ...errors import ErrorCode, RequestError
+from ...protocol import Register
+from ...storage import LeaseTable
 from ._registry import layout_of
 
 __all__ = ["RequestLimits", "check_registration"]

@@ -3,22 +3,15 @@ version 2 every operation carries its own chunk hashes."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 
-from ..errors import ErrorCode, RequestError
-from ..protocol import LayoutSpec, Register
-from ..storage import HASH_SCHEME_TOKENS, ModelProfile, namespace
-from ..transfer import KVLayout
+from ...errors import ErrorCode, RequestError
+from ...protocol import HASH_SCHEME_TOKENS, LayoutSpec, Register
+from ...storage import ModelProfile, namespace
+from ...transfer import KVLayout
+from ._copy import CopyPath
 
-__all__ = ["ModelEntry", "Registration", "Registry", "layout_of", "request_key"]
-
-
-def request_key(engine: str, model: str, tenant: str, request: str) -> str:
-    """Requests are named per engine, model and tenant: engines reuse request ids freely."""
-    return "\x00".join((engine, model, tenant, request))
-
+__all__ = ["ModelEntry", "Registration", "Registry", "layout_of"]
 
 ModelKey = tuple[str, str, bytes, int]
 """``(model, tenant, profile digest, world size)``: engines that share cached chunks."""
@@ -38,12 +31,15 @@ class Registration:
     rank: int
     layout: KVLayout
     profile: ModelProfile
+    fingerprint: bytes
+    """``profile.digest()``, computed once (every committed chunk's L2 frame carries it)."""
     space: bytes
     """Namespace of this rank's objects."""
     chunk_bytes: int
+    copy: CopyPath
+    """How this worker's chunks move between its engine and L1 (see ``_copy``): chosen when it
+    registers, used by every store and retrieve."""
     device: str = "cpu"
-    cuda: Any = None
-    """The opened CUDA registration (``server._cuda.CudaRegistration``) of a CUDA worker."""
 
 
 @attrs.define(eq=False)
@@ -54,13 +50,17 @@ class ModelEntry:
     tenant: str
     profile: ModelProfile
     world_size: int
+    fingerprint: bytes
+    """``profile.digest()``, computed once."""
     spaces: tuple[bytes, ...]
     """Namespaces a lookup must find a chunk in: one per rank, or one shared by all ranks."""
+    chunk_bytes: int
+    """Bytes of one chunk in L1 (the canonical format: the same for every worker)."""
     workers: int = 0
 
     @property
     def key(self) -> ModelKey:
-        return (self.model, self.tenant, self.profile.digest(), self.world_size)
+        return (self.model, self.tenant, self.fingerprint, self.world_size)
 
 
 @attrs.define(eq=False)
@@ -91,8 +91,9 @@ class Registry:
 
     # ----------------------------------------------------------------- registrations
 
-    def register(self, session_id: str, request: Register) -> Registration:
-        """Validate and record a registration (the caller removed the session's previous one).
+    def register(self, session_id: str, request: Register, copy: CopyPath) -> Registration:
+        """Validate and record a registration (the caller removed the session's previous one),
+        with the copy path it starts with (the caller may replace it before anything uses it).
 
         Raises :class:`RequestError` (``bad_request`` or ``incompatible``) with a message that
         says what is wrong.
@@ -134,7 +135,8 @@ class Registry:
             dtype=layout.dtype,
             shared_across_ranks=layout.kind == "mla",
         )
-        entry = self._model_for(request, profile)
+        chunk_bytes = layout.chunk_nbytes(self.chunk_size)
+        entry = self._model_for(request, profile, chunk_bytes)
         rank_space = entry.spaces[0] if profile.shared_across_ranks else entry.spaces[request.rank]
         registration = Registration(
             session_id=session_id,
@@ -145,8 +147,10 @@ class Registry:
             rank=request.rank,
             layout=layout,
             profile=profile,
+            fingerprint=entry.fingerprint,
             space=rank_space,
-            chunk_bytes=layout.chunk_nbytes(self.chunk_size),
+            chunk_bytes=chunk_bytes,
+            copy=copy,
             device=request.device,
         )
         engine = self.engines.setdefault(
@@ -157,7 +161,7 @@ class Registry:
         self.by_session[session_id] = registration
         return registration
 
-    def _model_for(self, request: Register, profile: ModelProfile) -> ModelEntry:
+    def _model_for(self, request: Register, profile: ModelProfile, chunk_bytes: int) -> ModelEntry:
         """The model entry of this profile; refuses a worker that disagrees with the other
         workers of its own engine (and says only what differs, never another engine's
         settings)."""
@@ -174,7 +178,8 @@ class Registry:
                     "engine must agree",
                 )
             return mine.model
-        key = (request.model, request.tenant, profile.digest(), request.world_size)
+        fingerprint = profile.digest()
+        key = (request.model, request.tenant, fingerprint, request.world_size)
         entry = self.models.get(key)
         if entry is None:
             ranks = 1 if profile.shared_across_ranks else request.world_size
@@ -182,7 +187,15 @@ class Registry:
                 namespace(request.model, request.tenant, profile, request.world_size, rank)
                 for rank in range(ranks)
             )
-            entry = ModelEntry(request.model, request.tenant, profile, request.world_size, spaces)
+            entry = ModelEntry(
+                request.model,
+                request.tenant,
+                profile,
+                request.world_size,
+                fingerprint,
+                spaces,
+                chunk_bytes,
+            )
             self.models[key] = entry
         return entry
 

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..errors import ErrorCode, RequestError
-from ..shm import SharedArena
-from ..storage import Entry, L1Cache, LeaseTable
+from ...errors import ErrorCode, RequestError
+from ...shm import SharedArena
+from ...storage import Entry, L1Cache, LeaseTable
 
 if TYPE_CHECKING:
-    from ._session import Session
-    from ._state import ServerState
+    from ...config import ServerConfig
+    from .._session import Session
 
 __all__ = ["Quotas", "scrub"]
 
@@ -32,10 +32,8 @@ __all__ = ["Quotas", "scrub"]
 class Quotas:
     """The limits of one server (from its config) over its lease table."""
 
-    def __init__(self, state: ServerState, leases: LeaseTable, l1: L1Cache) -> None:
-        config = state.config
+    def __init__(self, config: ServerConfig, leases: LeaseTable, l1: L1Cache) -> None:
         self._l1 = l1
-        self._state = state
         self._leases = leases
         self.max_per_session = config.max_leases_per_session
         self.share = config.lease_share
@@ -68,7 +66,7 @@ class Quotas:
         if user:
             mine = sum(
                 leases.owned(other.id)
-                for other in self._state.sessions.values()
+                for other in session.state.sessions.values()
                 if other.principal.user_id == user
             )
             if (mine + new) * chunk_bytes > self.share_per_key * self._capacity:

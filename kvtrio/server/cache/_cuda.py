@@ -28,11 +28,11 @@ from typing import Any
 import attrs
 import trio
 
-from ..errors import ErrorCode, RequestError
-from ..protocol import CudaCache, CudaLayer
-from ..shm import SharedArena
-from ..transfer import KVLayout
-from ..transfer.cuda import (
+from ...errors import ErrorCode, RequestError
+from ...protocol import CudaCache, CudaLayer
+from ...shm import SharedArena
+from ...transfer import KVLayout
+from ...transfer.cuda import (
     ChunkCopy,
     CopyPipeline,
     CudaRuntime,
@@ -51,13 +51,11 @@ RuntimeFactory = Callable[[], CudaRuntime | None]
 
 _CUDA_LIMITER = trio.CapacityLimiter(1)
 """Blocking CUDA calls of the server (opening handles, pinning, building kernels)."""
-_WAIT_LIMITER = trio.CapacityLimiter(1)
-"""The watcher's wait for the next completion (one at a time, in order)."""
 _EVENTS_PER_REGISTRATION = 8
 
 
 def _default_runtime() -> CudaRuntime | None:
-    from ..transfer.cuda import torch_runtime
+    from ...transfer.cuda import torch_runtime
 
     return torch_runtime()
 
@@ -106,13 +104,19 @@ class CudaTransfers:
         self._pipelines: dict[tuple[int, int], CopyPipeline] = {}
         self._pending: collections.deque[_Pending] = collections.deque()
         self._wakeup = trio.lowlevel.ParkingLot()
+        self.wait_limiter = trio.CapacityLimiter(1)
+        """The watcher's wait for the next completion (one at a time, in order). Per instance:
+        a stopped server's abandoned wait (its GPU work never finished) must not hold up
+        another server's watcher in the same process (tests run many)."""
         self.registrations = 0
         self.operations = 0
         self.failures = 0
 
     # ----------------------------------------------------------------- registration
 
-    async def open(self, spec: CudaCache | None, layout: KVLayout, chunk_bytes: int) -> Any:
+    async def open(
+        self, spec: CudaCache | None, layout: KVLayout, chunk_bytes: int
+    ) -> CudaRegistration:
         """Validate and open a CUDA registration; ``RequestError`` says what is wrong.
 
         Cancellation: the blocking part finishes; what it opened is closed again.
@@ -319,7 +323,7 @@ class CudaTransfers:
             if item.event is not None:
                 try:
                     await trio.to_thread.run_sync(
-                        item.event.synchronize, limiter=_WAIT_LIMITER, abandon_on_cancel=True
+                        item.event.synchronize, limiter=self.wait_limiter, abandon_on_cancel=True
                     )
                 except Exception:
                     log.exception("a CUDA copy failed")

@@ -1,0 +1,203 @@
+"""The cache core: the state every cache operation shares, and the steps they share.
+
+All state changes happen synchronously inside a handler (no checkpoint in the middle), so each
+operation is atomic with respect to every other. Every pin and reservation is a lease
+(``storage.LeaseTable``) undone exactly once: by the operation that ends it (commit, release,
+a server-side copy's completion), by the request's end, by its session's end, or by the reaper
+when it expires. This module holds the tables and those ends; the operations are in
+``_lookups``, ``_writes``, ``_reads`` and ``_registrations``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import trio
+
+from ..._logging import event
+from ...config import ServerConfig
+from ...errors import ErrorCode, RequestError
+from ...protocol import Retrieve, Store
+from ...storage import L1Cache, Lease, LeaseKind, LeaseTable
+from .._session import Session
+from .._tenants import TenantArenas
+from ..l2tier import L2Tier
+from ._copy import WriteEnd
+from ._keys import RequestKey, checked_hashes, request_key
+from ._limits import RequestLimits
+from ._prefetch import Prefetcher
+from ._quotas import Quotas
+from ._registry import Registration, Registry
+
+__all__ = ["CacheCore"]
+
+log = logging.getLogger("kvtrio.cache")
+
+
+class CacheCore:
+    """The L1 cache's tables (one per server) and the steps the operations share."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        arenas: TenantArenas,
+        l2: L2Tier,
+        settle_copies: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.config = config
+        self.settle_copies = settle_copies
+        """Run the completions of server-side copies that have already finished (non-blocking):
+        called first by the operations that read the cache, so a copy the worker saw done is
+        visible to its next request."""
+        self.arenas = arenas  # one per tenant (docs/security.md)
+        self.l1: L1Cache = arenas.l1
+        self.l2 = l2
+        self.leases = LeaseTable()
+        self.quotas = Quotas(config, self.leases, self.l1)
+        self.registry = Registry(config.chunk_size)
+        self.limits = RequestLimits(config.max_requests, config.max_pins)
+        self.prefetch = Prefetcher(self.l1, l2, config, self.pin_for_lookup)
+        self._watched: set[str] = set()  # sessions whose end releases their leases
+
+    # ----------------------------------------------------------------- who and what
+
+    def registration(self, session: Session) -> Registration:
+        """The session's registration, or ``not_registered``."""
+        registration = self.registry.by_session.get(session.id)
+        if registration is None:
+            raise RequestError(
+                ErrorCode.NOT_REGISTERED,
+                "this client has not registered a KV cache (or its session ended): register first",
+            )
+        return registration
+
+    def worker_request(self, registration: Registration, request_id: str) -> RequestKey:
+        """A worker's requests are its engine's: scoped by engine, model and tenant."""
+        return request_key(registration.engine, registration.model, registration.tenant, request_id)
+
+    def chunks(
+        self, registration: Registration, op: Store | Retrieve
+    ) -> tuple[RequestKey, Sequence[bytes], range]:
+        """The request key, the chunk hashes and the chunk indices of ``[start, end)``, checked;
+        the request is admitted (``busy`` beyond ``max_requests``)."""
+        size = self.config.chunk_size
+        if op.start % size or op.start < 0 or op.end < op.start:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"the range [{op.start}, {op.end}) must start at a multiple of the "
+                f"chunk size {size} and not end before it starts",
+            )
+        chunks = range(op.start // size, op.end // size)
+        hashes = checked_hashes(op.chunk_hashes)
+        if len(hashes) != len(chunks):
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"the range [{op.start}, {op.end}) has {len(chunks)} full chunks; "
+                f"send exactly their {len(chunks)} chunk hashes (got {len(hashes)})",
+            )
+        request = self.worker_request(registration, op.request)
+        self.limits.admit_request(self.leases, request)
+        return request, hashes, chunks
+
+    def local(self, offset: int) -> int:
+        """An L1 entry's offset in its tenant's arena file (what the worker maps)."""
+        return self.arenas.of_offset(offset).local(offset)
+
+    # ----------------------------------------------------------------- lease ends
+
+    def pin_for_lookup(
+        self, request: RequestKey, owner: str, object_key: bytes, readers: int, expires: float
+    ) -> None:
+        self.l1.pin(object_key, readers)
+        self.leases.add(LeaseKind.LOOKUP, request, owner, object_key, readers, expires)
+
+    def end_lookup(self, request: RequestKey) -> int:
+        """Release a request's lookup pins and cancel its pending loads."""
+        self.prefetch.cancel_request(request)
+        return self.undo(self.leases.pop_request(request, [LeaseKind.LOOKUP]), quarantine=False)
+
+    def end_write(
+        self, owner: str, request: RequestKey, object_key: bytes, how: WriteEnd, fingerprint: bytes
+    ) -> bool:
+        """End ``owner``'s write reservation of ``object_key`` for ``request``: ``commit`` it
+        (visible, and queued for L2 with ``fingerprint``), ``abort`` it, or ``quarantine`` its
+        slot. False if there is none (never reserved, expired, or its session ended)."""
+        lease = self.leases.get(LeaseKind.WRITE, request, owner, object_key)
+        if lease is None:
+            return False
+        self.leases.remove(lease)
+        if how == "commit":
+            self.l1.commit(object_key)
+            self.l2.write_behind(object_key, fingerprint)
+        elif how == "abort":
+            self.l1.abort(object_key)
+        else:
+            self.l1.abort_quarantined(object_key, trio.current_time() + self.config.reservation_ttl)
+        return True
+
+    def end_reads(self, owner: str, request: RequestKey, object_keys: Sequence[bytes]) -> int:
+        """Unpin ``owner``'s read pins of ``object_keys`` for ``request`` that still exist."""
+        leases = []
+        for object_key in object_keys:
+            lease = self.leases.get(LeaseKind.READ, request, owner, object_key)
+            if lease is not None:
+                self.leases.remove(lease)
+                leases.append(lease)
+        return self.undo(leases, quarantine=False)
+
+    def undo(self, leases: Sequence[Lease], *, quarantine: bool) -> int:
+        """Undo what removed leases held: unpin, or drop a reservation. Returns the count."""
+        l1 = self.l1
+        for lease in leases:
+            if lease.kind is LeaseKind.WRITE:
+                if quarantine:
+                    l1.abort_quarantined(
+                        lease.key, trio.current_time() + self.config.reservation_ttl
+                    )
+                else:
+                    l1.abort(lease.key)
+            else:
+                l1.unpin(lease.key, lease.count)
+        return len(leases)
+
+    # ----------------------------------------------------------------- sessions
+
+    def watch(self, session: Session) -> None:
+        """Make the session's end release everything it holds (once per session)."""
+        if session.id in self._watched:
+            return
+        self._watched.add(session.id)
+
+        async def session_ended() -> None:
+            self._watched.discard(session.id)
+            # The client may still be alive (silent, not dead): a late write must land in a
+            # quarantined slot, never in one handed to someone else.
+            self.release_session(session.id, quarantine=True)
+
+        session.add_cleanup(session_ended)
+
+    def release_session(self, session_id: str, *, quarantine: bool) -> int:
+        """Drop the session's registration (if any) and every lease it holds; cancel the loads
+        it started. Returns how many leases were released."""
+        self.prefetch.cancel_owner(session_id)
+        registration = self.registry.unregister(session_id)
+        # A copy path that copies on the server may still be writing the reservations.
+        quarantine = quarantine or (registration is not None and registration.copy.copies_on_server)
+        released = self.undo(self.leases.pop_owner(session_id), quarantine=quarantine)
+        if registration is not None:
+            registration.copy.close()  # (once the copies queued so far are done)
+            log.info(
+                "session %s unregistered %s rank %d",
+                session_id,
+                registration.model,
+                registration.rank,
+                extra=event(
+                    "unregistration",
+                    session=session_id,
+                    model=registration.model,
+                    rank=registration.rank,
+                    released=released,
+                ),
+            )
+        return released

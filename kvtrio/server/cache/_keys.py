@@ -1,0 +1,39 @@
+"""The two kinds of key in the cache, kept apart by their types.
+
+- A **request key** (:data:`RequestKey`, a ``str``) names one request of one engine: its
+  engine, model, tenant and the engine's request id (engines reuse request ids freely). Leases,
+  loads and limits are kept per request key.
+- An **object key** (``bytes``) names one cached chunk: the 16-byte namespace of its model and
+  rank followed by its 16-byte chunk hash. L1, L2 and the lease table's ``key`` are object keys.
+
+The wire's ``request`` field of a message holds the engine's request id, from which the request
+key is made (:func:`request_key`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NewType
+
+from ...errors import ErrorCode, RequestError
+
+__all__ = ["CHUNK_HASH_SIZE", "RequestKey", "checked_hashes", "request_key"]
+
+CHUNK_HASH_SIZE = 16
+
+RequestKey = NewType("RequestKey", str)
+"""A request as the cache's tables know it (see the module doc)."""
+
+
+def request_key(engine: str, model: str, tenant: str, request_id: str) -> RequestKey:
+    """The key of request ``request_id`` of ``engine`` for ``model`` in ``tenant``."""
+    return RequestKey("\x00".join((engine, model, tenant, request_id)))
+
+
+def checked_hashes(hashes: Sequence[bytes], name: str = "chunk_hashes") -> Sequence[bytes]:
+    """Chunk hashes as sent: each exactly 16 bytes, else ``bad_request``."""
+    if any(len(h) != CHUNK_HASH_SIZE for h in hashes):
+        raise RequestError(
+            ErrorCode.BAD_REQUEST, f"{name}: every chunk hash is {CHUNK_HASH_SIZE} bytes"
+        )
+    return hashes

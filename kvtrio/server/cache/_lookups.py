@@ -1,0 +1,139 @@
+"""Lookup, and the ends of a request's lookup (``free_lookup_locks``, ``end_session``).
+
+A lookup pins the L1 prefix of the request's chunks at once, inline, for every namespace of
+the model (each rank's, or the one all ranks share). If L2 is on and the prefix stops short,
+the rest is a :class:`Later`: the L2 lookup (bounded by ``lookup_timeout``) and the start of the
+loads (``_prefetch``), whose chunks are then pinned like L1 hits as they arrive. L1 is pinned
+first, so nothing found there can be evicted while the lookup waits for the backends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import trio
+
+from ...errors import ErrorCode, RequestError
+from ...protocol import EndSession, FreeLookupLocks, Lookup, LookupReply, Released
+from .._session import Session
+from .._state import Later
+from ..l2tier import TierBackend
+from ._core import CacheCore
+from ._keys import RequestKey, checked_hashes, request_key
+from ._registry import ModelEntry
+
+__all__ = ["Lookups"]
+
+
+class Lookups:
+    """The lookup operations and their counters."""
+
+    def __init__(self, core: CacheCore) -> None:
+        self.core = core
+        self.lookups = 0
+        self.hit_chunks = 0
+        self.miss_chunks = 0
+        self.l2_chunks = 0
+        self.timeouts = 0
+        """Lookups whose L2 part ran out of ``lookup_timeout``."""
+
+    def lookup(self, session: Session, lookup: Lookup) -> LookupReply | Later:
+        """Pin the L1 prefix now; L2 work, if any, is left to a :class:`Later`."""
+        core = self.core
+        core.settle_copies()  # copies the worker already saw done are visible
+        hashes = checked_hashes(lookup.chunk_hashes)
+        model = core.registry.engine_model(lookup.engine, lookup.model, lookup.tenant)
+        if model is None:
+            return LookupReply(0, 0)  # no worker of this engine has registered (yet)
+        if lookup.world_size != model.world_size:
+            raise RequestError(
+                ErrorCode.INCOMPATIBLE,
+                f"model {lookup.model!r} is registered with world size {model.world_size}, "
+                f"the lookup says {lookup.world_size}",
+            )
+        now = trio.current_time()
+        request = request_key(lookup.engine, lookup.model, lookup.tenant, lookup.request)
+        core.limits.admit_request(core.leases, request)
+        # A new lookup of the request replaces the previous one: its pins and its loads.
+        core.end_lookup(request)
+        core.quotas.readers(lookup.num_readers, model.world_size)
+        hit = len(hashes)
+        for space in model.spaces:
+            hit = core.l1.prefix([space + h for h in hashes[:hit]])
+        if hit:
+            pinned = [space + h for space in model.spaces for h in hashes[:hit]]
+            core.quotas.admit(session, len(pinned), model.chunk_bytes)
+            core.quotas.admit_pins(pinned, model.chunk_bytes)
+        core.limits.admit_pins(core.leases, len(hashes) * len(model.spaces))  # (L2 hits too)
+        readers = lookup.num_readers or (
+            model.world_size if model.profile.shared_across_ranks else 1
+        )
+        expires = now + core.config.pin_ttl
+        for chunk_hash in hashes[:hit]:  # pinned before awaiting anything: they stay
+            for space in model.spaces:
+                core.pin_for_lookup(request, session.id, space + chunk_hash, readers, expires)
+        core.watch(session)
+        if core.l2.enabled and hit < len(hashes):
+            return Later(lambda: self._lookup_l2(session, request, model, hashes, hit, readers))
+        return self._done(len(hashes), hit, 0)
+
+    async def _lookup_l2(
+        self,
+        session: Session,
+        request: RequestKey,
+        model: ModelEntry,
+        hashes: Sequence[bytes],
+        hit: int,
+        readers: int,
+    ) -> LookupReply:
+        """The L2 part of a lookup: find the missing chunks there and start their loads.
+
+        Cancellation (the session ends): the L2 lookup unlocks what it locked; loads already
+        started belong to the request and end with it.
+        """
+        core = self.core
+        sources: list[list[TierBackend]] = []
+        with trio.move_on_after(core.config.lookup_timeout) as scope:
+            sources = await core.l2.lookup(model.spaces, hashes[hit:])
+        if scope.cancelled_caught:
+            self.timeouts += 1  # (l2.lookup unlocked what it had locked)
+        found = hashes[hit : hit + len(sources)]
+        if core.registry.models.get(model.key) is None:
+            # Every worker of the model left while the backends answered: nothing to load for.
+            await core.l2.release(sources, [[s + h for s in model.spaces] for h in found])
+            raise RequestError(ErrorCode.INCOMPATIBLE, "no worker of this model is registered")
+        loaded = await core.prefetch.start(
+            session.id,
+            request,
+            model.spaces,
+            found,
+            sources,
+            readers,
+            model.fingerprint,
+            model.chunk_bytes,
+        )
+        return self._done(len(hashes), hit, loaded)
+
+    def _done(self, chunks: int, hit: int, loaded: int) -> LookupReply:
+        self.lookups += 1
+        self.hit_chunks += hit + loaded
+        self.l2_chunks += loaded
+        self.miss_chunks += chunks - hit - loaded
+        total = hit + loaded
+        return LookupReply(hit_tokens=total * self.core.config.chunk_size, hit_chunks=total)
+
+    # ----------------------------------------------------------------- request ends
+
+    def free_lookup_locks(self, session: Session, free: FreeLookupLocks) -> Released:
+        """Release the request's lookup pins and cancel its loads (the engine will not
+        retrieve, or has retrieved)."""
+        request = request_key(free.engine, free.model, free.tenant, free.request)
+        return Released(self.core.end_lookup(request))
+
+    def end_session(self, session: Session, end: EndSession) -> Released:
+        """The request is over: release its lookup pins and cancel its loads. (The operation's
+        name is the wire's: it ends a *request*, not this connection's session.)"""
+        # A worker's store or retrieve may still be under way (engines save asynchronously):
+        # its reservations and read pins are its own leases, ended by its commit/release.
+        request = request_key(end.engine, end.model, end.tenant, end.request)
+        return Released(self.core.end_lookup(request))

@@ -1,0 +1,132 @@
+"""Reads: ``retrieve`` pins a worker's chunks in L1 and says where they are, ``release`` unpins.
+
+A retrieve takes its own read pin of each chunk before it consumes the lookup's pin, so a chunk
+never drops to zero pins in between. Chunks still loading from L2 (started by the lookup) are
+waited for, within a deadline that the retrieves of one request share while its loads last; a
+``partial`` retrieve waits only for its first chunk and answers the chunks still loading after
+the ready ones as ``loading`` (the worker asks again for those, copying the rest meanwhile).
+What follows the pins is the registration's copy path (``_copy``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import trio
+
+from ...protocol import Release, Released, Retrieve, RetrieveReply, Slot
+from ...storage import LeaseKind
+from .._session import Session
+from .._state import Later
+from ._copy import Blocks, Job
+from ._core import CacheCore
+from ._keys import RequestKey, checked_hashes
+from ._registry import Registration
+
+__all__ = ["Reads"]
+
+
+class Reads:
+    """The retrieve and release operations."""
+
+    def __init__(self, core: CacheCore) -> None:
+        self.core = core
+
+    def retrieve(self, session: Session, retrieve: Retrieve) -> RetrieveReply | Later:
+        """Pin and answer the slots now; waiting for the chunks' L2 loads is left to a Later.
+
+        A ``partial`` retrieve waits only for its first chunk's load and answers the chunks
+        still loading after the ready ones as ``loading`` (see :meth:`_read`). Cancellation of
+        the Later (the session ends): nothing is pinned yet; the loads go on for the request.
+        """
+        core = self.core
+        core.settle_copies()
+        registration = core.registration(session)
+        request, hashes, chunks = core.chunks(registration, retrieve)
+        blocks = registration.copy.check(retrieve, chunks)  # before anything is pinned
+        keys = [registration.space + h for h in hashes]
+        pending = core.prefetch.pending(request, keys[:1] if retrieve.partial else keys)
+        if not pending:
+            return self._read(session, registration, retrieve, request, hashes, chunks, blocks)
+        # L2 → L1 loads started by the lookup: wait for them, within the deadline, which the
+        # retrieves of this request share while its loads last (a worker may split one
+        # operation into several retrieves: they wait once, not once each).
+        deadline = core.prefetch.wait_deadline(
+            request, registration.space, trio.current_time() + core.config.retrieve_timeout
+        )
+
+        async def loaded() -> RetrieveReply:
+            with trio.move_on_at(deadline):
+                for load in pending:
+                    await load.done.wait()
+            return self._read(session, registration, retrieve, request, hashes, chunks, blocks)
+
+        return Later(loaded)
+
+    def _loading_from(self, request: RequestKey, keys: Sequence[bytes], space: bytes) -> int:
+        """A partial retrieve's answer: the index of its first chunk whose load is still
+        running (``len(keys)`` if none is, or once the request's wait is over)."""
+        prefetch = self.core.prefetch
+        deadline = prefetch.deadline(request, space)
+        if deadline is not None and trio.current_time() >= deadline:
+            return len(keys)
+        for index, object_key in enumerate(keys):
+            if prefetch.pending(request, [object_key]):
+                return index
+        return len(keys)
+
+    def _read(
+        self,
+        session: Session,
+        registration: Registration,
+        retrieve: Retrieve,
+        request: RequestKey,
+        hashes: Sequence[bytes],
+        chunks: range,
+        blocks: Blocks,
+    ) -> RetrieveReply:
+        """Pin the chunks of a retrieve that are in L1 (consuming the lookup's pins). A partial
+        retrieve answers ``loading`` from its first chunk still loading on (not pinned)."""
+        core = self.core
+        reading = [registration.space + h for h in hashes]
+        ready = len(reading)
+        if retrieve.partial and core.prefetch.pending_count:
+            ready = self._loading_from(request, reading, registration.space)
+        reading, hashes = reading[:ready], hashes[:ready]
+        core.quotas.admit(session, ready, registration.chunk_bytes)
+        core.quotas.admit_pins(reading, registration.chunk_bytes)
+        expires = trio.current_time() + core.config.pin_ttl
+        slots = []
+        for index, object_key in zip(chunks, reading, strict=False):
+            entry = core.l1.get(object_key)
+            if entry is None:
+                slots.append(Slot(index, "failed"))
+                continue
+            core.l1.pin(object_key)  # the read's own pin first, so the entry stays pinned
+            core.leases.add(LeaseKind.READ, request, session.id, object_key, 1, expires)
+            consumed = core.leases.take_lookup(request, object_key)
+            if consumed:
+                core.l1.unpin(object_key, consumed)
+            slots.append(Slot(index, "read", core.local(entry.offset), entry.nbytes))
+        slots += [Slot(index, "loading") for index in chunks[ready:]]
+        job = Job(
+            session.id,
+            request,
+            registration.space,
+            registration.fingerprint,
+            hashes,
+            slots,
+            blocks,
+            retrieve.event,
+        )
+        return registration.copy.retrieve(job)
+
+    def release(self, session: Session, release: Release) -> Released:
+        """Unpin this session's read pins of the named chunks (a worker's copies are done)."""
+        core = self.core
+        registration = core.registration(session)
+        request = core.worker_request(registration, release.request)
+        object_keys = [
+            registration.space + h for h in checked_hashes(release.chunk_hashes, "chunk_hashes")
+        ]
+        return Released(core.end_reads(session.id, request, object_keys))

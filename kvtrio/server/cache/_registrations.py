@@ -1,0 +1,106 @@
+"""Registrations: a worker says which KV cache it holds, and gets its copy path.
+
+``register`` checks the shapes (``_limits``), opens the tenant's L1 arena, records the worker
+in the registry (which refuses a profile its engine's other workers disagree with) and chooses
+the copy path once: the host path (the worker copies through the shared arena), or for a
+``cuda`` worker the CUDA path, after its layers' IPC handles are checked and opened
+(``_cuda``). A re-registration first drops the session's previous one; ``unregister`` and the
+session's end drop it (see :meth:`CacheCore.release_session`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..._logging import event
+from ...errors import ErrorCode, RequestError
+from ...protocol import Register, Registered, Released, Unregister
+from .._session import Session
+from ._copy import CopyPath, HostCopy
+from ._core import CacheCore
+from ._cuda import CudaTransfers
+from ._cuda_copy import CudaCopy
+from ._limits import check_registration
+from ._registry import Registration
+
+__all__ = ["Registrations"]
+
+log = logging.getLogger("kvtrio.cache")
+
+
+class Registrations:
+    """The register and unregister operations."""
+
+    def __init__(self, core: CacheCore, cuda: CudaTransfers) -> None:
+        self.core = core
+        self.cuda = cuda
+        self.host_copy = HostCopy(core.arenas.memory, core.config.reservation_ttl)
+
+    async def register(self, session: Session, register: Register) -> Registered:
+        """Record the worker's registration (replacing the session's previous one).
+
+        Cancellation: while the CUDA handles open, they finish opening and are closed again;
+        the registration is then not recorded.
+        """
+        core = self.core
+        config = core.config
+        check_registration(register, config.chunk_size, core.arenas.arena_size)
+        tenant_arena = await core.arenas.open(register.tenant)
+        if register.device == "cuda" and tenant_arena.index != 0:
+            raise RequestError(
+                ErrorCode.INCOMPATIBLE,
+                "CUDA workers are served in the first tenant's L1 arena only (not yet per tenant)",
+            )
+        released = core.release_session(session.id, quarantine=False)
+        registration = core.registry.register(session.id, register, self.host_copy)
+        core.arenas.bind(registration.space, tenant_arena)
+        core.watch(session)
+        if registration.device == "cuda":
+            try:
+                registration.copy = await self._cuda_path(registration, register)
+            except BaseException:
+                core.registry.unregister(session.id)
+                raise
+        log.info(
+            "session %s registered %s rank %d/%d (%s, %s)%s",
+            session.id,
+            register.model,
+            register.rank,
+            register.world_size,
+            register.layout.kind,
+            register.layout.dtype,
+            f", replacing its registration ({released} released)" if released else "",
+            extra=event(
+                "registration",
+                session=session.id,
+                model=register.model,
+                rank=register.rank,
+                world_size=register.world_size,
+                layout=register.layout.kind,
+                dtype=register.layout.dtype,
+            ),
+        )
+        return Registered(
+            chunk_size=config.chunk_size,
+            arena_path=tenant_arena.arena.path,  # its own tenant's arena, never another's
+            arena_size=tenant_arena.arena.size,
+            chunk_bytes=registration.chunk_bytes,
+            reservation_ttl=config.reservation_ttl,
+            pin_ttl=config.pin_ttl,
+        )
+
+    async def _cuda_path(self, registration: Registration, register: Register) -> CopyPath:
+        """Open a CUDA worker's layers (``RequestError`` says what is wrong) and its path."""
+        opened = await self.cuda.open(register.cuda, registration.layout, registration.chunk_bytes)
+        config = self.core.config
+        return CudaCopy(
+            self.cuda,
+            opened,
+            self.core,
+            chunk_size=config.chunk_size,
+            reservation_ttl=config.reservation_ttl,
+        )
+
+    async def unregister(self, session: Session, unregister: Unregister) -> Released:
+        """Drop the session's registration and everything it holds."""
+        return Released(self.core.release_session(session.id, quarantine=False))

@@ -1,0 +1,143 @@
+"""The cache service: the cache operations assembled, their handlers installed, the reaper, stats.
+
+One per server. The operations live one concern per module (``_registrations``, ``_lookups``,
+``_writes``, ``_reads``) over a shared :class:`~._core.CacheCore`; this module wires them to
+the server's operation table and runs what is nobody's operation: the reaper of expired leases
+and the ``stats`` numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from ..._logging import event
+from ...config import ServerConfig
+from ...protocol import (
+    CacheStats,
+    Commit,
+    EndSession,
+    FreeLookupLocks,
+    L2Stats,
+    Lookup,
+    Register,
+    Release,
+    Retrieve,
+    Store,
+    Unregister,
+)
+from .._state import ServerState
+from .._tenants import TenantArenas
+from ..l2tier import L2Tier
+from ._batch import register_lookup_batch
+from ._core import CacheCore
+from ._cuda import CudaTransfers
+from ._lookups import Lookups
+from ._reads import Reads
+from ._registrations import Registrations
+from ._writes import Writes
+
+__all__ = ["CacheService"]
+
+log = logging.getLogger("kvtrio.cache")
+
+_REAPER_PERIOD = 1.0
+"""Longest sleep of the reaper; leases expire at most this late."""
+
+
+class CacheService:
+    """The L1 cache behind the protocol's cache operations. One per server."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        arenas: TenantArenas,
+        l2: L2Tier,
+        cuda: CudaTransfers | None = None,
+    ) -> None:
+        self.cuda = cuda if cuda is not None else CudaTransfers(arenas.first)
+        self.core = core = CacheCore(config, arenas, l2, self.cuda.settle)
+        self.registrations = Registrations(core, self.cuda)
+        self.lookups = Lookups(core)
+        self.writes = Writes(core)
+        self.reads = Reads(core)
+
+    def install(self, state: ServerState) -> None:
+        """Register the handlers with the server (lookup runs concurrently)."""
+        state.register(Register, self.registrations.register)
+        state.register(Unregister, self.registrations.unregister)
+        # Inline: answered in the router's round; a Later part (L2, a large scrub) in a task.
+        state.register_inline(Lookup, self.lookups.lookup, concurrent=True)
+        register_lookup_batch(state, self.lookups.lookup)
+        state.register_inline(Store, self.writes.store)
+        state.register_inline(Commit, self.writes.commit)
+        state.register_inline(Retrieve, self.reads.retrieve)  # (waiting for L2 loads: a Later)
+        state.register_inline(Release, self.reads.release)
+        state.register_inline(FreeLookupLocks, self.lookups.free_lookup_locks)
+        state.register_inline(EndSession, self.lookups.end_session)
+
+    # ----------------------------------------------------------------- the reaper
+
+    async def serve_reaper(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Expire leases, free quarantined slots, forget idle requests; never returns.
+
+        Expired write reservations are quarantined (their writer may be slow, not dead).
+        Cancellation: between two rounds; a round itself does not checkpoint.
+        """
+        core = self.core
+        task_status.started()
+        while True:
+            now = trio.current_time()
+            expired = core.leases.pop_expired(now)
+            if expired:
+                log.warning(
+                    "%d leases expired (clients that neither released nor ended them)",
+                    len(expired),
+                    extra=event("leases_expired", count=len(expired)),
+                )
+                core.undo(expired, quarantine=True)
+            core.l1.release_quarantine(now)
+            wake = now + _REAPER_PERIOD
+            for when in (core.leases.next_expiry(), core.l1.next_quarantine_release()):
+                if when is not None:
+                    wake = min(wake, when)
+            await trio.sleep_until(wake)
+
+    # ----------------------------------------------------------------- stats
+
+    def stats(self) -> CacheStats:
+        """The cache's part of the ``stats`` reply."""
+        core, lookups = self.core, self.lookups
+        l1 = core.l1.stats()
+        return CacheStats(
+            l1_capacity_bytes=l1.capacity_bytes,
+            l1_used_bytes=l1.used_bytes,
+            l1_entries=l1.entries,
+            l1_ready=l1.ready,
+            l1_writing=l1.writing,
+            l1_pinned_entries=l1.pinned_entries,
+            l1_pins=l1.pins,
+            l1_evictions=l1.evictions,
+            store_failures=l1.store_failures,
+            leases=core.leases.live,
+            leases_expired=core.leases.expired_total,
+            registrations=len(core.registry.by_session),
+            requests=core.leases.requests,
+            lookups=lookups.lookups,
+            lookup_hit_chunks=lookups.hit_chunks,
+            lookup_miss_chunks=lookups.miss_chunks,
+            lookup_l2_chunks=lookups.l2_chunks,
+            lookup_timeouts=lookups.timeouts,
+            loads_pending=core.prefetch.pending_count,
+            loads_failed=core.prefetch.failed,
+            write_behind_queued=core.l2.queued,
+            write_behind_skipped=core.l2.skipped_stores,
+            l2_corrupt=core.l2.corrupt,
+        )
+
+    def l2_stats(self) -> tuple[L2Stats, ...]:
+        """The L2 backends' part of the ``stats`` reply."""
+        return self.core.l2.stats()

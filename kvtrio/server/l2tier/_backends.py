@@ -1,0 +1,126 @@
+"""The tier's backends and the one boundary for calls into them: health, backoff, counters.
+
+Every exception a backend raises (``BackendError``, any ``OSError``, a plugin's ``TypeError``…)
+is a backend failure: counted, logged (once per outage), and the backend is skipped for a
+growing backoff (0.5 s … 30 s), then tried again; no backend error reaches a client.
+Cancellation is not an ``Exception`` and passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from ..._logging import event
+from ...l2 import Backend, BackendError
+
+__all__ = ["Calls", "Observe", "TierBackend", "describe"]
+
+log = logging.getLogger("kvtrio.l2")
+
+_BACKOFF_MIN, _BACKOFF_MAX = 0.5, 30.0
+
+Observe = Callable[[str, str, float, bool], None]
+"""``(backend label, operation, seconds, succeeded)`` per call into a backend (the metrics)."""
+
+
+@attrs.define(eq=False)
+class TierBackend:
+    """One backend of the cascade with its health: whether it may be used now, its counters."""
+
+    backend: Backend
+    name: str
+    label: str = ""
+    """The name, made unique within the cascade (``disk``, ``disk#2``): for metrics."""
+    down_until: float = -math.inf
+    backoff: float = 0.0
+    known: bool = False
+    """Whether any operation (or the start-up probe) has answered yet."""
+    counters: dict[str, int] = attrs.field(factory=dict)
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.counters[what] = self.counters.get(what, 0) + n
+
+    def usable(self, now: float) -> bool:
+        return now >= self.down_until
+
+    def failed(self, exc: BaseException, now: float) -> None:
+        """Count and log a failure (once per outage) and back the backend off."""
+        self.known = True
+        self.count("errors")
+        self.backoff = min(max(self.backoff * 2, _BACKOFF_MIN), _BACKOFF_MAX)
+        if self.down_until < now:
+            error = describe(exc)
+            log.warning(
+                "L2 backend %s failed (%s); skipping it for %.1fs",
+                self.name,
+                error,
+                self.backoff,
+                exc_info=None if isinstance(exc, BackendError) else exc,  # a bug: show where
+                extra=event(
+                    "l2_backend_error", backend=self.label, error=error, backoff_s=self.backoff
+                ),
+            )
+        self.down_until = now + self.backoff
+
+    def succeeded(self) -> None:
+        self.known = True
+        if self.backoff:
+            log.info(
+                "L2 backend %s is back",
+                self.name,
+                extra=event("l2_backend_back", backend=self.label),
+            )
+        self.backoff = 0.0
+
+
+class Calls:
+    """Observation of backend calls, and the calls shared by lookups, loads and the probe."""
+
+    def __init__(self, observe: Observe | None = None) -> None:
+        self.observe = observe
+        """The metrics' observer (see :data:`Observe`), if any."""
+
+    def observed(self, backend: TierBackend, op: str, started: float, ok: bool) -> None:
+        """Report one call that started at ``started`` (``trio.current_time()``)."""
+        if self.observe is not None:
+            self.observe(backend.label, op, trio.current_time() - started, ok)
+
+    async def unlock(self, backend: TierBackend, keys: list[bytes]) -> None:
+        """Unlock ``keys`` in ``backend``; a failure is the backend's (see the module doc).
+        Cancellation: as the backend's ``unlock`` (callers shield it)."""
+        if not keys:
+            return
+        started = trio.current_time()
+        try:
+            await backend.backend.unlock(keys)
+        except Exception as exc:  # any failure of a backend: see the module docstring
+            self.observed(backend, "unlock", started, False)
+            backend.failed(exc, trio.current_time())
+        else:
+            self.observed(backend, "unlock", started, True)
+
+    async def delete(self, backend: TierBackend, keys: list[bytes]) -> None:
+        """Delete ``keys`` from ``backend`` (objects found corrupt or unreadable).
+        Cancellation: as the backend's ``delete``."""
+        started = trio.current_time()
+        try:
+            await backend.backend.delete(keys)
+        except Exception as exc:  # any failure of a backend: see the module docstring
+            self.observed(backend, "delete", started, False)
+            backend.failed(exc, trio.current_time())
+        else:
+            self.observed(backend, "delete", started, True)
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a backend failure: the message, with the type unless it is ours."""
+    if isinstance(exc, BackendError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,163 @@
+"""The L2 tier of one server: its backends in cascade order, its tasks, its stats.
+
+The work is in the parts: write-behind in :mod:`._writes`, lookups and loads in :mod:`._loads`,
+the backends' health and the boundary for calls into them in :mod:`._backends`. Each backend is
+probed once at start-up (a warning if it fails); its health is unknown until something answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import trio
+
+from ...l2 import Backend
+from ...protocol import L2Stats
+from ...shm import SharedArena
+from ...storage import Entry, L1Cache
+from ._backends import Calls, Observe, TierBackend
+from ._loads import Load, Loads
+from ._writes import WriteBehind
+
+__all__ = ["L2Tier"]
+
+log = logging.getLogger("kvtrio.l2")
+
+_PROBE_TIMEOUT = 10.0
+"""Seconds the start-up probe of a backend may take before its health is left unknown."""
+
+
+class L2Tier:
+    """The backends of one server, in cascade order."""
+
+    def __init__(
+        self,
+        backends: Sequence[tuple[str, Backend]],
+        l1: L1Cache,
+        arena: SharedArena,
+        *,
+        queue_size: int,
+        flushers: int,
+        loaders: int,
+        observe: Observe | None = None,
+    ) -> None:
+        """``observe`` is told of every backend call (the metrics'; see :data:`Observe`)."""
+        names = [name for name, _ in backends]
+        self.backends = [
+            TierBackend(backend, name, name if names.count(name) == 1 else f"{name}#{i + 1}")
+            for i, (name, backend) in enumerate(backends)
+        ]
+        self._calls = Calls(observe)
+        self.writes = WriteBehind(
+            self.backends, l1, arena, self._calls, queue_size=queue_size, flushers=flushers
+        )
+        self.loads = Loads(self.backends, arena, self._calls, loaders=loaders)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.backends)
+
+    # ----------------------------------------------------------------- tasks
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the flushers and host the loaders until cancelled; close the backends after.
+
+        Cancellation: running stores and loads are cancelled; closing is shielded and bounded.
+        """
+        try:
+            async with trio.open_nursery() as nursery:
+                self.loads.loaders = nursery
+                for tier_backend in self.backends:
+                    nursery.start_soon(self._probe, tier_backend)
+                self.writes.start(nursery)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self.loads.loaders = None
+            with trio.move_on_after(5) as scope:
+                scope.shield = True
+                for tier_backend in self.backends:
+                    try:
+                        await tier_backend.backend.aclose()
+                    except Exception:
+                        log.exception("closing L2 backend %s failed", tier_backend.name)
+
+    async def _probe(self, tier_backend: TierBackend) -> None:
+        """Look up (and unlock) one random key, so that a backend that cannot work (a dead
+        service, an L2 path that cannot be created) is reported at start-up, not at the first
+        request. A failure is a warning and a backoff; the server serves without it meanwhile.
+        Bounded by :data:`_PROBE_TIMEOUT` (health stays unknown if it gets no answer); not
+        counted in the request metrics.
+        """
+        key = os.urandom(32)
+        with trio.move_on_after(_PROBE_TIMEOUT):
+            try:
+                found = await tier_backend.backend.lookup_and_lock([key])
+            except Exception as exc:  # any failure of a backend: see _backends
+                tier_backend.failed(exc, trio.current_time())
+                return
+            tier_backend.succeeded()
+            if found:
+                await self._calls.unlock(tier_backend, [key])
+            log.debug("L2 backend %s answered its start-up probe", tier_backend.name)
+
+    # ----------------------------------------------------------------- the parts' operations
+
+    def write_behind(self, key: bytes, fingerprint: bytes) -> None:
+        """See :meth:`WriteBehind.write_behind`."""
+        self.writes.write_behind(key, fingerprint)
+
+    async def lookup(
+        self, spaces: Sequence[bytes], hashes: Sequence[bytes]
+    ) -> list[list[TierBackend]]:
+        """See :meth:`Loads.lookup`."""
+        return await self.loads.lookup(spaces, hashes)
+
+    async def release(
+        self, sources: Sequence[Sequence[TierBackend]], keys: Sequence[Sequence[bytes]]
+    ) -> None:
+        """See :meth:`Loads.release`."""
+        await self.loads.release(sources, keys)
+
+    def start_loads(
+        self,
+        items: Sequence[tuple[bytes, Entry]],
+        source: TierBackend,
+        fingerprint: bytes,
+        on_done: Callable[[Load], None],
+    ) -> list[Load]:
+        """See :meth:`Loads.start_loads`."""
+        return self.loads.start_loads(items, source, fingerprint, on_done)
+
+    # ----------------------------------------------------------------- stats
+
+    @property
+    def queued(self) -> int:
+        return self.writes.queued
+
+    @property
+    def skipped_stores(self) -> int:
+        return self.writes.skipped_stores
+
+    @property
+    def corrupt(self) -> int:
+        return self.loads.corrupt
+
+    def stats(self) -> tuple[L2Stats, ...]:
+        now = trio.current_time()
+        result = []
+        for tier_backend in self.backends:
+            try:
+                own = dict(tier_backend.backend.statistics())
+            except Exception:  # a plugin's statistics must not break stats
+                own = {}
+            result.append(
+                L2Stats(
+                    name=tier_backend.label,
+                    healthy=tier_backend.usable(now) if tier_backend.known else None,
+                    counters={k: float(v) for k, v in {**own, **tier_backend.counters}.items()},
+                )
+            )
+        return tuple(result)

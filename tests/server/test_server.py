@@ -21,6 +21,7 @@ from kvtrio.protocol import (
     ChunkSize,
     GetChunkSize,
     GetStats,
+    Goodbye,
     Hello,
     HelloReply,
     Ping,
@@ -209,6 +210,23 @@ async def test_inline_requests_keep_their_place_behind_a_waiting_one(
     await trio.testing.wait_all_tasks_blocked()
     gate.release.set()
     assert await _replies_in_order(raw, 3) == [(1, "get_chunk_size"), (2, "ping"), (3, "probe")]
+
+
+async def test_a_goodbye_queued_behind_a_waiting_request_still_ends_the_session(
+    server: ServerHandle, raw: Socket
+) -> None:
+    """A client that closes while a request of it waits: its goodbye is queued, not answered
+    inline, and must end the session all the same (not leave it, and what it holds, to the
+    heartbeat timeout)."""
+    gate = Gate()
+    server.state.register(GetChunkSize, gate)
+    await raw.send_multipart(encode_request(1, GetChunkSize()))
+    await await_condition(lambda: gate.entered == 1, what="the waiting request to start")
+    await raw.send_multipart(encode_request(2, Goodbye()))
+    await trio.testing.wait_all_tasks_blocked()
+    gate.release.set()
+    assert await _replies_in_order(raw, 2) == [(1, "get_chunk_size"), (2, "goodbye")]
+    await await_condition(lambda: not server.state.sessions, what="the session to end")
 
 
 async def test_the_waiting_part_of_an_inline_request_keeps_its_order(

@@ -158,6 +158,10 @@ class Registration:
         except OSError as exc:
             self._failed(generation, f"cannot map the L1 arena: {exc}")
             return
+        except Exception as exc:  # anything else: still a failed attach, retried with backoff
+            log.exception("kvtrio: attaching the registration failed")
+            self._failed(generation, f"cannot attach the registration: {exc}")
+            return
         with self._lock:
             if generation != self._generation:
                 return  # a newer registration is under way

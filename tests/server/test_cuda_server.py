@@ -20,6 +20,7 @@ from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import ServerConfig
 from kvtrio.errors import BadRequest
 from kvtrio.protocol import (
+    Commit,
     CudaCache,
     CudaLayer,
     LayoutSpec,
@@ -27,6 +28,7 @@ from kvtrio.protocol import (
     LookupReply,
     Register,
     Registered,
+    Release,
     Retrieve,
     RetrieveReply,
     Store,
@@ -251,6 +253,26 @@ async def test_a_store_the_worker_saw_done_is_visible_to_its_next_lookup(
         assert worker.per_layer(TARGET) == worker.per_layer(SOURCE)
     finally:
         transfers.wait_limiter.release_on_behalf_of(holder)
+
+
+async def test_a_cuda_worker_cannot_commit_or_release_what_the_server_copies(
+    client: AsyncClient, gpus: Gpus
+) -> None:
+    """The server ends a CUDA worker's copies itself: a commit sent while the copy still waits
+    would show an unwritten slot, a release unpin one a queued copy reads. Both are refused."""
+    worker = Worker(client, gpus.worker)
+    worker.fill(5)
+    await worker.register()
+    gpus.worker.hold(worker.stream)  # the forward step is still running: the copy waits
+    reply = await worker.store("r5", SOURCE)
+    with pytest.raises(BadRequest, match="'commit' is not for CUDA workers"):
+        await client.request(Commit("r5", written=HASHES))
+    assert await hits(client) == 0  # nothing visible before the server's copy is done
+    with pytest.raises(BadRequest, match="'release' is not for CUDA workers"):
+        await client.request(Release("r5", HASHES))
+    gpus.worker.release(worker.stream)
+    await worker.wait(reply.done_event)
+    await wait_hits(client, 3)
 
 
 async def test_retrieve_leaves_blocks_marked_minus_one_alone(

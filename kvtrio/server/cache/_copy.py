@@ -103,6 +103,11 @@ class CopyPath(Protocol):
         (``RequestError`` if one is wrong); what :attr:`Job.blocks` will be."""
         ...
 
+    def check_worker_end(self, op: Literal["commit", "release"]) -> None:
+        """``RequestError`` if the worker may not end its copies itself with ``op`` (the
+        server ends them when its own copies are done)."""
+        ...
+
     def store(self, job: Job, reserved: Sequence[Entry]) -> StoreReply | Later:
         """The reply to a store whose ``write`` slots are reserved (``reserved``)."""
         ...
@@ -127,6 +132,9 @@ class HostCopy:
 
     def check(self, op: Store | Retrieve, chunks: range) -> Blocks:
         return NO_BLOCKS
+
+    def check_worker_end(self, op: Literal["commit", "release"]) -> None:
+        return None  # the worker copies, so it says when they are done
 
     def store(self, job: Job, reserved: Sequence[Entry]) -> StoreReply | Later:
         """Zero the reserved slots, inline if they are few enough, else in a :class:`Later`

@@ -10,6 +10,7 @@ a retrieve's pins released then. Nothing waits for the GPU in the event loop.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from ...errors import ErrorCode, RequestError
 from ...protocol import Retrieve, RetrieveReply, Slot, Store, StoreReply
@@ -41,6 +42,16 @@ class CudaCopy:
         self._layout: KVLayout = opened.layout
         self._chunk_size = chunk_size
         self._reservation_ttl = reservation_ttl
+
+    def check_worker_end(self, op: Literal["commit", "release"]) -> None:
+        """Refused: the server commits and releases a CUDA worker's chunks when its own copies
+        are done; a worker's ``commit`` would make a slot visible under a queued copy, its
+        ``release`` unpin one a queued copy still reads."""
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"'{op}' is not for CUDA workers: the server {op}s their chunks itself once its "
+            "copies are done",
+        )
 
     def check(self, op: Store | Retrieve, chunks: range) -> Blocks:
         """The engine blocks of each chunk of a store or retrieve, checked: ints in range; a

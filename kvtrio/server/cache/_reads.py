@@ -125,6 +125,7 @@ class Reads:
         """Unpin this session's read pins of the named chunks (a worker's copies are done)."""
         core = self.core
         registration = core.registration(session)
+        registration.copy.check_worker_end("release")
         request = core.worker_request(registration, release.request)
         object_keys = [
             registration.space + h for h in checked_hashes(release.chunk_hashes, "chunk_hashes")

@@ -74,6 +74,7 @@ class Writes:
         ones; a written chunk without a live reservation of this session is ``rejected``."""
         core = self.core
         registration = core.registration(session)
+        registration.copy.check_worker_end("commit")
         request = core.worker_request(registration, commit.request)
         committed, rejected = 0, []
         written = checked_hashes(commit.written, "written")

@@ -25,6 +25,7 @@ from cattrs.preconf.msgpack import make_converter
 from cattrs.v import format_exception
 
 from ..errors import ErrorCode, ProtocolError
+from ._cache import MAX_LOOKUP_BATCH
 from ._messages import PROTOCOL_VERSION, ErrorReply, Header, Reply, Request
 from ._operations import OPERATIONS
 
@@ -99,6 +100,19 @@ def _structure_bytes_tuple(value: Any, _: Any) -> BytesTuple:
     raise TypeError(f"expected an array of binary values, got {_msgpack_type(value)}")
 
 
+def _structure_hash_lists(value: Any, _: Any) -> tuple[BytesTuple, ...]:
+    """A ``lookup_batch``'s hash lists: the count is checked before any element is looked at,
+    so an oversized batch costs nothing to refuse (structuring 8M empty lists took 5 s)."""
+    if type(value) is not tuple:
+        raise TypeError(f"expected an array of arrays, got {_msgpack_type(value)}")
+    if len(value) > MAX_LOOKUP_BATCH:
+        raise TypeError(
+            f"expected at most {MAX_LOOKUP_BATCH} lookups in one batch, got {len(value)}: "
+            "send the rest in another batch"
+        )
+    return tuple(_structure_bytes_tuple(item, None) for item in value)
+
+
 def _structure_str_tuple(value: Any, _: Any) -> StrTuple:
     if type(value) is tuple and all(type(item) is str for item in value):
         return cast(StrTuple, value)
@@ -131,6 +145,7 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook_func(lambda t: t == BytesTuple, _structure_bytes_tuple)
     conv.register_unstructure_hook_func(lambda t: t == BytesTuple, lambda v: v)
     conv.register_structure_hook_func(lambda t: t == StrTuple, _structure_str_tuple)
+    conv.register_structure_hook_func(lambda t: t == tuple[BytesTuple, ...], _structure_hash_lists)
     conv.register_unstructure_hook_func(lambda t: t == StrTuple, lambda v: v)
     return cast(cattrs.Converter, conv)
 

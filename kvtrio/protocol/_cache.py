@@ -232,11 +232,16 @@ class LookupBatch(Request):
     engine: str = ""
 
     def lookups(self) -> list[Lookup]:
-        """The lookups of the batch (``ValueError`` if its arrays differ in length or it
-        carries more than :data:`MAX_LOOKUP_BATCH`)."""
+        """The lookups of the batch (``ValueError`` if its arrays differ in length, a request
+        id repeats, or it carries more than :data:`MAX_LOOKUP_BATCH`)."""
         if len(self.requests) != len(self.chunk_hashes):
             raise ValueError(
                 f"{len(self.requests)} requests but {len(self.chunk_hashes)} chunk hash lists"
+            )
+        if len(set(self.requests)) != len(self.requests):
+            raise ValueError(
+                "a request id appears twice (each lookup replaces its request's previous one: "
+                "send one lookup per request)"
             )
         if len(self.requests) > MAX_LOOKUP_BATCH:
             raise ValueError(

@@ -75,6 +75,15 @@ async def test_a_batch_whose_arrays_differ_in_length_is_a_bad_request(
             await scheduler.request(LookupBatch("m", 1, ("a", "b"), (HASHES[:1],)))
 
 
+async def test_a_batch_that_names_a_request_twice_is_a_bad_request(config: ServerConfig) -> None:
+    """Lookup j of a request would replace lookup i's pins before i's L2 part even started."""
+    async with running(config, MemoryBackend()) as (_, worker, scheduler):
+        batch = LookupBatch("m", 1, ("a", "b", "a"), (HASHES[:1], HASHES[:2], HASHES[:1]))
+        with pytest.raises(BadRequest, match="appears twice"):
+            await scheduler.request(batch)
+        assert (await cache(worker)).l1_pins == 0
+
+
 async def test_a_batch_beyond_the_bound_is_a_bad_request_that_says_the_bound(
     config: ServerConfig,
 ) -> None:

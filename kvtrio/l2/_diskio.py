@@ -3,9 +3,16 @@
 Objects live in **segment files** (``segments/<16 hex digits>.seg``), appended to in order. A
 segment is a sequence of records, each aligned to :data:`ALIGN` bytes::
 
-    record header (64 B): magic "KVS1" | version u16 | key length u16 | key (32 B, zero-padded)
-                          | length u64 | xxh3-64 of the 48 bytes before it | 8 zero bytes
+    record header (128 B): magic "KVS2" | version u16 | key length u16 | key (32 B, zero-padded)
+                           | length u64 | owner (16 B) | MAC (16 B) | 48 zero bytes
     the object (length bytes), then zeros up to the next multiple of ALIGN
+
+The MAC is BLAKE2b-128 of the first 64 bytes keyed with the L2's **secret** (32 random bytes in
+``<root>/secret``, mode 0600, made by the first scan): only this server can write a header that
+checks out. A record's object holds bytes a client chose (a chunk); without the key, no chunk can
+carry a header the scan would accept, so stepping over damage never turns a client's bytes into
+an object (issue 22: a planted record for another tenant's key). ``owner`` is the tenant tag the
+object was stored for (its share of the capacity; zeros when unknown).
 
 A removed record's blocks are given back to the filesystem by punching a hole over it (it then
 reads as zeros: no longer a record); a segment whose records are all gone is unlinked. The scan
@@ -19,6 +26,8 @@ import contextlib
 import ctypes
 import errno
 import functools
+import hashlib
+import hmac
 import os
 import struct
 from collections.abc import Sequence
@@ -26,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import xxhash
 
 from ._interface import Buffers
 
@@ -37,23 +45,26 @@ __all__ = [
     "Written",
     "filesystem_space",
     "free_ranges",
+    "fsync_directory",
     "parse_record_header",
     "read_records",
     "reason",
     "record_header",
     "record_size",
     "segment_name",
+    "tombstone",
     "write_records",
 ]
 
 ALIGN = 4096
 """Records start on multiples of this (a filesystem block): a punched record frees whole
 blocks, and the scan can step from block to block over damage."""
-_MAGIC = b"KVS1"
-_VERSION = 1
-_FIELDS = struct.Struct("<4sHH32sQ")
-_HEAD = struct.Struct("<48sQ8x")
+_MAGIC = b"KVS2"
+_VERSION = 2
+_FIELDS = struct.Struct("<4sHH32sQ16s")
+_HEAD = struct.Struct("<64s16s48x")
 RECORD_HEADER = _HEAD.size
+OWNER_SIZE = 16
 _IOV_MAX = 1024
 _ZEROS = memoryview(bytes(ALIGN))
 _PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE (linux/falloc.h)
@@ -64,21 +75,29 @@ def record_size(length: int) -> int:
     return -(-(RECORD_HEADER + length) // ALIGN) * ALIGN
 
 
-def record_header(key: bytes, length: int) -> bytes:
-    """The header of a record of ``key`` (at most 32 bytes: its length is in ``flags``)."""
-    fields = _FIELDS.pack(_MAGIC, _VERSION, len(key), key, length)
-    return _HEAD.pack(fields, xxhash.xxh3_64_intdigest(fields))
+def _mac(secret: bytes, fields: bytes) -> bytes:
+    return hashlib.blake2b(fields, digest_size=16, key=secret).digest()
 
 
-def parse_record_header(raw: bytes | bytearray) -> tuple[bytes, int] | None:
-    """(key, length) of a record header, or None if it is not one."""
+def record_header(key: bytes, length: int, owner: bytes, secret: bytes) -> bytes:
+    """The header of a record of ``key`` (at most 32 bytes: its length is in the header) for
+    ``owner`` (at most 16 bytes), authenticated with the L2's ``secret``."""
+    fields = _FIELDS.pack(_MAGIC, _VERSION, len(key), key, length, owner)
+    return _HEAD.pack(fields, _mac(secret, fields))
+
+
+def parse_record_header(raw: bytes | bytearray, secret: bytes) -> tuple[bytes, int, bytes] | None:
+    """(key, length, owner) of a record header this L2 wrote, or None if it is not one (damage,
+    zeros, another format, or bytes that merely look like a header without the secret's MAC)."""
     if len(raw) < RECORD_HEADER:
         return None
-    fields, digest = _HEAD.unpack_from(raw)
-    magic, version, key_length, key, length = _FIELDS.unpack(fields)
-    if magic != _MAGIC or version != _VERSION or digest != xxhash.xxh3_64_intdigest(fields):
+    fields, mac = _HEAD.unpack_from(raw)
+    if not hmac.compare_digest(mac, _mac(secret, fields)):
         return None
-    return key[:key_length], length
+    magic, version, key_length, key, length, owner = _FIELDS.unpack(fields)
+    if magic != _MAGIC or version != _VERSION or key_length > len(key):
+        return None
+    return key[:key_length], length, owner.rstrip(b"\0")
 
 
 def segment_name(seq: int) -> str:
@@ -99,16 +118,18 @@ class Written:
 
 
 Record = tuple[str, int, bytes, Buffers]
-"""(segment path, offset, key, the object's parts): where a record goes or is read from."""
+"""(segment path, offset, key, the object's parts): where a record is read from."""
+NewRecord = tuple[str, int, bytes, bytes, Buffers]
+"""(segment path, offset, key, owner, the object's parts): where a record goes."""
 
 
-def write_records(records: Sequence[Record], fsync: bool) -> Written:
+def write_records(records: Sequence[NewRecord], fsync: bool, secret: bytes) -> Written:
     """Write the records (in order; consecutive ones of a segment are contiguous) with one
     ``pwritev`` per run of adjacent records, ``fdatasync`` each file if ``fsync``; stop at the
     first error; then measure the filesystem's free space (one ``statvfs``)."""
     done, error = 0, None
     for path, start, run in _runs(records):
-        written, error = _write_run(path, start, run, fsync)
+        written, error = _write_run(path, start, run, fsync, secret)
         done += written
         if error is not None:
             break
@@ -120,12 +141,12 @@ def write_records(records: Sequence[Record], fsync: bool) -> Written:
     return Written(done, error, (space.f_bavail * space.f_frsize, space.f_blocks * space.f_frsize))
 
 
-def _runs(records: Sequence[Record]) -> list[tuple[str, int, list[Record]]]:
+def _runs(records: Sequence[NewRecord]) -> list[tuple[str, int, list[NewRecord]]]:
     """Split records into runs of adjacent ones of one segment, keeping their order."""
-    runs: list[tuple[str, int, list[Record]]] = []
+    runs: list[tuple[str, int, list[NewRecord]]] = []
     end = -1
     for record in records:
-        path, offset, _, parts = record
+        path, offset, _, _, parts = record
         if runs and runs[-1][0] == path and offset == end:
             runs[-1][2].append(record)
         else:
@@ -134,15 +155,17 @@ def _runs(records: Sequence[Record]) -> list[tuple[str, int, list[Record]]]:
     return runs
 
 
-def _write_run(path: str, start: int, run: list[Record], fsync: bool) -> tuple[int, OSError | None]:
+def _write_run(
+    path: str, start: int, run: list[NewRecord], fsync: bool, secret: bytes
+) -> tuple[int, OSError | None]:
     """Write adjacent records; return how many were written whole, and the error if any."""
     iov: list[memoryview] = []
     ends: list[int] = []  # each record's end, relative to start
     position = 0
-    for _, _, key, parts in run:
+    for _, _, key, owner, parts in run:
         length = sum(len(p) for p in parts)
         size = record_size(length)
-        iov.append(memoryview(record_header(key, length)))
+        iov.append(memoryview(record_header(key, length, owner, secret)))
         iov += [memoryview(p).cast("B") for p in parts if len(p)]
         if size - RECORD_HEADER - length:
             iov.append(_ZEROS[: size - RECORD_HEADER - length])
@@ -175,13 +198,13 @@ def _write_run(path: str, start: int, run: list[Record], fsync: bool) -> tuple[i
         finally:
             os.close(fd)
         if created:
-            _fsync_directory(os.path.dirname(path))
+            fsync_directory(os.path.dirname(path))
     except OSError as exc:
         return sum(1 for end in ends if end <= offset - start), exc
     return len(run), None
 
 
-def _fsync_directory(path: str) -> None:
+def fsync_directory(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -192,7 +215,7 @@ def _fsync_directory(path: str) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-def read_records(records: Sequence[Record]) -> list[bool | None]:
+def read_records(records: Sequence[Record], secret: bytes) -> list[bool | None]:
     """Read each record's object into its parts (one ``preadv`` per run of adjacent records of
     a segment). Per record: True, False if it is not there whole under its key (a short file,
     a punched or overwritten record), None if its segment file is gone. The first other
@@ -211,7 +234,7 @@ def read_records(records: Sequence[Record]) -> list[bool | None]:
             continue
         try:
             for run in _adjacent(records, indices):
-                _read_run(fd, records, run, results)
+                _read_run(fd, records, run, results, secret)
         finally:
             os.close(fd)
     return results
@@ -231,7 +254,7 @@ def _adjacent(records: Sequence[Record], indices: list[int]) -> list[list[int]]:
 
 
 def _read_run(
-    fd: int, records: Sequence[Record], run: list[int], results: list[bool | None]
+    fd: int, records: Sequence[Record], run: list[int], results: list[bool | None], secret: bytes
 ) -> None:
     heads = [bytearray(RECORD_HEADER) for _ in run]
     scratch = memoryview(bytearray(ALIGN))
@@ -261,7 +284,16 @@ def _read_run(
             iov[0] = iov[0][count:]
     for head, i, end in zip(heads, run, ends, strict=True):
         length = sum(len(p) for p in records[i][3])
-        results[i] = offset - start >= end and parse_record_header(head) == (records[i][2], length)
+        parsed = parse_record_header(head, secret)
+        results[i] = (
+            offset - start >= end
+            and parsed is not None
+            and parsed[:2]
+            == (
+                records[i][2],
+                length,
+            )
+        )
 
 
 # --------------------------------------------------------------------------- freeing
@@ -312,11 +344,21 @@ def _preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
     return os.readv(fd, buffers)
 
 
-def free_ranges(punches: Sequence[tuple[str, int, int]], unlinks: Sequence[str]) -> Freed:
+def tombstone(size: int, secret: bytes) -> bytes:
+    """The header that unmakes a record of ``size`` bytes (its whole aligned range) where no
+    hole can be punched: authenticated, with no key (so never an object), and the range's
+    length, so the scan steps over the dead record's bytes instead of reading them as damage."""
+    return record_header(b"", size - RECORD_HEADER, b"", secret)
+
+
+def free_ranges(
+    punches: Sequence[tuple[str, int, int]], unlinks: Sequence[str], secret: bytes
+) -> Freed:
     """Punch holes over ``(segment path, offset, bytes)`` record ranges (adjacent ones at
     once) and unlink segment files. Where the filesystem cannot punch holes, each record's
-    header is zeroed instead (it is no longer a record; its blocks stay until its segment goes).
-    Missing files are fine; other failures are counted, not raised."""
+    header is overwritten with a :func:`tombstone` instead (it is no longer a record; its blocks
+    stay until its segment goes). Missing files are fine; other failures are counted, not
+    raised."""
     failed, first, unsupported = 0, None, False
     by_segment: dict[str, list[tuple[int, int]]] = {}
     for path, offset, size in sorted(punches):
@@ -340,10 +382,10 @@ def free_ranges(punches: Sequence[tuple[str, int, int]], unlinks: Sequence[str])
                         failed, first = failed + 1, first or exc
                         continue
                     unsupported = True
-                try:  # no holes here: unmake the records (zeroed headers)
-                    for start, _ in records:
+                try:  # no holes here: unmake the records (tombstones)
+                    for start, length in records:
                         if offset <= start < offset + size:
-                            os.pwrite(fd, _ZEROS[:RECORD_HEADER], start)
+                            os.pwrite(fd, tombstone(length, secret), start)
                 except OSError as exc:
                     failed, first = failed + 1, first or exc
         finally:

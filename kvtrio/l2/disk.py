@@ -9,18 +9,26 @@ filesystem at once (a hole is punched over its record: no compaction), and a seg
 records are all gone is unlinked. The index (key → segment, offset, length) is rebuilt by
 scanning the segments when the backend is first used (oldest first, in write order), so a
 restarted server serves what it stored before; files that are not segments are ignored and
-reported once. Eviction order is a :class:`kvtrio.storage.EvictionPolicy` (option
-``eviction``, the L1's default) over the unlocked objects, so a store evicts in O(1) amortised;
-locked objects are held out of it until unlocked. ``store`` takes each object's parent
+reported once. The scan runs before the server serves (the L2 tier's start-up probe), so the
+first lookup after a restart sees everything on disk. Record headers are authenticated with the
+L2's secret (:mod:`._diskio`): the scan never takes a client's bytes for a record.
+
+Eviction order is a :class:`kvtrio.storage.EvictionPolicy` (option ``eviction``, the L1's
+default) per owner over its unlocked objects, so a store evicts in O(1) amortised; locked
+objects are held out of it until unlocked. ``store`` takes each object's parent
 (``accepts_parents``), so prefix-aware policies evict a prompt tail first and the objects after
-an evicted one first of all; objects found by the scan have no known parent.
+an evicted one first of all; objects found by the scan have no known parent. It also takes each
+object's owner (``accepts_owners``: the tenant), and room is made by evicting from the owner
+holding the most (:mod:`._diskspace`): one tenant cannot push another below its share.
 
 A record is never freed while a load is reading it (replaced, deleted or evicted meanwhile: the
 hole is punched when the read ends), so a load returns the object it looked up, whole.
 
-Capacity is the smaller of the option and what the filesystem can hold (our bytes plus its free
-space, minus a 2% reserve), re-measured after every written batch: a full filesystem (``ENOSPC``)
-lowers it, evicts down to it, and refuses the rest of the batch instead of failing for good.
+Capacity counts bytes as they lie on disk (headers and alignment included) and is the smaller
+of the option and what the filesystem can hold (our bytes plus its free space, minus a 2%
+reserve), re-measured after every written batch: a full filesystem (``ENOSPC``) lowers it,
+evicts down to it, and refuses the rest of the batch instead of failing for good. A filesystem
+that reports no size (ramfs) is bounded by the option alone.
 Every filesystem error becomes a :class:`BackendError`; a failed punch or unlink is counted,
 never raised. Blocking file I/O runs in worker threads, at most ``threads`` at once.
 """
@@ -32,7 +40,7 @@ import errno
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -41,6 +49,7 @@ import trio
 from ..options import ByteSize
 from ..storage import DEFAULT_EVICTION, EVICTION_POLICIES, EvictionPolicy, make_policy
 from ._diskio import (
+    OWNER_SIZE,
     Written,
     filesystem_space,
     free_ranges,
@@ -50,7 +59,8 @@ from ._diskio import (
     segment_name,
     write_records,
 )
-from ._diskscan import scan_tree
+from ._diskscan import report_scan, scan_tree
+from ._diskspace import Room
 from ._interface import BackendError, Buffers
 from ._locks import LocalLocks
 from ._segments import Location, Segments
@@ -58,9 +68,6 @@ from ._segments import Location, Segments
 __all__ = ["DiskBackend"]
 
 log = logging.getLogger("kvtrio.l2.disk")
-
-_RESERVE = 0.02
-"""Fraction of the filesystem kept free: capacity never counts on the last 2% of it."""
 
 
 @attrs.frozen
@@ -84,6 +91,10 @@ class DiskOptions:
         default=ByteSize(64 << 20),
         metadata={"help": "Bytes appended to a segment file before the next one is started."},
     )
+    tenant_share: float = attrs.field(
+        default=1.0,
+        metadata={"help": "Fraction of capacity one tenant may hold (others: evicted fairly)."},
+    )
 
 
 class DiskBackend:
@@ -91,10 +102,16 @@ class DiskBackend:
     Options = DiskOptions
     accepts_parents = True
     """``store`` takes ``parents=``: the eviction policy knows each object's prompt prefix."""
+    accepts_owners = True
+    """``store`` takes ``owners=``: each object's tenant tag, for the tenants' shares."""
 
     def __init__(
-        self, options: DiskOptions | None = None, *, policy: EvictionPolicy | None = None
+        self,
+        options: DiskOptions | None = None,
+        *,
+        policies: Callable[[], EvictionPolicy] | None = None,
     ) -> None:
+        """``policies`` makes each owner's eviction policy (default: ``eviction``'s)."""
         self.options = options or DiskOptions()
         if self.options.threads < 1:
             raise ValueError("threads must be at least 1")
@@ -105,12 +122,14 @@ class DiskBackend:
         self._prefix = f"{self._segments_dir}/"
         self._io = trio.CapacityLimiter(self.options.threads)  # the "disk I/O" limiter
         self._index: dict[bytes, Location] = {}  # every object on disk
-        # The unlocked objects; ValueError (naming the known ones) for an unknown name.
-        self._policy = policy if policy is not None else make_policy(self.options.eviction)
+        make_policy(self.options.eviction)  # (ValueError naming the known ones if unknown)
+        self._room = Room(
+            policies or (lambda: make_policy(self.options.eviction)), self.options.tenant_share
+        )
+        self._room.capacity = int(self.options.capacity)  # lowered to what the fs holds
         self._locks = LocalLocks()
         self._space = Segments(int(self.options.segment_size))
-        self._bytes = 0
-        self._capacity = int(self.options.capacity)  # lowered to what the filesystem holds
+        self._secret = b""  # the record headers' MAC key: read (or made) by the scan
         self._measured_at = -math.inf
         self._indexed = False
         self._indexing: trio.Event | None = None
@@ -143,35 +162,18 @@ class DiskBackend:
             self._indexing.set()
         if self._is_indexed():  # (another caller's scan finished first)
             return
+        self._secret = found.secret
         for segment, records in found.segments:
             self._space.scanned(segment, len(records))
-            for key, offset, length in records:
-                stale = self._index.get(key)
-                if stale is not None:  # stored again later: the older record goes
-                    self._bytes -= stale[2]
-                    self._space.release(stale)
-                else:
-                    self._policy.add(key)
+            for key, offset, length, owner in records:
+                if key in self._index:  # stored again later: the older record goes
+                    self._space.release(self._forget(key))
                 self._index[key] = (segment, offset, length)
-                self._bytes += length
+                self._room.indexed(key, owner, record_size(length))
+                self._room.add(key)
         self._indexed = True
         self._measured(found.free, found.total)
-        if found.foreign:
-            self.counters["foreign_files"] = len(found.foreign)
-            log.warning(
-                "disk L2 %s: ignoring %d file(s) that are not segments (e.g. %s)",
-                self.root,
-                len(found.foreign),
-                found.foreign[0],
-            )
-        if found.legacy:
-            log.warning(
-                "disk L2 %s: %d object file(s) of an earlier layout in %s are not used; "
-                "remove that directory to free their space",
-                self.root,
-                found.legacy,
-                self.root / "objects",
-            )
+        report_scan(found, self.root, self.counters)
         await self._free()
 
     def _is_indexed(self) -> bool:
@@ -181,16 +183,12 @@ class DiskBackend:
         return key in self._index and not self._locks.is_doomed(key)
 
     def _measured(self, free: int, total: int) -> None:
-        """Set the capacity from the filesystem's free space (measured with our bytes on it)."""
-        fits = max(self._bytes + free - int(total * _RESERVE), 0)
-        capacity = min(int(self.options.capacity), fits)
-        if capacity < self._capacity and capacity < int(self.options.capacity):
-            log.info(
-                "disk L2 %s: the filesystem holds %d bytes for objects, less than capacity",
-                self.root,
-                capacity,
-            )
-        self._capacity = capacity
+        """Set the capacity from the filesystem's free space (see :meth:`Room.measured`);
+        log when the filesystem starts to bound it (once, not at every batch)."""
+        message = self._room.measured(free, total, int(self.options.capacity))
+        if message is not None:
+            level = logging.WARNING if total <= 0 else logging.INFO
+            log.log(level, "disk L2 %s: %s", self.root, message)
 
     # ----------------------------------------------------------------- the interface
 
@@ -203,9 +201,9 @@ class DiskBackend:
                 break
             found += 1
         for key in reversed(keys[:found]):  # a hit (last chunk first: the head ends newest)
-            self._policy.touch(key)
+            self._room.touch(key)
         for key in keys[:found]:
-            self._policy.hold(key)  # locked: not evictable until its last unlock
+            self._room.hold(key)  # locked: not evictable until its last unlock
         self._locks.lock(keys[:found])
         return found
 
@@ -216,7 +214,7 @@ class DiskBackend:
         gone = self._locks.unlock(keys)
         for key in was_locked:
             if key in self._index and not self._locks.is_locked(key):
-                self._policy.add(key)
+                self._room.add(key)
         for key in gone:
             if key in self._index:
                 self._space.release(self._forget(key))
@@ -244,6 +242,7 @@ class DiskBackend:
             outcomes = await trio.to_thread.run_sync(
                 read_records,
                 [(self._path(s), o, keys[i], buffers[i]) for i, (s, o, _) in wanted],
+                self._secret,
                 limiter=self._io,
             )
         except OSError as exc:
@@ -260,7 +259,7 @@ class DiskBackend:
                     self._space.release(self._forget(key))  # (an unlink of nothing: harmless)
                 ok = False
             elif ok:
-                self._policy.touch(key)
+                self._room.touch(key)
             self.counters["loads"] += 1
             self.counters["load_bytes"] += location[2] if ok else 0
             results[i] = ok
@@ -272,13 +271,16 @@ class DiskBackend:
         buffers: Sequence[Buffers],
         *,
         parents: Sequence[bytes | None] | None = None,
+        owners: Sequence[bytes] | None = None,
     ) -> list[bool]:
         """Reserve room for each object in order, then append the batch to the active segment
         in one worker-thread call.
 
         ``parents`` (optional, index-aligned) names the object before each one in its prompt,
         for the eviction policy: a prompt leaves tail first, and objects after an evicted one
-        (unreachable by a prefix lookup) go first.
+        (unreachable by a prefix lookup) go first. ``owners`` (optional, index-aligned, at most
+        16 bytes each) names each object's tenant: room is made by evicting from the tenant that
+        holds the most (see :mod:`._diskspace`).
 
         Objects written before a failing one are stored (and visible); the failing one and the
         rest are not (their ranges are punched out). A full filesystem lowers the capacity and
@@ -290,46 +292,48 @@ class DiskBackend:
         await self._remeasure()
         if any(not 0 < len(key) <= 32 for key in keys):
             raise ValueError("disk: keys are 1 to 32 bytes")
+        if owners is not None and any(len(owner) > OWNER_SIZE for owner in owners):
+            raise ValueError(f"disk: owners are at most {OWNER_SIZE} bytes")
         results = [False] * len(keys)
-        todo: list[tuple[int, bytes, Buffers, Location]] = []  # (index, key, parts, where)
+        todo: list[tuple[int, bytes, bytes, Buffers, Location]] = []  # index, key, owner, …
         outcome = Written(0, None, None)
-        reserved = 0
         try:
             # Room and ranges for the whole batch with no checkpoint in between (so the batch
             # is contiguous), then one thread call frees what was evicted, one writes.
             for i, (key, parts) in enumerate(zip(keys, buffers, strict=True)):
-                size = sum(len(p) for p in parts)
-                if not self._make_room(size):
+                owner = b"" if owners is None else owners[i]
+                length = sum(len(p) for p in parts)
+                if not self._make_room(record_size(length), owner):
                     self.counters["store_refused"] += 1
                     continue
-                self._bytes += size  # reserved now, so concurrent stores do not overshoot
-                reserved += size
-                todo.append((i, key, parts, self._space.allocate(size)))
+                # Reserved now, so concurrent stores do not overshoot.
+                self._room.reserve(owner, record_size(length))
+                todo.append((i, key, owner, parts, self._space.allocate(length)))
             await self._free()
             if not todo:
                 return results
             outcome = await trio.to_thread.run_sync(
                 write_records,
-                [(self._path(s), o, key, parts) for _, key, parts, (s, o, _) in todo],
+                [(self._path(s), o, key, owner, parts) for _, key, owner, parts, (s, o, _) in todo],
                 self.options.fsync,
+                self._secret,
                 limiter=self._io,
             )
-            for i, key, _, location in todo[: outcome.written]:
-                old = self._index.get(key)
-                if old is not None:  # replaced (a lock on the key, if any, stays)
-                    self._bytes -= old[2]
-                    self._space.release(old)
+            for i, key, owner, _, location in todo[: outcome.written]:
+                if key in self._index:  # replaced (a lock on the key, if any, stays)
+                    self._space.release(self._forget(key))
                 self._locks.replaced(key)
                 self._index[key] = location
-                self._bytes += location[2]
+                self._room.indexed(key, owner, record_size(location[2]))
                 if not self._locks.is_locked(key):
-                    self._policy.add(key, None if parents is None else parents[i])
+                    self._room.add(key, None if parents is None else parents[i])
                 self.counters["stores"] += 1
                 self.counters["store_bytes"] += location[2]
                 results[i] = True
         finally:
-            self._bytes -= reserved  # (the reservations are objects now, or given back)
-            for _, _, _, location in todo[outcome.written :]:  # never written (whole)
+            for _, _, owner, _, location in todo:  # (now objects, or given back)
+                self._room.unreserve(owner, record_size(location[2]))
+            for _, _, _, _, location in todo[outcome.written :]:  # never written (whole)
                 self._space.release(location)
             await self._free()
         error = outcome.error
@@ -340,13 +344,13 @@ class DiskBackend:
             self.counters["full"] += 1
             # The filesystem is fuller than measured (another writer, or space not reported):
             # keep at most what is on it now, less a tenth, and evict down to that.
-            self._capacity = min(self._capacity, int(self._bytes * 0.9))
+            self._room.capacity = min(self._room.capacity, int(self._room.bytes * 0.9))
             log.warning(
                 "disk L2 %s: filesystem full; capacity lowered to %d bytes",
                 self.root,
-                self._capacity,
+                self._room.capacity,
             )
-            self._make_room(0)
+            self._make_room(0, b"")
             await self._free()
         elif error is not None:
             self.counters["errors"] += 1
@@ -367,8 +371,9 @@ class DiskBackend:
     def statistics(self) -> Mapping[str, float]:
         return {
             "objects": len(self._index),
-            "bytes": self._bytes,
-            "capacity_bytes": self._capacity,
+            "bytes": self._room.bytes,
+            "capacity_bytes": self._room.capacity,
+            "owners": self._room.owners,
             "segments": len(self._space),
             "locks": self._locks.total,
             **self.counters,
@@ -378,8 +383,7 @@ class DiskBackend:
 
     def _forget(self, key: bytes) -> Location:
         location = self._index.pop(key)
-        self._policy.discard(key)
-        self._bytes -= location[2]
+        self._room.forgotten(key, record_size(location[2]))
         return location
 
     async def _free(self) -> bool:
@@ -392,7 +396,9 @@ class DiskBackend:
         punches = [(self._path(s), o, record_size(n)) for s, o, n in frees.punches]
         unlinks = [self._path(s) for s in frees.unlinks]
         with trio.CancelScope(shield=True):
-            freed = await trio.to_thread.run_sync(free_ranges, punches, unlinks, limiter=self._io)
+            freed = await trio.to_thread.run_sync(
+                free_ranges, punches, unlinks, self._secret, limiter=self._io
+            )
         if freed.unsupported and not self._punch_warned:
             self._punch_warned = True
             log.warning(
@@ -417,7 +423,7 @@ class DiskBackend:
         space again, at most once a second: room freed by others raises it back even when
         nothing could be written (writes measure anyway)."""
         now = trio.current_time()
-        if self._capacity >= int(self.options.capacity) or now < self._measured_at + 1.0:
+        if self._room.capacity >= int(self.options.capacity) or now < self._measured_at + 1.0:
             return
         self._measured_at = now
         try:
@@ -428,18 +434,15 @@ class DiskBackend:
             raise BackendError(f"disk: cannot use {self.root}: {reason(exc)}") from None
         self._measured(free, total)
 
-    def _make_room(self, size: int) -> bool:
-        """Evict unlocked objects in the policy's order until ``size`` more bytes fit.
+    def _make_room(self, size: int, owner: bytes) -> bool:
+        """Evict unlocked objects until ``size`` more bytes for ``owner`` fit (the capacity and
+        the owner's cap), taking them from whom :meth:`Room.victims` says.
 
-        O(evicted objects): locked objects are not in the policy, so none is skipped. The index
-        forgets them at once; their records are queued for the next :meth:`_free`."""
-        capacity = self._capacity
-        if size > capacity:
+        O(evicted objects × owners): locked objects are not in the policies, so none is
+        skipped. The index forgets them at once; their records are queued for :meth:`_free`."""
+        if size > self._room.cap():
             return False
-        if self._bytes + size > capacity:
-            for key in self._policy.victims():
-                self._space.release(self._forget(key))
-                self.counters["evictions"] += 1
-                if self._bytes + size <= capacity:
-                    break
-        return self._bytes + size <= capacity
+        for key in self._room.victims(owner, size):
+            self._space.release(self._forget(key))
+            self.counters["evictions"] += 1
+        return self._room.fits(owner, size)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvtrio.l2 import BackendError
-from kvtrio.l2._diskio import segment_name
+from kvtrio.l2._diskio import record_size, segment_name
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.options import ByteSize
 from kvtrio.storage import EVICTION_POLICIES, LRU
@@ -38,7 +38,12 @@ async def test_a_batch_store_failing_part_way_keeps_the_written_objects_only(
     assert await backend.load([first], [buffers]) == [True]
     assert buffers == [bytearray(b"h" * 100), bytearray(b"p" * 1000)]
     stats = backend.statistics()
-    assert (stats["objects"], stats["bytes"], stats["stores"], stats["errors"]) == (1, 1100, 1, 1)
+    assert (stats["objects"], stats["bytes"], stats["stores"], stats["errors"]) == (
+        1,
+        record_size(1100),
+        1,
+        1,
+    )
     # Nor is the failed part visible after a restart (a new scan of the files).
     restarted = DiskBackend(DiskOptions(path=str(tmp_path)))
     assert await restarted.lookup_and_lock([first, failing]) == 1
@@ -50,7 +55,7 @@ async def test_a_batch_store_failing_part_way_keeps_the_written_objects_only(
     assert await backend.store([first, failing, last], parts) == [True, True, True]
     assert await backend.lookup_and_lock([first, failing, last]) == 3
     stats = backend.statistics()
-    assert (stats["objects"], stats["bytes"]) == (3, 3300)
+    assert (stats["objects"], stats["bytes"]) == (3, 3 * record_size(1100))
     await backend.aclose()
 
 
@@ -107,7 +112,8 @@ async def test_eviction_examines_only_the_objects_it_evicts(tmp_path: Path) -> N
     """Was: every store copied and walked the whole index (locked objects included)."""
     policy = _CountingLRU()
     backend = DiskBackend(
-        DiskOptions(path=str(tmp_path), capacity=ByteSize(2000 * 1000)), policy=policy
+        DiskOptions(path=str(tmp_path), capacity=ByteSize(2000 * record_size(1000))),
+        policies=lambda: policy,
     )
     locked = [i.to_bytes(32, "big") for i in range(1999)]
     for start in range(0, len(locked), 500):
@@ -192,7 +198,9 @@ async def test_a_full_disk_keeps_only_reachable_chains(tmp_path: Path, eviction:
     """Was: the disk evicted LRU, heads first, leaving the tails of a prompt unreachable
     (and taking up the room); now a prompt leaves tail first (its parent comes with the store)."""
     backend = DiskBackend(
-        DiskOptions(path=str(tmp_path), capacity=ByteSize(10 * 1000), eviction=eviction)
+        DiskOptions(
+            path=str(tmp_path), capacity=ByteSize(10 * record_size(1000)), eviction=eviction
+        )
     )
     chains = [_chain(n, 4) for n in range(3)]
     await _fill_with_chains(backend, chains)
@@ -204,7 +212,7 @@ async def test_a_full_disk_keeps_only_reachable_chains(tmp_path: Path, eviction:
 
 async def test_lru_eviction_is_kept_for_comparison_and_strands_tails(tmp_path: Path) -> None:
     backend = DiskBackend(
-        DiskOptions(path=str(tmp_path), capacity=ByteSize(10 * 1000), eviction="lru")
+        DiskOptions(path=str(tmp_path), capacity=ByteSize(10 * record_size(1000)), eviction="lru")
     )
     chains = [_chain(n, 4) for n in range(3)]
     await _fill_with_chains(backend, chains)
@@ -214,7 +222,7 @@ async def test_lru_eviction_is_kept_for_comparison_and_strands_tails(tmp_path: P
 
 async def test_an_evicted_object_takes_its_stored_successors_first(tmp_path: Path) -> None:
     """Objects after an evicted one can never hit: they go before anything reachable."""
-    backend = DiskBackend(DiskOptions(path=str(tmp_path), capacity=ByteSize(6 * 1000)))
+    backend = DiskBackend(DiskOptions(path=str(tmp_path), capacity=ByteSize(6 * record_size(1000))))
     chain, other = _chain(1, 4), _chain(2, 2)
     await _fill_with_chains(backend, [chain, other])
     await backend.delete([chain[1]])  # (e.g. found corrupt): chain[2:] are unreachable now

@@ -69,7 +69,7 @@ async def test_a_restart_finds_exactly_the_live_objects(tmp_path: Path) -> None:
     for i in (3, 4, 5, 7):
         assert await restarted.lookup_and_lock([_key(i)]) == 0, i
     stats = restarted.statistics()
-    assert (stats["objects"], stats["bytes"]) == (6, 6 * SIZE)
+    assert (stats["objects"], stats["bytes"]) == (6, 6 * record_size(SIZE))
     # New records go to a new segment (a segment's tail may be torn after a crash).
     assert await restarted.store([_key(20)], [_obj(20)]) == [True]
     assert segment_name(4) in _segments(tmp_path)
@@ -128,10 +128,10 @@ async def test_a_record_being_read_is_given_back_only_after_the_read(
     reading, proceed = threading.Event(), threading.Event()
     real = kvtrio.l2.disk.read_records
 
-    def slow(records: Any) -> Any:
+    def slow(records: Any, secret: bytes) -> Any:
         reading.set()
         proceed.wait(10)
-        return real(records)
+        return real(records, secret)
 
     monkeypatch.setattr(kvtrio.l2.disk, "read_records", slow)
     path = tmp_path / "segments" / segment_name(0)
@@ -201,7 +201,9 @@ async def test_a_filesystem_full_part_way_through_a_batch_stores_a_whole_prefix(
 async def test_a_store_that_evicts_frees_in_one_call_and_adjacent_records_in_one_punch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = _backend(tmp_path, per_segment=16, capacity=ByteSize(8 * SIZE), eviction="lru")
+    backend = _backend(
+        tmp_path, per_segment=16, capacity=ByteSize(8 * record_size(SIZE)), eviction="lru"
+    )
     assert (
         await backend.store([_key(i) for i in range(8)], [_obj(i) for i in range(8)]) == [True] * 8
     )
@@ -209,9 +211,9 @@ async def test_a_store_that_evicts_frees_in_one_call_and_adjacent_records_in_one
     punches: list[tuple[int, int]] = []
     real_free, real_punch = kvtrio.l2.disk.free_ranges, kvtrio.l2._diskio._fallocate
 
-    def free(ranges: Any, unlinks: Any) -> Any:
+    def free(ranges: Any, unlinks: Any, secret: bytes) -> Any:
         calls.append(len(ranges))
-        return real_free(ranges, unlinks)
+        return real_free(ranges, unlinks, secret)
 
     def punch(fd: int, offset: int, length: int) -> None:
         punches.append((offset, length))
@@ -244,7 +246,7 @@ async def test_without_pwritev_preadv_or_fallocate_it_works_the_same(
     backend = _backend(tmp_path)
     keys = [_key(i) for i in range(5)]
     assert await backend.store(keys, [_obj(i) for i in range(5)]) == [True] * 5
-    await backend.delete([_key(1)])  # (no holes: its header is zeroed)
+    await backend.delete([_key(1)])  # (no holes: a tombstone over its header)
     for i in (0, 2, 3, 4):
         assert await _get(backend, i) == b"".join(_obj(i))
     restarted = _backend(tmp_path)

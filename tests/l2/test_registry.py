@@ -42,6 +42,7 @@ def test_our_backends_are_registered_like_plugins() -> None:
         "fsync",
         "threads",
         "segment_size",
+        "tenant_share",
     ]
     assert all(text for _, _, text in disk.options)
 

@@ -175,6 +175,7 @@ async def open_server(
                             flushers=2,
                             loaders=config.l2_loaders,
                             observe=metrics.observe_l2,
+                            tenants=arenas.tenant_count,
                         )
                         cache = CacheService(config, arenas, l2, CudaTransfers(arena, cuda_runtime))
                         state = ServerState(

@@ -92,6 +92,10 @@ class TenantArenas:
     def first(self) -> SharedArena:
         return self.all[0].arena
 
+    def tenant_count(self) -> int:
+        """Tenants that have an arena now (registered since the start)."""
+        return len(self._by_tenant)
+
     def for_tenant(self, tenant: str) -> TenantArena:
         """The tenant's arena, created (or the start's arena assigned) on its first use.
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ import zmq
 from kvtrio.client import AsyncClient, Client, open_client
 from kvtrio.config import ServerConfig
 from kvtrio.errors import Forbidden, KvtrioError, RequestTimeout, ServerBusy, ServerUnavailable
+from kvtrio.l2 import Backend
 from kvtrio.protocol import EndSession, GetStats, Lookup, Ping, Pong, Released, StatsReply
 from kvtrio.server import ServerHandle, open_server
 from kvtrio.server._auth import is_loopback
@@ -151,9 +152,10 @@ async def test_a_client_expecting_another_server_key_does_not_talk(
 
 @asynccontextmanager
 async def tenant_clients(
-    short_dir: Path, config: ServerConfig
+    short_dir: Path, config: ServerConfig, backends: Sequence[tuple[str, Backend]] | None = None
 ) -> AsyncIterator[tuple[ServerHandle, AsyncClient, AsyncClient]]:
-    """A server allowing two keys, ``acme`` (tenant acme) and ``victim`` (tenant victim)."""
+    """A server allowing two keys, ``acme`` (tenant acme) and ``victim`` (tenant victim);
+    ``backends``, if given, instead of ``config.l2``'s."""
     keys = short_dir / "tenants"
     write_keypair(keys / "clients", "acme", "acme")
     write_keypair(keys / "clients", "victim", "victim")
@@ -167,7 +169,7 @@ async def tenant_clients(
     )
     server_key = str(keys / "server.key")
     async with (
-        open_server(config) as server,
+        open_server(config, backends=backends) as server,
         open_client(
             server.endpoint, server_key=server_key, client_key=str(keys / "acme.key_secret")
         ) as acme,

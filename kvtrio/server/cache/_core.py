@@ -129,7 +129,9 @@ class CacheCore:
         self.leases.remove(lease)
         if how == "commit":
             self.l1.commit(object_key)
-            self.l2.write_behind(object_key, fingerprint)
+            arena = self.arenas.of_key(object_key)
+            tenant = "" if arena is None or arena.tenant is None else arena.tenant
+            self.l2.write_behind(object_key, fingerprint, tenant)
         elif how == "abort":
             self.l1.abort(object_key)
         else:

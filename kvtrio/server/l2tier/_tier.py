@@ -42,8 +42,11 @@ class L2Tier:
         flushers: int,
         loaders: int,
         observe: Observe | None = None,
+        tenants: Callable[[], int] = lambda: 1,
     ) -> None:
-        """``observe`` is told of every backend call (the metrics'; see :data:`Observe`)."""
+        """``observe`` is told of every backend call (the metrics'; see :data:`Observe`);
+        ``tenants`` says how many tenants the server serves (their fair shares of the
+        write-behind queue)."""
         names = [name for name, _ in backends]
         self.backends = [
             TierBackend(backend, name, name if names.count(name) == 1 else f"{name}#{i + 1}")
@@ -51,7 +54,13 @@ class L2Tier:
         ]
         self._calls = Calls(observe)
         self.writes = WriteBehind(
-            self.backends, l1, arena, self._calls, queue_size=queue_size, flushers=flushers
+            self.backends,
+            l1,
+            arena,
+            self._calls,
+            queue_size=queue_size,
+            flushers=flushers,
+            tenants=tenants,
         )
         self.loads = Loads(self.backends, arena, self._calls, loaders=loaders)
 
@@ -105,9 +114,9 @@ class L2Tier:
 
     # ----------------------------------------------------------------- the parts' operations
 
-    def write_behind(self, key: bytes, fingerprint: bytes) -> None:
+    def write_behind(self, key: bytes, fingerprint: bytes, tenant: str = "") -> None:
         """See :meth:`WriteBehind.write_behind`."""
-        self.writes.write_behind(key, fingerprint)
+        self.writes.write_behind(key, fingerprint, tenant)
 
     async def lookup(
         self, spaces: Sequence[bytes], hashes: Sequence[bytes]

@@ -1,14 +1,21 @@
 """Write-behind: committed L1 chunks go to every backend, a batch at a time, off the request path.
 
 A committed chunk is queued (bounded channel) to flusher tasks that frame it and store it in
-every usable backend (with its L1 parent, to a backend that ``accepts_parents``); while queued or
-being written it is pinned in L1. A full queue, in chunks or in bytes, skips the chunk and counts
-it: never an unbounded queue.
+every usable backend (with its L1 parent, to a backend that ``accepts_parents``, and its
+tenant's tag, to one that ``accepts_owners``); while queued or being written it is pinned in L1.
+A full queue, in chunks or in bytes, skips the chunk and counts it: never an unbounded queue.
+
+**Tenants share the queue fairly.** Once the queue is half full (in chunks or in bytes), a
+tenant that already holds its share of it (``1 / tenants``, counting the tenants the server has
+L1 arenas for and any that queued chunks) is skipped, so one tenant's commit flood cannot take
+the room another tenant's chunks need; below half, any tenant may use the room.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+import hashlib
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -17,7 +24,7 @@ from ...shm import SharedArena
 from ...storage import L1Cache
 from ._backends import Calls, TierBackend
 
-__all__ = ["WriteBehind"]
+__all__ = ["WriteBehind", "owner_tag"]
 
 CPU_LIMITER = trio.CapacityLimiter(2)
 """Checksums of chunks (xxh3, ~7 GB/s) run in worker threads, two at a time (stores and
@@ -26,6 +33,15 @@ _BATCH_CHUNKS = 32
 _BATCH_BYTES = 64 << 20
 """A flusher writes at most this many queued chunks (or about this many bytes) per backend call:
 one thread hop for the frames and one store per backend for many small chunks."""
+
+
+Queued = tuple[bytes, bytes, str]
+"""A queued chunk: (object key, fingerprint, tenant)."""
+
+
+def owner_tag(tenant: str) -> bytes:
+    """The 16-byte tag a backend that ``accepts_owners`` keeps for ``tenant``'s objects."""
+    return hashlib.sha256(b"kvtrio tenant\0" + tenant.encode()).digest()[:16]
 
 
 class WriteBehind:
@@ -40,13 +56,17 @@ class WriteBehind:
         *,
         queue_size: int,
         flushers: int,
+        tenants: Callable[[], int] = lambda: 1,
     ) -> None:
+        """``tenants`` says how many tenants the server serves now (its L1 arenas')."""
         self.backends = backends
+        self._tenant_count = tenants
         self.l1 = l1
         self.arena = arena
         self._calls = calls
         self._flushers = flushers
-        self._send, self._receive = trio.open_memory_channel[tuple[bytes, bytes]](queue_size)
+        self.queue_size = queue_size
+        self._send, self._receive = trio.open_memory_channel[Queued](queue_size)
         self.queued = 0
         """Chunks in the queue (not yet taken by a flusher)."""
         self._queued_bytes = 0
@@ -54,6 +74,9 @@ class WriteBehind:
         """Bytes of L1 the queue may pin (a quarter of it): a long queue of large chunks must
         not starve L1 of evictable space."""
         self.skipped_stores = 0
+        self.skipped_by_share = collections.Counter[str]()
+        """Chunks skipped because their tenant held its share of a busy queue, per tenant."""
+        self._tenants: dict[str, list[int]] = {}  # tenant → [chunks, bytes] queued now
 
     def start(self, nursery: trio.Nursery) -> None:
         """Start the flushers in ``nursery`` (none without backends); they run until it is
@@ -61,26 +84,55 @@ class WriteBehind:
         for _ in range(self._flushers if self.backends else 0):
             nursery.start_soon(self._flush, self._receive.clone())
 
-    def write_behind(self, key: bytes, fingerprint: bytes) -> None:
-        """Queue a committed L1 chunk for the backends (pinned until written); never waits.
-        Skipped (and counted) when the queue is full, in chunks or in bytes."""
+    def write_behind(self, key: bytes, fingerprint: bytes, tenant: str = "") -> None:
+        """Queue ``tenant``'s committed L1 chunk for the backends (pinned until written); never
+        waits. Skipped (and counted) when the queue is full, in chunks or in bytes, or when it
+        is half full and the tenant holds its share of it (see the module docstring)."""
         if not self.backends:
             return
         size = self._size(key)
         if self._queued_bytes + size > self.max_queued_bytes:
             self.skipped_stores += 1
             return
+        mine = self._tenants.setdefault(tenant, [0, 0])
+        if self._over_share(mine, size):
+            self.skipped_stores += 1
+            self.skipped_by_share[tenant] += 1
+            return
         self.l1.pin(key)
         try:
-            self._send.send_nowait((key, fingerprint))
+            self._send.send_nowait((key, fingerprint, tenant))
         except trio.WouldBlock:
             self.l1.unpin(key)
             self.skipped_stores += 1
             return
         self.queued += 1
         self._queued_bytes += size
+        mine[0] += 1
+        mine[1] += size
 
-    async def _flush(self, receive: trio.MemoryReceiveChannel[tuple[bytes, bytes]]) -> None:
+    def _over_share(self, mine: list[int], size: int) -> bool:
+        """Whether a tenant holding ``mine`` (chunks, bytes) may not add a chunk of ``size``:
+        the queue is half full and the tenant would hold more than its share of it."""
+        tenants = max(len(self._tenants), self._tenant_count())
+        if tenants < 2:
+            return False
+        chunks, nbytes = self.queue_size, self.max_queued_bytes
+        busy = self.queued * 2 >= chunks or self._queued_bytes * 2 >= nbytes
+        return busy and ((mine[0] + 1) * tenants > chunks or (mine[1] + size) * tenants > nbytes)
+
+    def _dequeued(self, item: Queued) -> int:
+        """Count ``item`` out of the queue (no longer its tenant's); its size."""
+        size = self._size(item[0])
+        self.queued -= 1
+        self._queued_bytes -= size
+        mine = self._tenants.get(item[2])
+        if mine is not None:
+            mine[0] -= 1
+            mine[1] -= size
+        return size
+
+    async def _flush(self, receive: trio.MemoryReceiveChannel[Queued]) -> None:
         """Write queued chunks to the backends, a batch at a time, until cancelled.
 
         A batch is the chunk received plus what is already queued (up to ``_BATCH_CHUNKS``
@@ -89,41 +141,38 @@ class WriteBehind:
         """
         async for first in receive:
             batch = [first]
-            self.queued -= 1
             try:
-                nbytes = self._size(first[0])
-                self._queued_bytes -= nbytes
+                nbytes = self._dequeued(first)
                 while len(batch) < _BATCH_CHUNKS and nbytes < _BATCH_BYTES:
                     try:
                         item = receive.receive_nowait()
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
                     batch.append(item)  # (no checkpoint before the finally can see it)
-                    self.queued -= 1
-                    size = self._size(item[0])
-                    self._queued_bytes -= size
-                    nbytes += size
+                    nbytes += self._dequeued(item)
                 await self._store_batch(batch)
             finally:
-                for key, _ in batch:
+                for key, _, _ in batch:
                     self.l1.unpin(key)
 
     def _size(self, key: bytes) -> int:
         entry = self.l1.get(key)
         return 0 if entry is None else entry.nbytes
 
-    async def _store_batch(self, batch: Sequence[tuple[bytes, bytes]]) -> None:
+    async def _store_batch(self, batch: Sequence[Queued]) -> None:
         """Frame the (pinned) chunks in one worker thread and store them with one call per
         usable backend; count per key. Cancellation: the running store is cancelled."""
         keys: list[bytes] = []
         parents: list[bytes | None] = []
         fingerprints: list[bytes] = []
+        owners: list[bytes] = []
         payloads: list[memoryview] = []
-        for key, fingerprint in batch:
+        for key, fingerprint, tenant in batch:
             entry = self.l1.get(key)
             if entry is None:  # cannot happen while pinned; be safe
                 continue
             keys.append(key)
+            owners.append(owner_tag(tenant))
             parents.append(entry.parent)
             fingerprints.append(fingerprint)
             payloads.append(self.arena.memory(entry.offset, entry.nbytes))
@@ -141,11 +190,13 @@ class WriteBehind:
                 continue
             backend = tier_backend.backend
             started = trio.current_time()
+            extra: dict[str, object] = {}  # the optional capabilities (see Backend)
+            if getattr(backend, "accepts_parents", False):
+                extra["parents"] = parents
+            if getattr(backend, "accepts_owners", False):
+                extra["owners"] = owners
             try:
-                if getattr(backend, "accepts_parents", False):  # (optional: see Backend)
-                    results = await backend.store(keys, buffers, parents=parents)  # type: ignore[call-arg]
-                else:
-                    results = await backend.store(keys, buffers)
+                results = await backend.store(keys, buffers, **extra)
             except Exception as exc:  # any failure of a backend: see _backends
                 self._calls.observed(tier_backend, "store", started, False)
                 tier_backend.failed(exc, trio.current_time())

@@ -173,11 +173,12 @@ async def tenant_clients(
         open_client(
             server.endpoint, server_key=server_key, client_key=str(keys / "acme.key_secret")
         ) as acme,
-        open_client(
-            server.endpoint, server_key=server_key, client_key=str(keys / "victim.key_secret")
-        ) as victim,
     ):
-        yield server, acme, victim
+        await acme.wait_connected()  # acme's session first (the session-limit test needs it)
+        async with open_client(
+            server.endpoint, server_key=server_key, client_key=str(keys / "victim.key_secret")
+        ) as victim:
+            yield server, acme, victim
 
 
 async def test_tenant_spoofing_is_refused(short_dir: Path) -> None:

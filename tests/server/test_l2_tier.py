@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,6 +19,7 @@ import attrs
 import pytest
 import trio
 
+import kvtrio.l2.disk
 from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import ServerConfig
 from kvtrio.l2 import Backend, BackendUnavailable, Buffers
@@ -462,3 +464,26 @@ async def test_a_corrupt_object_in_a_batch_fails_alone_and_is_deleted(
         assert backend.deleted == [4]
         assert (await cache(worker)).l2_corrupt == 1
         assert set(backend.unlocked.values()) == {1}
+
+
+async def test_the_first_lookup_after_a_restart_sees_the_whole_disk_l2(
+    config: ServerConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Was: the disk L2's index was built at first use, so a lookup sent as soon as the
+    restarted server answered missed everything on disk (here: a scan slower than the lookup
+    timeout, as a large L2's is). The server now serves once its backends answered their
+    start-up probe."""
+    async with running(config, DiskBackend(DiskOptions(path=str(tmp_path)))) as (_, worker, _s):
+        await store(worker, "first", 10)
+        await written_to_l2(worker, 10)
+    real_scan = kvtrio.l2.disk.scan_tree
+
+    def slow_scan(*args: Any) -> Any:
+        time.sleep(config.lookup_timeout * 2)  # (a large L2: the scan takes a while)
+        return real_scan(*args)
+
+    monkeypatch.setattr(kvtrio.l2.disk, "scan_tree", slow_scan)
+    restarted = DiskBackend(DiskOptions(path=str(tmp_path)))
+    async with running(config, restarted) as (_, worker, scheduler):
+        assert await lookup(scheduler, "second") == LookupReply(10 * CHUNK, 10)
+        assert restarted.statistics()["objects"] == 10

@@ -2,7 +2,8 @@
 
 The work is in the parts: write-behind in :mod:`._writes`, lookups and loads in :mod:`._loads`,
 the backends' health and the boundary for calls into them in :mod:`._backends`. Each backend is
-probed once at start-up (a warning if it fails); its health is unknown until something answered.
+probed once at start-up, before the server serves (a warning if it fails); its health is unknown
+until something answered.
 """
 
 from __future__ import annotations
@@ -71,15 +72,20 @@ class L2Tier:
     # ----------------------------------------------------------------- tasks
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the flushers and host the loaders until cancelled; close the backends after.
+        """Probe every backend (at once, each for at most :data:`_PROBE_TIMEOUT`), then report
+        started; run the flushers and host the loaders until cancelled; close the backends
+        after. The server serves only once this has started, so the first lookup after a
+        restart sees the L2 as it is (a disk L2 has built its index from its files).
 
-        Cancellation: running stores and loads are cancelled; closing is shielded and bounded.
+        Cancellation: running probes, stores and loads are cancelled; closing is shielded and
+        bounded.
         """
         try:
             async with trio.open_nursery() as nursery:
                 self.loads.loaders = nursery
-                for tier_backend in self.backends:
-                    nursery.start_soon(self._probe, tier_backend)
+                async with trio.open_nursery() as probes:
+                    for tier_backend in self.backends:
+                        probes.start_soon(self._probe, tier_backend)
                 self.writes.start(nursery)
                 task_status.started()
                 await trio.sleep_forever()

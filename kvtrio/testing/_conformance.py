@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import trio
@@ -136,6 +136,23 @@ class BackendConformance:
             )
             == [True] * 3
         )
+        assert await backend.lookup_and_lock(keys) == 3
+        await backend.unlock(keys)
+        for key, (_, payload) in zip(keys, objects, strict=True):
+            assert await self.get(backend, key) == payload
+
+    async def test_a_store_with_owners_if_the_backend_takes_them(self, backend: Backend) -> None:
+        """``accepts_owners`` (optional): ``store(..., owners=)`` stores like a plain store,
+        with ``parents=`` too where the backend takes both."""
+        if not getattr(backend, "accepts_owners", False):
+            pytest.skip("the backend does not take owners (optional)")
+        keys = [_key(f"owners{i}") for i in range(3)]
+        objects = [_object(key, self.object_size) for key in keys]
+        extra: dict[str, Any] = {"owners": [b"a" * 16, b"b" * 16, b"a" * 16]}
+        if getattr(backend, "accepts_parents", False):
+            extra["parents"] = [None, keys[0], keys[1]]
+        parts = [_parts(h, p) for h, p in objects]
+        assert await backend.store(keys, parts, **extra) == [True] * 3
         assert await backend.lookup_and_lock(keys) == 3
         await backend.unlock(keys)
         for key, (_, payload) in zip(keys, objects, strict=True):

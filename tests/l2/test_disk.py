@@ -246,3 +246,47 @@ async def test_a_vanished_segments_directory_is_made_again(tmp_path: Path) -> No
     await backend.unlock([key])
     buffers = [bytearray(100), bytearray(900)]
     assert await backend.load([gone, key], [buffers, buffers]) == [False, True]  # (gone: lost)
+
+
+async def test_a_small_filesystem_is_said_once_not_at_every_batch(
+    small_filesystem: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Was: an INFO line on almost every written batch (111 for 952 stores)."""
+    caplog.set_level(logging.INFO, logger="kvtrio.l2.disk")
+    backend = DiskBackend(DiskOptions(path=str(small_filesystem / "l2")))
+    for i in range(40):
+        await backend.store([i.to_bytes(32, "big")], [_obj(20_000)])
+    said = [r for r in caplog.records if "less than capacity" in r.getMessage()]
+    assert len(said) == 1
+
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    """A real ramfs (reports no size: statvfs gives 0 blocks). Needs root: mount."""
+    mount = tmp_path / "ram"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "ramfs", "ramfs", str(mount)], capture_output=True, check=False
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+async def test_a_filesystem_without_a_size_is_bounded_by_capacity_alone(
+    ramfs: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Was: on ramfs (statvfs 0) the capacity became 0 and nothing was ever stored."""
+    caplog.set_level(logging.INFO, logger="kvtrio.l2.disk")
+    capacity = 5 * record_size(1100)
+    backend = DiskBackend(DiskOptions(path=str(ramfs / "l2"), capacity=ByteSize(capacity)))
+    keys = [i.to_bytes(32, "big") for i in range(8)]
+    for key in keys:
+        assert await backend.store([key], [_obj()]) == [True]
+    stats = backend.statistics()
+    assert (stats["objects"], stats["capacity_bytes"], stats["evictions"]) == (5, capacity, 3)
+    said = [r for r in caplog.records if "reports no size" in r.getMessage()]
+    assert len(said) == 1

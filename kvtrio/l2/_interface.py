@@ -93,6 +93,13 @@ class Backend(Protocol):
         ``store(keys, buffers, parents=…)``, ``parents`` index-aligned with ``keys``: the key of
         the object before each one in its prompt (``None`` for a first chunk or unknown), for a
         prefix-aware eviction policy. Backends without the flag are called without it.
+
+        Optional capability: a backend whose class sets ``accepts_touches = True`` implements
+        ``async def touch(keys: Sequence[bytes]) -> None``: the objects were used (hits served
+        from the server's L1, which never reach ``lookup_and_lock``), last given last used, to
+        refresh them in its eviction policy as a lookup hit would. Unknown keys are ignored;
+        it changes nothing visible (no lock, no load). The server calls it in batches, from a
+        task, never once per hit.
         """
         ...
 

@@ -7,7 +7,7 @@ rebuilt by scanning the segments at first use (oldest first), so a restarted ser
 it stored; files that are not segments are ignored and reported once. Eviction order is a
 :class:`kvtrio.storage.EvictionPolicy` (option ``eviction``) over the unlocked objects, O(1)
 amortised per store; ``store`` takes parents (``accepts_parents``: a prompt's tail goes first;
-scanned objects have none).
+scanned objects have none), ``touch`` takes hits served from the server's L1 (``accepts_touches``).
 
 A record is never freed while a load is reading it (replaced, deleted or evicted meanwhile: the
 hole is punched when the read ends), so a load returns the object it looked up, whole. A read
@@ -86,6 +86,7 @@ class DiskBackend:
     Options = DiskOptions
     accepts_parents = True
     """``store`` takes ``parents=``: the eviction policy knows each object's prompt prefix."""
+    accepts_touches = True  # ``touch``: hits served from the server's L1 refresh the policy
 
     def __init__(
         self, options: DiskOptions | None = None, *, policy: EvictionPolicy | None = None
@@ -263,6 +264,12 @@ class DiskBackend:
             error = f"{len(failed)} object(s) failed: {reason(next(iter(failed.values())))}"
             raise UnreadableObjects(f"disk: reading {error}", results, list(failed))
         return results
+
+    async def touch(self, keys: Sequence[bytes]) -> None:
+        """Count uses (from L1) as policy hits, last key last; cancelled: nothing touched."""
+        await trio.lowlevel.checkpoint()
+        for key in keys:
+            self._policy.touch(key)
 
     async def store(
         self,

@@ -45,7 +45,7 @@ __all__ = ["bad_records"]  # (a fixture)
 
 _SERVERS = itertools.count()
 CHUNK = 256
-LAYOUT = LayoutSpec("flash_attn", 2, 64, 16, 2, 16, "float16")  # 32 KiB chunks
+LAYOUT = LayoutSpec("flash_attn", 2, 64, 16, 2, 16, "float16")  # 64 KiB chunks
 
 
 def prompt(seed: int, chunks: int = 10) -> tuple[bytes, ...]:

@@ -169,6 +169,19 @@ class Calls:
         else:
             self.observed(backend, "delete", started, True)
 
+    async def touch(self, backend: TierBackend, keys: list[bytes]) -> None:
+        """Send ``keys`` (used from L1) to the ``touch`` of a backend that declares
+        ``accepts_touches``; a failure is the backend's. Cancellation: as the backend's."""
+        started = trio.current_time()
+        try:
+            await backend.backend.touch(keys)  # type: ignore[attr-defined]  # (optional)
+        except Exception as exc:  # any failure of a backend: see the module docstring
+            self.observed(backend, "touch", started, False)
+            backend.failed(exc, trio.current_time())
+        else:
+            self.observed(backend, "touch", started, True)
+            backend.count("touches", len(keys))
+
 
 def describe(exc: BaseException) -> str:
     """One line for a backend failure: the message, with the type unless it is ours."""

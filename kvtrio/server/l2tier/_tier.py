@@ -1,15 +1,16 @@
 """The L2 tier of one server: its backends in cascade order, its tasks, its stats.
 
 The work is in the parts: write-behind in :mod:`._writes`, lookups and loads in :mod:`._loads`,
-the backends' health and the boundary for calls into them in :mod:`._backends`. Each backend is
-probed once at start-up (a warning if it fails); its health is unknown until something answered.
+L1 hits passed on to the backends' eviction policies in :mod:`._touches`, the backends' health
+and the boundary for calls into them in :mod:`._backends`. Each backend is probed once at
+start-up (a warning if it fails); its health is unknown until something answered.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import trio
 
@@ -19,6 +20,7 @@ from ...shm import SharedArena
 from ...storage import Entry, L1Cache
 from ._backends import Calls, Observe, TierBackend
 from ._loads import Load, Loads
+from ._touches import Touches
 from ._writes import WriteBehind
 
 __all__ = ["L2Tier"]
@@ -54,6 +56,7 @@ class L2Tier:
             self.backends, l1, arena, self._calls, queue_size=queue_size, flushers=flushers
         )
         self.loads = Loads(self.backends, arena, self._calls, loaders=loaders)
+        self.touches = Touches(self.backends, self._calls)
 
     @property
     def enabled(self) -> bool:
@@ -62,7 +65,8 @@ class L2Tier:
     # ----------------------------------------------------------------- tasks
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Run the flushers and host the loaders until cancelled; close the backends after.
+        """Run the flushers and the touches' task and host the loaders until cancelled; close
+        the backends after.
 
         Cancellation: running stores and loads are cancelled; closing is shielded and bounded.
         """
@@ -72,6 +76,7 @@ class L2Tier:
                 for tier_backend in self.backends:
                     nursery.start_soon(self._probe, tier_backend)
                 self.writes.start(nursery)
+                nursery.start_soon(self.touches.run)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -108,6 +113,10 @@ class L2Tier:
     def write_behind(self, key: bytes, fingerprint: bytes) -> None:
         """See :meth:`WriteBehind.write_behind`."""
         self.writes.write_behind(key, fingerprint)
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Chunks served from L1, last used last: see :meth:`Touches.add` (no I/O)."""
+        self.touches.add(keys)
 
     async def lookup(
         self, spaces: Sequence[bytes], hashes: Sequence[bytes]

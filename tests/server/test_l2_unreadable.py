@@ -19,7 +19,9 @@ import trio
 
 from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import ServerConfig
+from kvtrio.l2 import UnreadableObjects
 from kvtrio.l2.disk import DiskBackend, DiskOptions
+from kvtrio.l2.memory import MemoryBackend
 from kvtrio.protocol import (
     Commit,
     EndSession,
@@ -36,6 +38,7 @@ from kvtrio.protocol import (
     StoreReply,
 )
 from kvtrio.server import open_server
+from kvtrio.server.l2tier import TierBackend
 from kvtrio.storage import token_chunk_hashes
 
 from ..conftest import await_async
@@ -189,3 +192,23 @@ async def test_distinct_objects_failing_in_a_row_back_the_backend_off(
         stats = (await clients.a.call(GetStats(), StatsReply)).l2[0]
         assert stats.healthy is False
         assert stats.counters.get("unreadable", 0) == 0  # nothing is blamed on the objects
+
+
+def test_an_object_goes_at_its_second_failure_in_a_row_and_distinct_ones_are_the_backend() -> None:
+    """The tier's bookkeeping alone (``TierBackend.unreadable``), times given."""
+    backend = TierBackend(MemoryBackend(), "m")
+    error = UnreadableObjects("eio", [False], [b"k"])
+    assert backend.unreadable([b"k"], error, 0.0, read_others=True) == []
+    backend.read_some([b"k"])  # it read fine since: that failure was a passing one
+    assert backend.unreadable([b"k"], error, 1.0, read_others=True) == []
+    assert backend.unreadable([b"k"], error, 2.0, read_others=True) == [b"k"]  # twice in a row
+    assert backend.counters["read_errors"] == 3
+    assert backend.usable(2.0)
+    # Distinct objects failing with nothing read in between: the backend, not the objects.
+    assert backend.unreadable([b"a"], error, 3.0, read_others=False) == []
+    assert backend.unreadable([b"b"], error, 3.0, read_others=False) == []
+    assert backend.usable(3.0)
+    assert backend.unreadable([b"c"], error, 3.0, read_others=False) == []
+    assert not backend.usable(3.0)
+    assert backend.read_failures == {}  # nothing is blamed on them
+    assert backend.unreadable([b"a"], error, 9.0, read_others=True) == []  # (a fresh count)

@@ -27,7 +27,8 @@ _DOWN_AFTER = 3
 """Distinct objects whose reads fail with no read succeeding in between: then it is not the
 objects, it is the backend (backed off as for any failure)."""
 _DROP_AFTER = 2
-"""Failed reads of one object after which it is deleted (unless they backed the backend off)."""
+"""Failed reads of one object, none succeeding in between, after which it is deleted (unless
+they backed the backend off)."""
 _REMEMBERED = 4096
 """Objects whose failed reads are remembered at most (the oldest are forgotten)."""
 
@@ -49,7 +50,8 @@ class TierBackend:
     """Whether any operation (or the start-up probe) has answered yet."""
     counters: dict[str, int] = attrs.field(factory=dict)
     read_failures: dict[bytes, int] = attrs.field(factory=dict)
-    """Failed reads per object (at most :data:`_REMEMBERED` objects, oldest first)."""
+    """Failed reads per object since it was last read (at most :data:`_REMEMBERED` objects,
+    oldest first)."""
     failing: set[bytes] = attrs.field(factory=set)
     """Distinct objects whose reads failed since the last read that succeeded."""
 
@@ -78,9 +80,12 @@ class TierBackend:
             )
         self.down_until = now + self.backoff
 
-    def read_some(self) -> None:
-        """A load read objects: the backend reads (earlier failures were the objects')."""
+    def read_some(self, keys: list[bytes]) -> None:
+        """A load read ``keys``: the backend reads (earlier failures were the objects'), and
+        their own earlier failures were passing ones (forgotten)."""
         self.failing.clear()
+        for key in keys:
+            self.read_failures.pop(key, None)
 
     def unreadable(
         self, keys: list[bytes], exc: BaseException, now: float, *, read_others: bool

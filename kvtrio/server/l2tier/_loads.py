@@ -206,7 +206,7 @@ class Loads:
                     answered = False  # (an error proves nothing about the objects: they stay)
                     partial: UnreadableObjects | None = None  # (some objects' own errors)
                     failed: set[bytes] = set()  # (those objects)
-                    read_any = False  # whether the call read any object (whole)
+                    read_keys: list[bytes] = []  # the objects the call did read (whole)
                     try:
                         try:
                             results = await source.backend.load(keys, buffers)
@@ -228,7 +228,7 @@ class Loads:
                             bool(ok) and key not in failed
                             for ok, key in zip(results, keys, strict=True)
                         ]
-                        read_any = any(oks)
+                        read_keys = [key for key, ok in zip(keys, oks, strict=True) if ok]
                     doomed: list[bytes] = []
                     read = [i for i, ok in enumerate(oks) if ok]
                     if read:
@@ -256,16 +256,20 @@ class Loads:
                     if answered and not scope.cancel_called:
                         # The backend answered that these were there (locked) yet not at their
                         # size: truncated, or evicted behind the lock's back. Of no use any more.
-                        # (A failed read, by contrast, proves nothing: those objects stay.)
+                        # (A failed call, by contrast, proves nothing: those objects stay; one
+                        # the backend names unreadable goes at its second failure in a row.)
                         unreadable = [
                             k
                             for k, ok in zip(keys, results, strict=True)
                             if not ok and k not in failed
                         ]
+                        if read_keys:
+                            source.read_some(read_keys)
                         if partial is not None:  # twice unreadable: gone (see _backends)
                             lost = [key for key in keys if key in failed]
                             now = trio.current_time()
-                            dropped = source.unreadable(lost, partial, now, read_others=read_any)
+                            others = bool(read_keys)
+                            dropped = source.unreadable(lost, partial, now, read_others=others)
                             if dropped:
                                 log.warning(
                                     "L2 backend %s: %d object(s) unreadable twice, deleted (%s)",
@@ -277,8 +281,6 @@ class Loads:
                                     ),
                                 )
                             unreadable += dropped
-                        elif read_any:
-                            source.read_some()
                         source.count("unreadable", len(unreadable))
                         doomed += unreadable
                     if doomed:

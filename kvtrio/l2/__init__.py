@@ -1,7 +1,7 @@
 """The L2 tier: backends behind L1 (local disk, Redis, S3, plugins), found by entry points."""
 
 from ._framing import FORMAT_VERSION, HEADER_SIZE, Corrupt, check, header
-from ._interface import Backend, BackendError, BackendUnavailable, Buffers
+from ._interface import Backend, BackendError, BackendUnavailable, Buffers, UnreadableObjects
 from ._locks import LocalLocks
 from ._registry import GROUP, BackendInfo, create_backend, describe_backends, load_backend_class
 
@@ -16,6 +16,7 @@ __all__ = [
     "Buffers",
     "Corrupt",
     "LocalLocks",
+    "UnreadableObjects",
     "check",
     "create_backend",
     "describe_backends",

@@ -215,12 +215,13 @@ def fsync_directory(path: str) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-def read_records(records: Sequence[Record], secret: bytes) -> list[bool | None]:
+def read_records(records: Sequence[Record], secret: bytes) -> list[bool | OSError | None]:
     """Read each record's object into its parts (one ``preadv`` per run of adjacent records of
     a segment). Per record: True, False if it is not there whole under its key (a short file,
-    a punched or overwritten record), None if its segment file is gone. The first other
-    ``OSError`` is raised."""
-    results: list[bool | None] = [False] * len(records)
+    a punched or overwritten record), None if its segment file is gone, the ``OSError`` of its
+    read if that failed (a run that fails is read again record by record, so an ``EIO`` under
+    one record fails that record only). An ``OSError`` opening a segment file is raised."""
+    results: list[bool | OSError | None] = [False] * len(records)
     order = sorted(range(len(records)), key=lambda i: (records[i][0], records[i][1]))
     by_segment: dict[str, list[int]] = {}
     for i in order:
@@ -234,7 +235,17 @@ def read_records(records: Sequence[Record], secret: bytes) -> list[bool | None]:
             continue
         try:
             for run in _adjacent(records, indices):
-                _read_run(fd, records, run, results, secret)
+                try:
+                    _read_run(fd, records, run, results, secret)
+                except OSError as exc:
+                    if len(run) == 1:
+                        results[run[0]] = exc
+                        continue
+                    for i in run:  # which of them? each alone (the others are read again)
+                        try:
+                            _read_run(fd, records, [i], results, secret)
+                        except OSError as alone:
+                            results[i] = alone
         finally:
             os.close(fd)
     return results
@@ -254,7 +265,11 @@ def _adjacent(records: Sequence[Record], indices: list[int]) -> list[list[int]]:
 
 
 def _read_run(
-    fd: int, records: Sequence[Record], run: list[int], results: list[bool | None], secret: bytes
+    fd: int,
+    records: Sequence[Record],
+    run: list[int],
+    results: list[bool | OSError | None],
+    secret: bytes,
 ) -> None:
     heads = [bytearray(RECORD_HEADER) for _ in run]
     scratch = memoryview(bytearray(ALIGN))

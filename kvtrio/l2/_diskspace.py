@@ -18,7 +18,10 @@ from collections.abc import Callable, Iterator
 
 from ..storage import EvictionPolicy
 
-__all__ = ["Room"]
+__all__ = ["PolicyFactory", "Room"]
+
+PolicyFactory = Callable[[], EvictionPolicy]
+"""Makes a new owner's eviction policy."""
 
 _RESERVE = 0.02
 """Fraction of the filesystem kept free: capacity never counts on the last 2% of it."""
@@ -29,14 +32,15 @@ class Room:
     objects. The backend tells it what is indexed (:meth:`indexed`, :meth:`forgotten`) and
     what may be evicted (:meth:`add`, :meth:`hold`), and asks it for :meth:`victims`."""
 
-    def __init__(self, make_policy: Callable[[], EvictionPolicy], share: float) -> None:
+    def __init__(self, make_policy: PolicyFactory, share: float, capacity: int) -> None:
+        """``capacity``: the option (:meth:`measured` lowers it to what the filesystem holds)."""
         if not 0 < share <= 1:
             raise ValueError("tenant_share must be a fraction in (0, 1]")
         self._make_policy = make_policy
         self.share = share
         self.bytes = 0
         """Bytes on disk of the indexed objects, and of the records being written."""
-        self.capacity = 0
+        self.capacity = capacity
         self._limited = False  # whether the filesystem bounds the capacity (said once)
         self._owner_of: dict[bytes, bytes] = {}
         self._bytes_of = collections.Counter[bytes]()

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from ..errors import KvtrioError
 
-__all__ = ["Backend", "BackendError", "BackendUnavailable", "Buffers"]
+__all__ = ["Backend", "BackendError", "BackendUnavailable", "Buffers", "UnreadableObjects"]
 
 Buffers = Sequence[memoryview]
 """An object's bytes as consecutive parts: the concatenation of the parts is the object."""
@@ -29,6 +29,23 @@ class BackendError(KvtrioError):
 
 class BackendUnavailable(BackendError):
     """The backend's service cannot be reached (connection refused, timed out)."""
+
+
+class UnreadableObjects(BackendError):
+    """A ``load`` could not read some of its objects, for reasons of their own (e.g. ``EIO``
+    under one record), and did read the others: the error is the objects', not the backend's.
+
+    ``results`` is what ``load`` would have returned (index-aligned with its keys; ``False`` for
+    the unreadable ones), ``unreadable`` the keys that could not be read. The server fails those
+    loads, deletes an object whose reads fail twice, and backs the backend off only when
+    distinct objects keep failing with no read succeeding in between. Raise a plain
+    :class:`BackendError` for an error that is not specific to objects (a connection, a file
+    that cannot be opened)."""
+
+    def __init__(self, message: str, results: Sequence[bool], unreadable: Sequence[bytes]) -> None:
+        super().__init__(message)
+        self.results = list(results)
+        self.unreadable = list(unreadable)
 
 
 @runtime_checkable
@@ -59,7 +76,11 @@ class Backend(Protocol):
 
     async def load(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
         """Read each object into its buffers; per key, False if it is missing or is not exactly
-        as long as its buffers. A False key's buffers may have been partly written."""
+        as long as its buffers. A False key's buffers may have been partly written.
+
+        A read error of some objects only (the others read) may be raised as
+        :class:`UnreadableObjects`, naming them; any other exception fails the whole call.
+        """
         ...
 
     async def store(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
@@ -72,6 +93,13 @@ class Backend(Protocol):
         ``store(keys, buffers, parents=…)``, ``parents`` index-aligned with ``keys``: the key of
         the object before each one in its prompt (``None`` for a first chunk or unknown), for a
         prefix-aware eviction policy. Backends without the flag are called without it.
+
+        Optional capability: a backend whose class sets ``accepts_touches = True`` implements
+        ``async def touch(keys: Sequence[bytes]) -> None``: the objects were used (hits served
+        from the server's L1, which never reach ``lookup_and_lock``), last given last used, to
+        refresh them in its eviction policy as a lookup hit would. Unknown keys are ignored;
+        it changes nothing visible (no lock, no load). The server calls it in batches, from a
+        task, never once per hit.
         """
         ...
 

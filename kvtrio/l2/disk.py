@@ -1,28 +1,22 @@
-"""``disk``: objects in segment files on a local filesystem — the embedded default of ``kvtrio
-serve``.
+"""``disk``: objects in segment files on a local filesystem, the default L2 of ``kvtrio serve``.
 
-Objects are appended to segment files (``segments/*.seg``, ``segment_size`` each; the record
-format is in :mod:`._diskio`), a written batch with one ``pwritev``. An object becomes visible
-(indexed) only once its record is written whole, optionally ``fdatasync``ed; a failed write
-leaves no object (its range is punched out). A removed object's blocks go back to the
-filesystem at once (a hole is punched over its record: no compaction), and a segment whose
-records are all gone is unlinked. The index (key → segment, offset, length) is rebuilt by
-scanning the segments when the backend is first used (oldest first, in write order), so a
-restarted server serves what it stored before; files that are not segments are ignored and
-reported once. The scan runs before the server serves (the L2 tier's start-up probe), so the
-first lookup after a restart sees everything on disk. Record headers are authenticated with the
-L2's secret (:mod:`._diskio`): the scan never takes a client's bytes for a record.
+Objects are appended to segment files (``segments/*.seg``, ``segment_size`` each; records,
+punched holes, unlinks: see :mod:`._diskio`), a batch with one ``pwritev``, visible (indexed)
+once written whole, optionally ``fdatasync``ed. The index (key → segment, offset, length) is
+rebuilt by scanning the segments (oldest first) before the server serves (the L2 tier's
+start-up probe), so a restarted server serves what it stored from its first lookup; files that
+are not segments are ignored and reported once. Record headers are authenticated with the L2's
+secret: the scan never takes a client's bytes for a record.
 
-Eviction order is a :class:`kvtrio.storage.EvictionPolicy` (option ``eviction``, the L1's
-default) per owner over its unlocked objects, so a store evicts in O(1) amortised; locked
-objects are held out of it until unlocked. ``store`` takes each object's parent
-(``accepts_parents``), so prefix-aware policies evict a prompt tail first and the objects after
-an evicted one first of all; objects found by the scan have no known parent. It also takes each
-object's owner (``accepts_owners``: the tenant), and room is made by evicting from the owner
-holding the most (:mod:`._diskspace`): one tenant cannot push another below its share.
+Eviction order is a :class:`kvtrio.storage.EvictionPolicy` (option ``eviction``) per owner over
+its unlocked objects, O(1) amortised per store; ``store`` takes parents (``accepts_parents``: a
+prompt's tail goes first; scanned objects have none) and owners (``accepts_owners``: room is
+made by evicting from the tenant holding the most, :mod:`._diskspace`); ``touch`` takes hits
+served from the server's L1 (``accepts_touches``).
 
 A record is never freed while a load is reading it (replaced, deleted or evicted meanwhile: the
-hole is punched when the read ends), so a load returns the object it looked up, whole.
+hole is punched when the read ends), so a load returns the object it looked up, whole. A read
+error fails its own records only (``UnreadableObjects``): the server decides what to drop.
 
 Capacity counts bytes as they lie on disk (headers and alignment included) and is the smaller
 of the option and what the filesystem can hold (our bytes plus its free space, minus a 2%
@@ -40,14 +34,14 @@ import errno
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import attrs
 import trio
 
 from ..options import ByteSize
-from ..storage import DEFAULT_EVICTION, EVICTION_POLICIES, EvictionPolicy, make_policy
+from ..storage import DEFAULT_EVICTION, EVICTION_POLICIES, make_policy
 from ._diskio import (
     OWNER_SIZE,
     Written,
@@ -60,8 +54,8 @@ from ._diskio import (
     write_records,
 )
 from ._diskscan import report_scan, scan_tree
-from ._diskspace import Room
-from ._interface import BackendError, Buffers
+from ._diskspace import PolicyFactory, Room
+from ._interface import BackendError, Buffers, UnreadableObjects
 from ._locks import LocalLocks
 from ._segments import Location, Segments
 
@@ -102,14 +96,11 @@ class DiskBackend:
     Options = DiskOptions
     accepts_parents = True
     """``store`` takes ``parents=``: the eviction policy knows each object's prompt prefix."""
-    accepts_owners = True
-    """``store`` takes ``owners=``: each object's tenant tag, for the tenants' shares."""
+    accepts_owners = True  # ``store`` takes ``owners=``: tenant tags, for the tenants' shares
+    accepts_touches = True  # ``touch``: hits served from the server's L1 refresh the policy
 
     def __init__(
-        self,
-        options: DiskOptions | None = None,
-        *,
-        policies: Callable[[], EvictionPolicy] | None = None,
+        self, options: DiskOptions | None = None, *, policies: PolicyFactory | None = None
     ) -> None:
         """``policies`` makes each owner's eviction policy (default: ``eviction``'s)."""
         self.options = options or DiskOptions()
@@ -123,10 +114,8 @@ class DiskBackend:
         self._io = trio.CapacityLimiter(self.options.threads)  # the "disk I/O" limiter
         self._index: dict[bytes, Location] = {}  # every object on disk
         make_policy(self.options.eviction)  # (ValueError naming the known ones if unknown)
-        self._room = Room(
-            policies or (lambda: make_policy(self.options.eviction)), self.options.tenant_share
-        )
-        self._room.capacity = int(self.options.capacity)  # lowered to what the fs holds
+        factory = policies or (lambda: make_policy(self.options.eviction))
+        self._room = Room(factory, self.options.tenant_share, int(self.options.capacity))
         self._locks = LocalLocks()
         self._space = Segments(int(self.options.segment_size))
         self._secret = b""  # the record headers' MAC key: read (or made) by the scan
@@ -223,9 +212,9 @@ class DiskBackend:
 
     async def load(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
         """Read the objects in one worker-thread call (one ``preadv`` per run of adjacent
-        records). A filesystem error fails the whole call (BackendError); an object that is not
-        there, or not at the buffers' size, is False. The records stay allocated while they are
-        read. Cancellation: the thread runs to its end, its results unused."""
+        records, kept allocated meanwhile); per key False if not there or not at the buffers'
+        size. A read error fails its own records: UnreadableObjects names them; an error opening
+        a segment fails the call. Cancellation: the thread runs to its end, results unused."""
         await self._ensure_index()
         results = [False] * len(keys)
         wanted: list[tuple[int, Location]] = []
@@ -233,11 +222,10 @@ class DiskBackend:
             location = self._index.get(key)  # (a deleted but locked object still loads)
             if location is not None and location[2] == sum(len(p) for p in parts):
                 wanted.append((i, location))
+                self._space.start_reading(location)
         if not wanted:
             await trio.lowlevel.checkpoint()
             return results
-        for _, location in wanted:
-            self._space.start_reading(location)
         try:
             outcomes = await trio.to_thread.run_sync(
                 read_records,
@@ -252,18 +240,28 @@ class DiskBackend:
             for _, location in wanted:
                 self._space.done_reading(location)
             await self._free()
+        failed: dict[bytes, OSError] = {}  # (their objects stay: the server decides)
         for (i, location), ok in zip(wanted, outcomes, strict=True):
-            key = keys[i]
-            if ok is None:  # the segment vanished (removed behind our back)
-                if self._index.get(key) == location:
-                    self._space.release(self._forget(key))  # (an unlink of nothing: harmless)
-                ok = False
+            if isinstance(ok, OSError):
+                failed[keys[i]] = ok
+            elif ok is None and self._index.get(keys[i]) == location:  # segment removed
+                self._space.release(self._forget(keys[i]))  # (an unlink of nothing: harmless)
             elif ok:
-                self._room.touch(key)
+                self._room.touch(keys[i])
+            results[i] = ok is True
             self.counters["loads"] += 1
-            self.counters["load_bytes"] += location[2] if ok else 0
-            results[i] = ok
+            self.counters["load_bytes"] += location[2] if ok is True else 0
+        if failed:
+            self.counters["read_errors"] += len(failed)
+            error = f"{len(failed)} object(s) failed: {reason(next(iter(failed.values())))}"
+            raise UnreadableObjects(f"disk: reading {error}", results, list(failed))
         return results
+
+    async def touch(self, keys: Sequence[bytes]) -> None:
+        """Count uses (from L1) as policy hits, last key last; cancelled: nothing touched."""
+        await trio.lowlevel.checkpoint()
+        for key in keys:
+            self._room.touch(key)
 
     async def store(
         self,

@@ -29,6 +29,7 @@ class MemoryBackend:
 
     name = "memory"
     Options = MemoryOptions
+    accepts_touches = True  # ``touch``: objects used from the server's L1 move to the LRU's end
 
     def __init__(self, options: MemoryOptions | None = None) -> None:
         self.options = options or MemoryOptions()
@@ -69,6 +70,13 @@ class MemoryBackend:
             results.append(True)
         self.counters["loads"] += len(keys)
         return results
+
+    async def touch(self, keys: Sequence[bytes]) -> None:
+        """The objects were used (unknown keys are ignored). Cancellation: nothing touched."""
+        await trio.lowlevel.checkpoint()
+        for key in keys:
+            if key in self._objects:
+                self._objects.move_to_end(key)
 
     async def store(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
         await trio.lowlevel.checkpoint()

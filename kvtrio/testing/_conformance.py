@@ -158,6 +158,30 @@ class BackendConformance:
         for key, (_, payload) in zip(keys, objects, strict=True):
             assert await self.get(backend, key) == payload
 
+    async def test_touch_if_the_backend_takes_touches(self, backend: Backend) -> None:
+        """``accepts_touches`` (optional): ``touch`` of stored, locked, unknown and deleted keys
+        changes nothing visible (no lock taken or dropped, no object made or lost)."""
+        if not getattr(backend, "accepts_touches", False):
+            pytest.skip("the backend does not take touches (optional)")
+        keys = [_key(f"touch{i}") for i in range(3)]
+        payloads = [await self.put(backend, key) for key in keys]
+        missing = _key("touch-missing")
+        assert await backend.lookup_and_lock(keys[:1]) == 1
+        touch = backend.touch  # type: ignore[attr-defined]
+        await touch([*reversed(keys), missing])
+        await touch([])
+        assert self.locks(backend) == 1
+        await backend.unlock(keys[:1])
+        assert self.locks(backend) == 0
+        assert await backend.lookup_and_lock([missing]) == 0
+        for key, payload in zip(keys, payloads, strict=True):
+            assert await self.get(backend, key) == payload
+        await backend.delete(keys[:1])
+        await touch(keys[:1])
+        assert await backend.lookup_and_lock(keys[:1]) == 0
+        assert await self.get(backend, keys[0]) is None
+        assert self.locks(backend) == 0
+
     async def test_prefix_semantics(self, backend: Backend) -> None:
         keys = [_key(f"prefix{i}") for i in range(4)]
         for key in (keys[0], keys[1], keys[3]):

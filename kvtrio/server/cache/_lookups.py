@@ -72,6 +72,8 @@ class Lookups:
         for chunk_hash in hashes[:hit]:  # pinned before awaiting anything: they stay
             for space in model.spaces:
                 core.pin_for_lookup(request, session.id, space + chunk_hash, readers, expires)
+        if hit and core.l2.enabled:  # L1 hits are uses in L2's policies too (the head last)
+            core.l2.touch(space + h for h in reversed(hashes[:hit]) for space in model.spaces)
         core.watch(session)
         if core.l2.enabled and hit < len(hashes):
             return Later(lambda: self._lookup_l2(session, request, model, hashes, hit, readers))

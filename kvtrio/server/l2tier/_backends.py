@@ -23,6 +23,14 @@ __all__ = ["Calls", "Observe", "TierBackend", "describe"]
 log = logging.getLogger("kvtrio.l2")
 
 _BACKOFF_MIN, _BACKOFF_MAX = 0.5, 30.0
+_DOWN_AFTER = 3
+"""Distinct objects whose reads fail with no read succeeding in between: then it is not the
+objects, it is the backend (backed off as for any failure)."""
+_DROP_AFTER = 2
+"""Failed reads of one object, none succeeding in between, after which it is deleted (unless
+they backed the backend off)."""
+_REMEMBERED = 4096
+"""Objects whose failed reads are remembered at most (the oldest are forgotten)."""
 
 Observe = Callable[[str, str, float, bool], None]
 """``(backend label, operation, seconds, succeeded)`` per call into a backend (the metrics)."""
@@ -41,6 +49,11 @@ class TierBackend:
     known: bool = False
     """Whether any operation (or the start-up probe) has answered yet."""
     counters: dict[str, int] = attrs.field(factory=dict)
+    read_failures: dict[bytes, int] = attrs.field(factory=dict)
+    """Failed reads per object since it was last read (at most :data:`_REMEMBERED` objects,
+    oldest first)."""
+    failing: set[bytes] = attrs.field(factory=set)
+    """Distinct objects whose reads failed since the last read that succeeded."""
 
     def count(self, what: str, n: int = 1) -> None:
         self.counters[what] = self.counters.get(what, 0) + n
@@ -66,6 +79,51 @@ class TierBackend:
                 ),
             )
         self.down_until = now + self.backoff
+
+    def read_some(self, keys: list[bytes]) -> None:
+        """A load read ``keys``: the backend reads (earlier failures were the objects'), and
+        their own earlier failures were passing ones (forgotten)."""
+        self.failing.clear()
+        for key in keys:
+            self.read_failures.pop(key, None)
+
+    def unreadable(
+        self, keys: list[bytes], exc: BaseException, now: float, *, read_others: bool
+    ) -> list[bytes]:
+        """Reads of ``keys`` failed for reasons of their own (:class:`UnreadableObjects`);
+        ``read_others``: the same call read other objects.
+
+        Returns those that failed :data:`_DROP_AFTER` times: the caller deletes them. When
+        :data:`_DOWN_AFTER` distinct objects have failed with no read succeeding in between,
+        the failure is the backend's: it is backed off (:meth:`failed`), nothing is blamed on
+        the objects, and nothing is returned.
+        """
+        self.count("read_errors", len(keys))
+        if read_others:
+            self.failing.clear()
+        else:
+            self.failing.update(keys)
+        if len(self.failing) >= _DOWN_AFTER:
+            self.failing.clear()
+            self.read_failures.clear()
+            self.failed(exc, now)
+            return []
+        doomed = []
+        for key in keys:
+            failures = self.read_failures.pop(key, 0) + 1
+            if failures >= _DROP_AFTER:
+                doomed.append(key)
+                continue
+            self.read_failures[key] = failures
+            if len(self.read_failures) > _REMEMBERED:
+                del self.read_failures[next(iter(self.read_failures))]
+            log.info(
+                "L2 backend %s: an object could not be read (%s); it goes if it fails again",
+                self.name,
+                describe(exc),
+                extra=event("l2_read_error", backend=self.label, error=describe(exc)),
+            )
+        return doomed
 
     def succeeded(self) -> None:
         self.known = True
@@ -115,6 +173,19 @@ class Calls:
             backend.failed(exc, trio.current_time())
         else:
             self.observed(backend, "delete", started, True)
+
+    async def touch(self, backend: TierBackend, keys: list[bytes]) -> None:
+        """Send ``keys`` (used from L1) to the ``touch`` of a backend that declares
+        ``accepts_touches``; a failure is the backend's. Cancellation: as the backend's."""
+        started = trio.current_time()
+        try:
+            await backend.backend.touch(keys)  # type: ignore[attr-defined]  # (optional)
+        except Exception as exc:  # any failure of a backend: see the module docstring
+            self.observed(backend, "touch", started, False)
+            backend.failed(exc, trio.current_time())
+        else:
+            self.observed(backend, "touch", started, True)
+            backend.count("touches", len(keys))
 
 
 def describe(exc: BaseException) -> str:

@@ -20,7 +20,7 @@ import attrs
 import trio
 
 from ..._logging import event
-from ...l2 import HEADER_SIZE, BackendError, Corrupt, check
+from ...l2 import HEADER_SIZE, BackendError, Corrupt, UnreadableObjects, check
 from ...shm import SharedArena
 from ...storage import Entry
 from ._backends import Calls, TierBackend
@@ -184,7 +184,9 @@ class Loads:
         """Read a batch of objects into their L1 slots and verify their frames.
 
         A backend error fails the whole batch (and deletes nothing); a key the backend answers
-        False for, or whose frame fails verification, fails alone and is deleted. Cancellation
+        False for, or whose frame fails verification, fails alone and is deleted; a key the
+        backend could not read (:class:`UnreadableObjects`) fails alone and is deleted at its
+        second such failure (see ``TierBackend.unreadable``). Cancellation
         (the batch's scope or the server's): every load ends not ok. Either way every key is
         unlocked exactly once (shielded) and ``on_done`` runs once per load.
         """
@@ -202,8 +204,14 @@ class Loads:
                     ]
                     started = trio.current_time()
                     answered = False  # (an error proves nothing about the objects: they stay)
+                    partial: UnreadableObjects | None = None  # (some objects' own errors)
+                    failed: set[bytes] = set()  # (those objects)
+                    read_keys: list[bytes] = []  # the objects the call did read (whole)
                     try:
-                        results = await source.backend.load(keys, buffers)
+                        try:
+                            results = await source.backend.load(keys, buffers)
+                        except UnreadableObjects as exc:  # the others were read
+                            results, partial = exc.results, exc
                         if len(results) != len(keys):
                             raise BackendError(
                                 f"load answered {len(results)} results for {len(keys)} keys"
@@ -213,9 +221,14 @@ class Loads:
                         source.failed(exc, trio.current_time())
                         oks = [False] * len(batch)
                     else:
-                        self._calls.observed(source, "load", started, True)
+                        self._calls.observed(source, "load", started, partial is None)
                         answered = True
-                        oks = [bool(ok) for ok in results]
+                        failed = set() if partial is None else set(partial.unreadable)
+                        oks = [
+                            bool(ok) and key not in failed
+                            for ok, key in zip(results, keys, strict=True)
+                        ]
+                        read_keys = [key for key, ok in zip(keys, oks, strict=True) if ok]
                     doomed: list[bytes] = []
                     read = [i for i, ok in enumerate(oks) if ok]
                     if read:
@@ -243,8 +256,31 @@ class Loads:
                     if answered and not scope.cancel_called:
                         # The backend answered that these were there (locked) yet not at their
                         # size: truncated, or evicted behind the lock's back. Of no use any more.
-                        # (A failed read, by contrast, proves nothing: those objects stay.)
-                        unreadable = [keys[i] for i, ok in enumerate(results) if not ok]
+                        # (A failed call, by contrast, proves nothing: those objects stay; one
+                        # the backend names unreadable goes at its second failure in a row.)
+                        unreadable = [
+                            k
+                            for k, ok in zip(keys, results, strict=True)
+                            if not ok and k not in failed
+                        ]
+                        if read_keys:
+                            source.read_some(read_keys)
+                        if partial is not None:  # twice unreadable: gone (see _backends)
+                            lost = [key for key in keys if key in failed]
+                            now = trio.current_time()
+                            others = bool(read_keys)
+                            dropped = source.unreadable(lost, partial, now, read_others=others)
+                            if dropped:
+                                log.warning(
+                                    "L2 backend %s: %d object(s) unreadable twice, deleted (%s)",
+                                    source.name,
+                                    len(dropped),
+                                    partial,
+                                    extra=event(
+                                        "l2_unreadable", backend=source.label, error=str(partial)
+                                    ),
+                                )
+                            unreadable += dropped
                         source.count("unreadable", len(unreadable))
                         doomed += unreadable
                     if doomed:

@@ -1,16 +1,17 @@
 """The L2 tier of one server: its backends in cascade order, its tasks, its stats.
 
 The work is in the parts: write-behind in :mod:`._writes`, lookups and loads in :mod:`._loads`,
-the backends' health and the boundary for calls into them in :mod:`._backends`. Each backend is
-probed once at start-up, before the server serves (a warning if it fails); its health is unknown
-until something answered.
+L1 hits passed on to the backends' eviction policies in :mod:`._touches`, the backends' health
+and the boundary for calls into them in :mod:`._backends`. Each backend is probed once at
+start-up, before the server serves (a warning if it fails); its health is unknown until
+something answered.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import trio
 
@@ -20,6 +21,7 @@ from ...shm import SharedArena
 from ...storage import Entry, L1Cache
 from ._backends import Calls, Observe, TierBackend
 from ._loads import Load, Loads
+from ._touches import Touches
 from ._writes import WriteBehind
 
 __all__ = ["L2Tier"]
@@ -64,6 +66,7 @@ class L2Tier:
             tenants=tenants,
         )
         self.loads = Loads(self.backends, arena, self._calls, loaders=loaders)
+        self.touches = Touches(self.backends, self._calls)
 
     @property
     def enabled(self) -> bool:
@@ -73,9 +76,9 @@ class L2Tier:
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Probe every backend (at once, each for at most :data:`_PROBE_TIMEOUT`), then report
-        started; run the flushers and host the loaders until cancelled; close the backends
-        after. The server serves only once this has started, so the first lookup after a
-        restart sees the L2 as it is (a disk L2 has built its index from its files).
+        started; run the flushers and the touches' task and host the loaders until cancelled;
+        close the backends after. The server serves only once this has started, so the first
+        lookup after a restart sees the L2 as it is (a disk L2 has built its index).
 
         Cancellation: running probes, stores and loads are cancelled; closing is shielded and
         bounded.
@@ -87,6 +90,7 @@ class L2Tier:
                     for tier_backend in self.backends:
                         probes.start_soon(self._probe, tier_backend)
                 self.writes.start(nursery)
+                nursery.start_soon(self.touches.run)
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -123,6 +127,10 @@ class L2Tier:
     def write_behind(self, key: bytes, fingerprint: bytes, tenant: str = "") -> None:
         """See :meth:`WriteBehind.write_behind`."""
         self.writes.write_behind(key, fingerprint, tenant)
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Chunks served from L1, last used last: see :meth:`Touches.add` (no I/O)."""
+        self.touches.add(keys)
 
     async def lookup(
         self, spaces: Sequence[bytes], hashes: Sequence[bytes]

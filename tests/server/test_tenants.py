@@ -41,7 +41,7 @@ from .test_auth import tcp_config, tenant_clients
 
 CHUNK = 256
 LAYOUT = LayoutSpec("flash_attn", 2, 64, 16, 2, 16, "float16")
-CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 16 * 2  # 32 KiB
+CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 16 * 2  # 64 KiB
 ARENA_CHUNKS = 64
 
 

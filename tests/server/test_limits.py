@@ -37,7 +37,7 @@ async def test_an_impossible_registration_is_a_one_line_bad_request(
             await client.request(Register("w", "m", 1, 0, layout, "tokens/sha256-128/v1"))
         assert message in str(info.value)
         assert "\n" not in str(info.value)
-        with pytest.raises(BadRequest, match="world_size must be an integer in 1…4096"):
+        with pytest.raises(BadRequest, match="world_size must be an integer in 1…256"):
             await client.request(Register("w", "m", 2**20, 0, LAYOUT, "tokens/sha256-128/v1"))
         odd = attrs.evolve(LAYOUT, block_size=48)  # (still the registry's own message)
         with pytest.raises(BadRequest, match="block size 48 does not divide"):

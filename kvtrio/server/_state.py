@@ -48,10 +48,15 @@ class Later:
     it in a task (a child task of the session for a concurrent operation, else the session's
     own task, in order)."""
 
-    __slots__ = ("run",)
+    __slots__ = ("abandon", "run")
 
-    def __init__(self, run: Callable[[], Awaitable[Reply]]) -> None:
+    def __init__(
+        self, run: Callable[[], Awaitable[Reply]], abandon: Callable[[], None] | None = None
+    ) -> None:
         self.run = run
+        self.abandon = abandon
+        """Undoes what the handler counted for ``run`` (idempotent, also after ``run``): for
+        whoever may drop a Later without running it (a batch cancelled before its part ran)."""
 
 
 ObserveRequest = Callable[[str, ErrorCode | None, float], None]

@@ -25,7 +25,7 @@ from .._tenants import TenantArenas
 from ..l2tier import L2Tier
 from ._copy import WriteEnd
 from ._keys import RequestKey, checked_hashes, request_key
-from ._limits import RequestLimits
+from ._limits import KeyBudget, RequestLimits
 from ._prefetch import Prefetcher
 from ._quotas import Quotas
 from ._registry import Registration, Registry
@@ -57,6 +57,8 @@ class CacheCore:
         self.quotas = Quotas(config, self.leases, self.l1)
         self.registry = Registry(config.chunk_size)
         self.limits = RequestLimits(config.max_requests, config.max_pins)
+        self.budget = KeyBudget()
+        """Keys of lookups still in their L2 part, per session and client key (issue 22)."""
         self.prefetch = Prefetcher(self.l1, l2, config, self.pin_for_lookup)
         self._watched: set[str] = set()  # sessions whose end releases their leases
 

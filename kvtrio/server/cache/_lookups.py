@@ -20,6 +20,7 @@ from .._state import Later
 from ..l2tier import TierBackend
 from ._core import CacheCore
 from ._keys import RequestKey, checked_hashes, request_key
+from ._limits import check_lookup_keys
 from ._registry import ModelEntry
 
 __all__ = ["Lookups"]
@@ -42,6 +43,7 @@ class Lookups:
         core = self.core
         core.settle_copies()  # copies the worker already saw done are visible
         hashes = checked_hashes(lookup.chunk_hashes)
+        keys = check_lookup_keys(lookup.world_size, len(hashes))  # bounded before any work
         model = core.registry.engine_model(lookup.engine, lookup.model, lookup.tenant)
         if model is None:
             return LookupReply(0, 0)  # no worker of this engine has registered (yet)
@@ -64,7 +66,11 @@ class Lookups:
             pinned = [space + h for space in model.spaces for h in hashes[:hit]]
             core.quotas.admit(session, len(pinned), model.chunk_bytes)
             core.quotas.admit_pins(pinned, model.chunk_bytes)
-        core.limits.admit_pins(core.leases, len(hashes) * len(model.spaces))  # (L2 hits too)
+        l2_part = core.l2.enabled and hit < len(hashes)
+        if l2_part:  # (before any pin: a refusal leaves nothing behind)
+            core.budget.check(session.id, session.principal.user_id, keys)
+        pending = core.budget.total
+        core.limits.admit_pins(core.leases, len(hashes) * len(model.spaces), pending)  # (L2 too)
         readers = lookup.num_readers or (
             model.world_size if model.profile.shared_across_ranks else 1
         )
@@ -73,8 +79,24 @@ class Lookups:
             for space in model.spaces:
                 core.pin_for_lookup(request, session.id, space + chunk_hash, readers, expires)
         core.watch(session)
-        if core.l2.enabled and hit < len(hashes):
-            return Later(lambda: self._lookup_l2(session, request, model, hashes, hit, readers))
+        if l2_part:
+            # Counted in flight until the L2 part ends. (A concurrent operation's Later always
+            # starts: trio runs a spawned task's first step, which enters the try below.)
+            user = session.principal.user_id
+            core.budget.take(session.id, user, keys)
+            taken = [keys]
+
+            def give() -> None:  # once, whichever comes first
+                if taken:
+                    core.budget.give(session.id, user, taken.pop())
+
+            async def l2() -> LookupReply:
+                try:
+                    return await self._lookup_l2(session, request, model, hashes, hit, readers)
+                finally:
+                    give()
+
+            return Later(l2, give)
         return self._done(len(hashes), hit, 0)
 
     async def _lookup_l2(

@@ -17,11 +17,19 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from typing import Protocol
 
 import trio
 
-__all__ = ["Heartbeats", "Watched"]
+from .._logging import event
+
+__all__ = ["STALL_WARNING", "Heartbeats", "Watched"]
+
+log = logging.getLogger("kvtrio.server")
+
+STALL_WARNING = 1.0
+"""A stall of the event loop at least this long is logged (a warning: no request should take it)."""
 
 
 class Watched(Protocol):
@@ -73,6 +81,12 @@ class Heartbeats:
             late = now - planned
             self.stalled += late
             self.longest_stall = max(self.longest_stall, late)
+            if late >= STALL_WARNING:
+                log.warning(
+                    "the event loop was held for %.1f s (not counted against heartbeats)",
+                    late,
+                    extra=event("loop_stall", seconds=round(late, 3)),
+                )
             self.expire(self.progress(now))
 
     def expire(self, progress: float) -> int:

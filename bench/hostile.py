@@ -12,7 +12,11 @@ kind at a time, the largest message of each kind the server accepts:
 * ``lookup`` of ``MAX_HASHES`` hashes at world size 1, and of ``MAX_LOOKUP_KEYS / world`` at
   the world size limit (``MAX_WORLD_SIZE``);
 * ``lookup_batch`` of ``MAX_LOOKUP_BATCH`` lookups sharing ``MAX_LOOKUP_KEYS`` keys, at world
-  size 1 and at the world size limit.
+  size 1 and at the world size limit;
+* L1 hits: a ``store`` reserving ``MAX_HASHES`` slots, their ``commit``, a ``lookup`` of them
+  all (``MAX_HASHES`` pins) and a ``lookup_batch`` of ``MAX_LOOKUP_KEYS`` of them (as many pins).
+
+The random hashes of the other lookups miss, so each lookup also probes the disk L2.
 
 (The bounds are read from ``kvtrio.protocol``; a tree without them, such as the one before
 issue 22, gets this tree's values, given on the command line, so both trees see the same
@@ -100,6 +104,24 @@ def messages(args: argparse.Namespace) -> list[tuple[str, int, list[Request]]]:
     out.append(("lookup", 1, [Lookup(f"l{i}", "m", 1, _hashes(hashes, 40 + i)) for i in r]))
     per = max(1, keys // batch)
     out.append(("lookup_batch", 1, [_batch(1, batch, per, 50 + i) for i in r]))
+    # L1 hits: the hostile stores and commits MAX_HASHES chunks, then looks them up (pins).
+    stored = _hashes(hashes, 90)
+    out.append(("store (reserves all)", 1, [Store("hit", 0, CHUNK * hashes, stored)]))
+    out.append(("commit (owned)", 1, [Commit("hit", written=stored)]))
+    out.append(("lookup, all hits", 1, [Lookup(f"h{i}", "m", 1, stored) for i in r]))
+    hit_batch = max(1, keys // hashes)
+    out.append(
+        (
+            "lookup_batch, all hits",
+            1,
+            [
+                LookupBatch(
+                    "m", 1, tuple(f"hb{i}-{j}" for j in range(hit_batch)), (stored,) * hit_batch
+                )
+                for i in r
+            ],
+        )
+    )
     out.append(
         (
             f"lookup@{world}",
@@ -133,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     l2 = ["--l2", f"disk:path={workdir}/l2"] if args.l2 == "disk" else ["--l2", "none"]
     stop = workdir / "stop"
     results: dict[str, Any] = {}
-    serve_args = ("--l1-size", "256MiB", "--log-level", "warning", *l2)
+    serve_args = ("--l1-size", "1GiB", "--log-level", "warning", *l2)
     with launch_server(*serve_args) as server:
         victim = subprocess.Popen(
             [sys.executable, "-c", VICTIM, server.endpoint, str(stop)],

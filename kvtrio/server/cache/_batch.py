@@ -10,7 +10,7 @@ run concurrently, at most :data:`L2_PARTS` of a batch at once, and the reply wai
 Bounded work (issue 22): the keys of the whole batch (``world_size`` × hashes, summed) are
 checked against ``MAX_LOOKUP_KEYS`` and the session's budget before any lookup runs; a batch
 of more than :data:`SLICE_KEYS` keys runs its lookups in a task that yields to the event loop
-after every :data:`SLICE_KEYS` keys (each lookup still runs whole, as a lookup sent alone).
+after every :data:`SLICE_KEYS` keys (a lookup's first slice at once, as a lookup sent alone).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ __all__ = ["L2_PARTS", "SLICE_KEYS", "register_lookup_batch"]
 
 LookupHandler = Callable[[Session, Lookup], "LookupReply | Later"]
 
-SLICE_KEYS = 4096
-"""Keys of a batch's lookups run between two yields to the event loop (about 2 ms of L1 work
-per slice on this machine; the largest batch yields 16 times)."""
+SLICE_KEYS = 1024
+"""Keys of lookups handled between two yields to the event loop: a batch's lookups, and the
+L1 prefix of one long lookup (pinning 1,024 keys takes ~10 ms here on an idle machine, up to
+~50 ms with the 2 cores loaded 4×; the largest message yields 64 times)."""
 L2_PARTS = 16
 """L2 parts of one batch's lookups running at once (each probes the backends for its ranks):
 a batch of 1,024 lookups does not make 1,024 runnable tasks at once."""

@@ -506,6 +506,6 @@ async def test_wide_lookups_and_batches_probe_a_backend_a_few_at_a_time(
         batch = LookupBatch("m", 1, tuple(f"b{i}" for i in range(40)), (HASHES[:1],) * 40)
         reply = await scheduler.call(batch, LookupBatchReply)
     assert wide == LookupReply(0, 0)
-    assert probes == (64, PROBES)  # every rank, 8 at a time
+    assert probes == (64, PROBES)  # every rank, PROBES at a time
     assert reply.hit_chunks == (0,) * 40
     assert (backend.calls, backend.most) == (40, L2_PARTS)

@@ -15,7 +15,7 @@ after every :data:`SLICE_KEYS` keys (a lookup's first slice at once, as a lookup
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -28,21 +28,27 @@ from ._limits import KeyBudget, check_lookup_keys
 __all__ = ["L2_PARTS", "SLICE_KEYS", "register_lookup_batch"]
 
 LookupHandler = Callable[[Session, Lookup], "LookupReply | Later"]
+Turn = Callable[[], Awaitable[None]]
+checkpoint: Turn = trio.lowlevel.checkpoint
 
 SLICE_KEYS = 1024
 """Keys of lookups handled between two yields to the event loop: a batch's lookups, and the
 L1 prefix of one long lookup (pinning 1,024 keys takes ~10 ms here on an idle machine, up to
 ~50 ms with the 2 cores loaded 4×; the largest message yields 64 times)."""
-L2_PARTS = 16
+L2_PARTS = 8
 """L2 parts of one batch's lookups running at once (each probes the backends for its ranks):
 a batch of 1,024 lookups does not make 1,024 runnable tasks at once."""
 
 
 def register_lookup_batch(
-    state: ServerState, lookup: LookupHandler, budget: KeyBudget | None = None
+    state: ServerState,
+    lookup: LookupHandler,
+    budget: KeyBudget | None = None,
+    turn: Turn = checkpoint,
 ) -> None:
     """Serve ``lookup_batch`` with the handler of ``lookup`` (inline, L2 parts concurrent);
-    ``budget``: the keys in flight of each session, checked for the whole batch first."""
+    ``budget``: the keys in flight of each session, checked for the whole batch first;
+    ``turn``: awaited between the slices of a big batch."""
 
     def lookup_batch(session: Session, request: LookupBatch) -> LookupBatchReply | Later:
         try:
@@ -53,7 +59,7 @@ def register_lookup_batch(
         keys = check_lookup_keys(request.world_size, hashes)  # the batch's, before any work
         if budget is not None:
             budget.check(session.id, session.principal.user_id, keys)
-        batch = _Batch(lookup, session, len(lookups))
+        batch = _Batch(lookup, session, len(lookups), turn)
         if keys > SLICE_KEYS:
             return Later(lambda: batch.run_sliced(lookups))
         later = [part for index, item in enumerate(lookups) if (part := batch.run(index, item))]
@@ -67,8 +73,12 @@ def register_lookup_batch(
 class _Batch:
     """One batch's lookups and their answers as they come."""
 
-    def __init__(self, lookup: LookupHandler, session: Session, size: int) -> None:
+    def __init__(
+        self, lookup: LookupHandler, session: Session, size: int, turn: Turn = checkpoint
+    ) -> None:
         self.lookup = lookup
+        self.turn = turn
+        """Awaited between slices (the cache's :meth:`~._core.CacheCore.turn`)."""
         self.session = session
         self.hit_tokens = [0] * size
         self.hit_chunks = [0] * size
@@ -102,7 +112,7 @@ class _Batch:
                     done += len(item.chunk_hashes) * item.world_size
                 if done >= SLICE_KEYS:
                     done = 0
-                    await trio.lowlevel.checkpoint()
+                    await self.turn()
         except BaseException:
             for _, dropped in later:  # (their keys go back to the budget)
                 if dropped.abandon is not None:

@@ -59,6 +59,8 @@ class CacheCore:
         self.limits = RequestLimits(config.max_requests, config.max_pins)
         self.budget = KeyBudget()
         """Keys of lookups still in their L2 part, per session and client key (issue 22)."""
+        self.slices = trio.CapacityLimiter(1)
+        """The turn to run one slice of a big message's work (see :meth:`turn`)."""
         self.prefetch = Prefetcher(self.l1, l2, config, self.pin_for_lookup)
         self._watched: set[str] = set()  # sessions whose end releases their leases
 
@@ -101,6 +103,15 @@ class CacheCore:
         request = self.worker_request(registration, op.request)
         self.limits.admit_request(self.leases, request)
         return request, hashes, chunks
+
+    async def turn(self) -> None:
+        """Yield to the event loop, then wait for this task's turn to run the next slice of
+        a big message's work. Turns go one task at a time, first come first served, so that
+        many big messages at once still run about one slice per scheduling round, not one
+        each (trio runs every runnable task before it polls the sockets again). Cancellation:
+        raises Cancelled (the caller's slices so far stay done)."""
+        async with self.slices:
+            pass
 
     def local(self, offset: int) -> int:
         """An L1 entry's offset in its tenant's arena file (what the worker maps)."""

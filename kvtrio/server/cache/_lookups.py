@@ -155,7 +155,7 @@ class Lookups:
         size = max(1, SLICE_KEYS // len(model.spaces))
         marker = model.spaces[0] + hashes[0]
         while hit < len(hashes):
-            await trio.lowlevel.checkpoint()
+            await core.turn()
             if core.leases.get(LeaseKind.LOOKUP, request, session.id, marker) is None:
                 break  # (ended or replaced: what it pinned was released with it)
             part = hashes[hit : hit + size]

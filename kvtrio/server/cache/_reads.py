@@ -140,7 +140,7 @@ class Reads:
             released = 0
             for first in range(0, len(object_keys), SLICE):
                 released += core.end_reads(session.id, request, object_keys[first : first + SLICE])
-                await trio.lowlevel.checkpoint()
+                await core.turn()
             return Released(released)
 
         return Later(sliced)

@@ -82,7 +82,7 @@ class Writes:
                 part, part_hashes = chunks[first : first + SLICE], hashes[first : first + SLICE]
                 last = self._reserve(session, registration, request, part, part_hashes, last,
                                      expires, slots, reserved)  # fmt: skip
-                await trio.lowlevel.checkpoint()
+                await core.turn()
             reply = copy.store(job(), reserved)
             return await reply.run() if type(reply) is Later else reply  # type: ignore[return-value]
 
@@ -141,7 +141,7 @@ class Writes:
             for first in range(0, len(items), SLICE):
                 part = items[first : first + SLICE]
                 committed += self._end(session, registration, request, part, rejected)
-                await trio.lowlevel.checkpoint()
+                await core.turn()
             return CommitReply(committed, tuple(rejected))
 
         return Later(sliced)

@@ -31,7 +31,7 @@ __all__ = ["PROBES", "Load", "Loads"]
 
 log = logging.getLogger("kvtrio.l2")
 
-PROBES = 8
+PROBES = 4
 """Concurrent ``lookup_and_lock`` calls of one lookup per backend: a lookup probes one key list
 per rank, and a world of 256 ranks must not make 256 runnable tasks at once (issue 22)."""
 _BATCH_CHUNKS = 32

@@ -34,6 +34,9 @@ __all__ = ["CacheCore"]
 
 log = logging.getLogger("kvtrio.cache")
 
+RELEASE_SLICE = 4096
+"""Leases a session's end releases between two turns (popping and undoing one takes a few µs)."""
+
 
 class CacheCore:
     """The L1 cache's tables (one per server) and the steps the operations share."""
@@ -186,18 +189,30 @@ class CacheCore:
             self._watched.discard(session.id)
             # The client may still be alive (silent, not dead): a late write must land in a
             # quarantined slot, never in one handed to someone else.
-            self.release_session(session.id, quarantine=True)
+            await self.release_session(session.id, quarantine=True)
 
         session.add_cleanup(session_ended)
 
-    def release_session(self, session_id: str, *, quarantine: bool) -> int:
+    async def release_session(self, session_id: str, *, quarantine: bool) -> int:
         """Drop the session's registration (if any) and every lease it holds; cancel the loads
-        it started. Returns how many leases were released."""
+        it started. Returns how many leases were released.
+
+        The leases go :data:`RELEASE_SLICE` at a time, taking turns (:meth:`turn`) in between
+        (a session holding 100k pins took ~0.4 s of the loop to end). Cancellation: at a
+        turn, with the registration gone and the leases not released yet still held (they
+        expire); callers at a session's end run it shielded.
+        """
         self.prefetch.cancel_owner(session_id)
         registration = self.registry.unregister(session_id)
         # A copy path that copies on the server may still be writing the reservations.
         quarantine = quarantine or (registration is not None and registration.copy.copies_on_server)
-        released = self.undo(self.leases.pop_owner(session_id), quarantine=quarantine)
+        released = 0
+        while True:
+            leases = self.leases.pop_owner(session_id, RELEASE_SLICE)
+            released += self.undo(leases, quarantine=quarantine)
+            if len(leases) < RELEASE_SLICE:
+                break
+            await self.turn()
         if registration is not None:
             registration.copy.close()  # (once the copies queued so far are done)
             log.info(

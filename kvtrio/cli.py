@@ -257,7 +257,7 @@ async def _run_server(config: ServerConfig) -> None:
             handle = await nursery.start(serve, config)
             # What the start made (modules, classes, the server's tables) lives as long as the
             # process: out of the cyclic collector's way, so that its full collections, which
-            # stop the event loop, walk only what requests made (issue 22: 41 ms → see design).
+            # stop the event loop, walk only what requests made (issue 22, docs/design.md).
             gc.freeze()
             log.info(
                 "kvtrio %s serving on %s (chunk size %d tokens, instance %s)",

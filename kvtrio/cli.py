@@ -7,6 +7,7 @@ one-line message on stderr and a non-zero exit status, never a traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -254,6 +255,10 @@ async def _run_server(config: ServerConfig) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             handle = await nursery.start(serve, config)
+            # What the start made (modules, classes, the server's tables) lives as long as the
+            # process: out of the cyclic collector's way, so that its full collections, which
+            # stop the event loop, walk only what requests made (issue 22, docs/design.md).
+            gc.freeze()
             log.info(
                 "kvtrio %s serving on %s (chunk size %d tokens, instance %s)",
                 __version__,

@@ -162,7 +162,10 @@ class ServerConfig:
         },
     )
     max_message_size: ByteSize = field(
-        default=ByteSize(16 << 20),
+        # 2 MiB: the largest legal message is ~1.2 MB (a lookup_batch of MAX_LOOKUP_KEYS
+        # hashes), and the router decodes a body in the event loop before it can refuse it
+        # (16 MiB of chunk hashes took 110 ms to decode; issue 22, docs/design.md).
+        default=ByteSize(2 << 20),
         validator=at_least(MIN_MESSAGE_SIZE, "a lookup of a 128k-token prompt needs 656 kB"),
         metadata={"help": "Largest request accepted; larger ones get a message_too_large error."},
     )

@@ -12,7 +12,9 @@ from concurrent.futures import Future
 
 from ..errors import ErrorCode, KvtrioError, ServerError
 from ..protocol import (
+    MAX_HASHES,
     MAX_LOOKUP_BATCH,
+    MAX_LOOKUP_KEYS,
     EndSession,
     FreeLookupLocks,
     Lookup,
@@ -30,6 +32,27 @@ __all__ = ["SchedulerAdapter", "as_block_hashes", "chunk_hashes"]
 log = logging.getLogger("kvtrio.client")
 
 _DEFAULT_CHUNK_SIZE = 256
+
+
+def lookup_limit(world_size: int) -> int:
+    """The most chunk hashes one lookup at ``world_size`` may carry (the server's
+    ``MAX_HASHES`` and ``MAX_LOOKUP_KEYS``)."""
+    return max(1, min(MAX_HASHES, MAX_LOOKUP_KEYS // max(world_size, 1)))
+
+
+def _batches(queue: list[tuple[str, _Queued]], world_size: int) -> list[list[tuple[str, _Queued]]]:
+    """``queue`` cut into batches of at most ``MAX_LOOKUP_BATCH`` lookups and
+    ``MAX_LOOKUP_KEYS`` keys (world size × hashes) each."""
+    batches: list[list[tuple[str, _Queued]]] = [[]]
+    keys = 0
+    for entry in queue:
+        size = len(entry[1].hashes) * world_size
+        if batches[-1] and (len(batches[-1]) >= MAX_LOOKUP_BATCH or keys + size > MAX_LOOKUP_KEYS):
+            batches.append([])
+            keys = 0
+        batches[-1].append(entry)
+        keys += size
+    return batches
 
 
 def as_block_hashes(hashes: Sequence[bytes | int]) -> tuple[bytes, ...]:
@@ -163,6 +186,8 @@ class SchedulerAdapter:
                 hashes = chunk_hashes(
                     info.chunk_size, self.block_size, token_ids=token_ids, block_hashes=block_hashes
                 )
+                # A lookup answers a prefix: beyond the server's bounds, a shorter prefix.
+                hashes = hashes[: lookup_limit(self.world_size)]
             except (ValueError, TypeError, OverflowError) as exc:
                 log.debug("lookup of %s not sent: %s", request_id, exc)
                 failed: Future[Reply] = Future()
@@ -199,8 +224,7 @@ class SchedulerAdapter:
                 return
             if not queue:
                 return
-            for first in range(0, len(queue), MAX_LOOKUP_BATCH):  # the server's bound
-                part = queue[first : first + MAX_LOOKUP_BATCH]
+            for part in _batches(queue, self.world_size):  # within the server's bounds
                 batch = LookupBatch(
                     model=self.model_name,
                     world_size=self.world_size,

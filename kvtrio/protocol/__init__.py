@@ -5,7 +5,10 @@ Nothing in this package imports trio or zmq; it turns attrs messages into frames
 """
 
 from ._cache import (
+    MAX_HASHES,
     MAX_LOOKUP_BATCH,
+    MAX_LOOKUP_KEYS,
+    MAX_WORLD_SIZE,
     Commit,
     CommitReply,
     CudaCache,
@@ -78,7 +81,10 @@ from ._operations import OPERATIONS, REQUEST_TYPES
 __all__ = [
     "ERROR_KIND",
     "HASH_SCHEME_TOKENS",
+    "MAX_HASHES",
     "MAX_LOOKUP_BATCH",
+    "MAX_LOOKUP_KEYS",
+    "MAX_WORLD_SIZE",
     "OPERATIONS",
     "PROTOCOL_VERSION",
     "REQUEST_TYPES",

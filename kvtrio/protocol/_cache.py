@@ -23,7 +23,10 @@ from ._messages import Reply, Request
 
 __all__ = [
     "CACHE_REQUEST_TYPES",
+    "MAX_HASHES",
     "MAX_LOOKUP_BATCH",
+    "MAX_LOOKUP_KEYS",
+    "MAX_WORLD_SIZE",
     "Commit",
     "CommitReply",
     "CudaCache",
@@ -50,6 +53,27 @@ __all__ = [
 
 IntTuple = tuple[int, ...]
 BytesTuple = tuple[bytes, ...]
+
+# --------------------------------------------------------------------------- bounds (issue 22)
+# What one message may ask of the server, known before any of its work starts: the server runs
+# a message's work in its event loop, so these bound how long one message can keep it from
+# everyone else (docs/design.md, "Bounded work per message").
+
+MAX_WORLD_SIZE = 256
+"""The largest ``world_size`` of a registration or lookup: every lookup makes one key per rank
+and chunk, so the world size multiplies its work. Real engines shard a model's KV cache over
+TP × PP ranks of one engine: 8 × 8 on a large node group, a few hundred at most (data parallel
+replicas are engines of their own)."""
+
+MAX_HASHES = 8192
+"""The most chunk hashes one array of a message may carry (a lookup's, a store's, a commit's
+``written`` and ``failed`` each, a release's, a retrieve's): a 2M-token prompt at the default
+256-token chunks (a 1M-token prompt is 4,096). A longer range goes as several messages."""
+
+MAX_LOOKUP_KEYS = 1 << 16
+"""The most object keys one ``lookup`` or ``lookup_batch`` may name: ``world_size`` times its
+chunk hashes, summed over a batch's lookups (a 1M-token prompt at world size 16). Beyond it the
+message is refused (``bad_request``) before any of its work starts."""
 
 
 @frozen
@@ -233,7 +257,9 @@ class LookupBatch(Request):
 
     def lookups(self) -> list[Lookup]:
         """The lookups of the batch (``ValueError`` if its arrays differ in length, a request
-        id repeats, or it carries more than :data:`MAX_LOOKUP_BATCH`)."""
+        id repeats, or it carries more than :data:`MAX_LOOKUP_BATCH`). A lookup's hashes are
+        not checked here: each lookup's own are checked where it is handled, so one bad lookup
+        fails alone."""
         if len(self.requests) != len(self.chunk_hashes):
             raise ValueError(
                 f"{len(self.requests)} requests but {len(self.chunk_hashes)} chunk hash lists"

@@ -25,7 +25,7 @@ from cattrs.preconf.msgpack import make_converter
 from cattrs.v import format_exception
 
 from ..errors import ErrorCode, ProtocolError
-from ._cache import MAX_LOOKUP_BATCH
+from ._cache import MAX_HASHES, MAX_LOOKUP_BATCH, MAX_LOOKUP_KEYS
 from ._messages import PROTOCOL_VERSION, ErrorReply, Header, Reply, Request
 from ._operations import OPERATIONS
 
@@ -95,14 +95,25 @@ def _structure_int_tuple(value: Any, _: Any) -> IntTuple:
 
 
 def _structure_bytes_tuple(value: Any, _: Any) -> BytesTuple:
+    # Every array of binary values is an array of chunk hashes: its length is bounded before
+    # any element is looked at (MAX_HASHES, issue 22).
+    if type(value) is tuple and len(value) > MAX_HASHES:
+        raise TypeError(
+            f"expected at most {MAX_HASHES} chunk hashes in one array (MAX_HASHES), got "
+            f"{len(value)}: send the rest in another message"
+        )
     if type(value) is tuple and all(type(item) is bytes for item in value):
         return cast(BytesTuple, value)
     raise TypeError(f"expected an array of binary values, got {_msgpack_type(value)}")
 
 
 def _structure_hash_lists(value: Any, _: Any) -> tuple[BytesTuple, ...]:
-    """A ``lookup_batch``'s hash lists: the count is checked before any element is looked at,
-    so an oversized batch costs nothing to refuse (structuring 8M empty lists took 5 s)."""
+    """A ``lookup_batch``'s hash lists: the counts are checked before any element is looked at,
+    so an oversized batch costs nothing to refuse (structuring 8M empty lists took 5 s).
+
+    Each list's elements are left to the lookup that uses it (``checked_hashes`` on the
+    server): a bad list fails its own lookup, not the batch (issue 22).
+    """
     if type(value) is not tuple:
         raise TypeError(f"expected an array of arrays, got {_msgpack_type(value)}")
     if len(value) > MAX_LOOKUP_BATCH:
@@ -110,7 +121,13 @@ def _structure_hash_lists(value: Any, _: Any) -> tuple[BytesTuple, ...]:
             f"expected at most {MAX_LOOKUP_BATCH} lookups in one batch, got {len(value)}: "
             "send the rest in another batch"
         )
-    return tuple(_structure_bytes_tuple(item, None) for item in value)
+    total = sum(len(item) for item in value if type(item) is tuple)
+    if total > MAX_LOOKUP_KEYS:
+        raise TypeError(
+            f"expected at most {MAX_LOOKUP_KEYS} chunk hashes in one batch (MAX_LOOKUP_KEYS), "
+            f"got {total}: send the rest in another batch"
+        )
+    return cast("tuple[BytesTuple, ...]", value)
 
 
 def _structure_str_tuple(value: Any, _: Any) -> StrTuple:

@@ -195,6 +195,7 @@ async def open_server(
                             root.start_soon(_preallocate, arena)
                             await root.start(l2.serve)
                             await root.start(cache.serve_reaper)
+                            await root.start(state.heartbeats.run)
                             await root.start(cache.cuda.serve)
                             router = Router(state, socket, sessions)
                             await root.start(router.run)

@@ -43,9 +43,10 @@ class Session:
     except operations registered as concurrent, which run as child tasks. Requests of inline
     operations are answered by the router itself (:meth:`handle_now`) while the session has
     nothing queued; otherwise they queue behind the earlier ones. The session ends when its
-    client has been silent for ``heartbeat_timeout`` (the cancel scope's deadline, pushed back
-    by every message), when :meth:`end` is called, or when the server stops; then its cleanups
-    run, shielded and bounded by :data:`CLEANUP_TIMEOUT`.
+    client has been silent for ``heartbeat_timeout`` of the loop's progress (a deadline pushed
+    back by every message, kept by the server's :class:`~._heartbeats.Heartbeats`: time the
+    loop was stalled does not count), when :meth:`end` is called, or when the server stops;
+    then its cleanups run, shielded and bounded by :data:`CLEANUP_TIMEOUT`.
     """
 
     def __init__(
@@ -100,15 +101,29 @@ class Session:
     def touch(self, now: float) -> None:
         """The client was heard from: push the heartbeat deadline back.
 
-        The deadline moves only once it lags by more than 5% of the timeout (moving a trio
-        deadline costs a heap operation; a message rate of thousands per second need not pay it
-        each time), so a silent session ends between 1 and 1.05 timeouts after its last message.
+        The deadline is in progress time (see ``_heartbeats``) and moves only once it lags by
+        more than 5% of the timeout (moving it costs a heap operation; a message rate of
+        thousands per second need not pay it each time), so a silent session ends between 1
+        and 1.05 timeouts (plus one tick of the heartbeat clock) after its last message.
         """
         self.last_seen = now
-        deadline = now + self._heartbeat_timeout
+        heartbeats = self.state.heartbeats
+        deadline = heartbeats.progress(now) + self._heartbeat_timeout
         if deadline - self._deadline > self._heartbeat_timeout * 0.05:
             self._deadline = deadline
-            self.scope.deadline = deadline
+            heartbeats.watch(self)
+
+    @property
+    def heartbeat_deadline(self) -> float:
+        """When the session expires unless its client is heard from, in progress time."""
+        return self._deadline
+
+    def expire(self) -> None:
+        """The client has been silent past the heartbeat timeout: end the session."""
+        if self.end_reason is None:
+            self.end_reason = "heartbeat timeout"
+            self.state.counters.sessions_expired += 1
+        self.scope.cancel()
 
     def offer(self, item: Incoming) -> bool:
         """Queue a request without waiting; False if the session's queue is full."""
@@ -216,9 +231,6 @@ class Session:
         finally:
             self._children = None
             self.idle = False
-            if self.scope.cancelled_caught and self.end_reason is None:
-                self.end_reason = "heartbeat timeout"
-                self.state.counters.sessions_expired += 1
             await self._close()
 
     async def _serve_queue(self, children: trio.Nursery) -> None:

@@ -25,6 +25,7 @@ from ..protocol import (
 )
 from ..transport import ANY_TENANT
 from ._auth import Principal, ServerAuth
+from ._heartbeats import Heartbeats
 from ._status import storage_summary
 
 __all__ = [
@@ -48,10 +49,15 @@ class Later:
     it in a task (a child task of the session for a concurrent operation, else the session's
     own task, in order)."""
 
-    __slots__ = ("run",)
+    __slots__ = ("abandon", "run")
 
-    def __init__(self, run: Callable[[], Awaitable[Reply]]) -> None:
+    def __init__(
+        self, run: Callable[[], Awaitable[Reply]], abandon: Callable[[], None] | None = None
+    ) -> None:
         self.run = run
+        self.abandon = abandon
+        """Undoes what the handler counted for ``run`` (idempotent, also after ``run``): for
+        whoever may drop a Later without running it (a batch cancelled before its part ran)."""
 
 
 ObserveRequest = Callable[[str, ErrorCode | None, float], None]
@@ -152,6 +158,9 @@ class ServerState:
         """Requests accepted by the router that have not been answered (or dropped) yet."""
         self.l1_sizing = l1_sizing
         """Why L1 has its size (``default``, ``configured``, ``50% of /dev/shm's 3GiB free``)."""
+        self.heartbeats = Heartbeats(config.heartbeat_timeout)
+        """The sessions' heartbeat deadlines, in the loop's progress time (its task runs in
+        the server's root nursery)."""
         self._idle = trio.Event()
 
     def register(

@@ -118,9 +118,14 @@ class LeaseTable:
             self.remove(lease)
         return leases
 
-    def pop_owner(self, owner: str) -> list[Lease]:
-        """Remove and return every lease held by session ``owner``."""
-        leases = list(self._by_owner.get(owner, ()))
+    def pop_owner(self, owner: str, limit: int | None = None) -> list[Lease]:
+        """Remove and return every lease held by session ``owner`` (at most ``limit`` of
+        them: call again for the rest)."""
+        owned = self._by_owner.get(owner, ())
+        if limit is not None and len(owned) > limit:
+            leases = list(itertools.islice(owned, limit))
+        else:
+            leases = list(owned)
         for lease in leases:
             self.remove(lease)
         return leases

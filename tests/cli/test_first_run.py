@@ -52,7 +52,7 @@ def test_help_shows_sizes_in_units_and_no_blank_defaults() -> None:
     assert "--l1-size SIZE Capacity of the host-memory tier" in help_text
     assert "4GiB, half the shm dir's free space and a quarter of the memory available" in help_text
     assert "arena. [default: auto]" in help_text
-    assert "[default: 16MiB]" in help_text
+    assert "[default: 2MiB]" in help_text
     assert "--chunk-size TOKENS" in help_text
     assert "--lookup-timeout SECONDS" in help_text
     assert "--eviction POLICY" in help_text

@@ -32,6 +32,8 @@ from kvtrio.protocol import (
     GetStats,
     LayoutSpec,
     Lookup,
+    LookupBatch,
+    LookupBatchReply,
     LookupReply,
     Register,
     Release,
@@ -488,3 +490,48 @@ async def test_the_first_lookup_after_a_restart_sees_the_whole_disk_l2(
         # (was: "objects 0" in stats until the first call built the index)
         assert (await stats(worker)).l2[0].counters["objects"] == 10
         assert await lookup(scheduler, "second") == LookupReply(10 * CHUNK, 10)
+
+
+class _Probed(MemoryBackend):
+    """Counts the ``lookup_and_lock`` calls running at once (each takes 10 ms)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = 0
+        self.most = 0
+        self.calls = 0
+
+    async def lookup_and_lock(self, keys: Sequence[bytes]) -> int:
+        if not keys or keys[0][-16:] not in HASHES:  # (the server's start-up probe)
+            return await super().lookup_and_lock(keys)
+        self.calls += 1
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            await trio.sleep(0.01)
+            return await super().lookup_and_lock(keys)
+        finally:
+            self.running -= 1
+
+
+async def test_wide_lookups_and_batches_probe_a_backend_a_few_at_a_time(
+    config: ServerConfig,
+) -> None:
+    """Issue 22: a lookup started one probe task per rank at once, and a batch all its lookups'
+    L2 parts at once (a 32 × 63 batch at world 4096: 131k tasks, 64 s of the loop)."""
+    from kvtrio.server.cache._batch import L2_PARTS
+    from kvtrio.server.l2tier._loads import PROBES
+
+    backend = _Probed()
+    config = attrs.evolve(config, lookup_timeout=5.0)
+    async with running(config, backend) as (_, _worker, scheduler):
+        await scheduler.request(Register("", "w", 64, 0, LAYOUT, "tokens/sha256-128/v1"))
+        wide = await scheduler.call(Lookup("r", "w", 64, HASHES[:2]), LookupReply)
+        probes = (backend.calls, backend.most)
+        backend.calls = backend.most = 0
+        batch = LookupBatch("m", 1, tuple(f"b{i}" for i in range(40)), (HASHES[:1],) * 40)
+        reply = await scheduler.call(batch, LookupBatchReply)
+    assert wide == LookupReply(0, 0)
+    assert probes == (64, PROBES)  # every rank, PROBES at a time
+    assert reply.hit_chunks == (0,) * 40
+    assert (backend.calls, backend.most) == (40, L2_PARTS)

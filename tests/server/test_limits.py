@@ -2,17 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import attrs
 import pytest
+import trio
 
 from kvtrio.client import open_client
 from kvtrio.config import ServerConfig
-from kvtrio.errors import BadRequest, ServerBusy
+from kvtrio.errors import BadRequest, RequestError, ServerBusy
+from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
-from kvtrio.protocol import EndSession, LayoutSpec, LookupReply, Register
+from kvtrio.protocol import (
+    MAX_HASHES,
+    MAX_LOOKUP_KEYS,
+    Commit,
+    EndSession,
+    LayoutSpec,
+    Lookup,
+    LookupBatch,
+    LookupReply,
+    Register,
+    Release,
+    Request,
+    Retrieve,
+    Store,
+)
 from kvtrio.server import open_server
 
-from .test_l2_tier import CHUNK, LAYOUT, cache, lookup, running, store
+from ..conftest import await_condition
+from .test_l2_tier import CHUNK, HASHES, LAYOUT, cache, lookup, running, store
 
 
 @pytest.mark.parametrize(
@@ -37,7 +57,7 @@ async def test_an_impossible_registration_is_a_one_line_bad_request(
             await client.request(Register("w", "m", 1, 0, layout, "tokens/sha256-128/v1"))
         assert message in str(info.value)
         assert "\n" not in str(info.value)
-        with pytest.raises(BadRequest, match="world_size must be an integer in 1…4096"):
+        with pytest.raises(BadRequest, match="world_size must be an integer in 1…256"):
             await client.request(Register("w", "m", 2**20, 0, LAYOUT, "tokens/sha256-128/v1"))
         odd = attrs.evolve(LAYOUT, block_size=48)  # (still the registry's own message)
         with pytest.raises(BadRequest, match="block size 48 does not divide"):
@@ -71,3 +91,106 @@ async def test_pins_are_bounded(server_config: ServerConfig) -> None:
             await lookup(scheduler, "r2", 4)
         await scheduler.request(EndSession("r1", "m"))
         assert await lookup(scheduler, "r2", 4) == LookupReply(4 * CHUNK, 4)
+
+
+# --------------------------------------------------------------------------- issue 22
+
+
+def _hashes(count: int, salt: int = 0) -> tuple[bytes, ...]:
+    return tuple(salt.to_bytes(4, "little") + i.to_bytes(12, "little") for i in range(count))
+
+
+def _core(server: Any) -> Any:
+    return server.state.cache.core
+
+
+async def test_a_world_size_beyond_the_limit_is_refused(server_config: ServerConfig) -> None:
+    """Was: rank 0 of world 4096 registered, and each lookup then made 4096 × hashes keys and
+    4096 L2 probe tasks (a 32 × 63 batch took 64 s of the loop)."""
+    async with running(server_config, MemoryBackend()) as (_, worker, scheduler):
+        with pytest.raises(BadRequest, match=r"world_size must be an integer in 1…256, got 4096"):
+            await worker.request(Register("", "m", 4096, 0, LAYOUT, "tokens/sha256-128/v1"))
+        with pytest.raises(BadRequest, match=r"1…256 \(MAX_WORLD_SIZE\), got 4096"):
+            await scheduler.request(Lookup("r", "m", 4096, HASHES[:1]))
+        with pytest.raises(BadRequest, match="MAX_WORLD_SIZE"):
+            await scheduler.request(LookupBatch("m", 4096, ("a",), (HASHES[:1],)))
+
+
+async def test_a_lookup_of_more_keys_than_the_bound_is_refused_before_any_work(
+    server_config: ServerConfig,
+) -> None:
+    """world × hashes, summed over a batch, is bounded (a batch's lookups were admitted one by
+    one, each against live pins only)."""
+    async with running(server_config, MemoryBackend()) as (server, _, scheduler):
+        await scheduler.request(Register("", "w", 256, 0, LAYOUT, "tokens/sha256-128/v1"))
+        per = MAX_LOOKUP_KEYS // 256
+        assert await scheduler.call(Lookup("ok", "w", 256, _hashes(per)), LookupReply)
+        with pytest.raises(BadRequest, match=r"256 × 257 chunk hashes is 65792 keys.*MAX_LOOKUP"):
+            await scheduler.request(Lookup("r", "w", 256, _hashes(per + 1)))
+        batch = LookupBatch("w", 256, ("a", "b"), (_hashes(per // 2 + 1), _hashes(per // 2, 1)))
+        with pytest.raises(BadRequest, match="MAX_LOOKUP_KEYS"):
+            await scheduler.request(batch)
+        assert _core(server).leases.live == 0  # nothing of the refused lookups was pinned
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda h: Commit("r", written=h),
+        lambda h: Commit("r", failed=h),
+        lambda h: Release("r", h),
+        lambda h: Store("r", 0, len(h) * CHUNK, h),
+        lambda h: Retrieve("r", 0, len(h) * CHUNK, h),
+        lambda h: Lookup("r", "m", 1, h),
+    ],
+)
+async def test_an_array_of_more_hashes_than_the_bound_is_refused_undecoded(
+    server_config: ServerConfig, make: Callable[[tuple[bytes, ...]], Request]
+) -> None:
+    """Was: a commit of 900k hashes held the loop 3.4 s, a release 1.3 s, a lookup 1.4 s."""
+    async with running(server_config, MemoryBackend()) as (_, worker, _scheduler):
+        with pytest.raises(BadRequest, match=rf"at most {MAX_HASHES} chunk hashes.*MAX_HASHES"):
+            await worker.request(make(_hashes(MAX_HASHES + 1)))
+        await worker.request(make(_hashes(MAX_HASHES)))  # (the bound itself is legal)
+
+
+async def test_lookups_still_in_their_l2_part_count_against_the_budgets(
+    server_config: ServerConfig,
+) -> None:
+    """The keys of lookups whose L2 part runs count per session and against max_pins (they
+    counted nowhere: admit_pins saw only live pins)."""
+    config = attrs.evolve(server_config, max_pins=12, lookup_timeout=5.0)
+    backend = FaultBackend(inner=MemoryBackend())
+    async with running(config, backend) as (server, worker, scheduler):
+        core = _core(server)
+        core.budget.per_session = 10
+        backend.configure(latency=30)  # the L2 part of a lookup waits (until lookup_timeout)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lookup, scheduler, "slow", 8)
+            await await_condition(lambda: core.budget.total == 8, what="the L2 part to start")
+            with pytest.raises(ServerBusy, match=r"8 keys are still running \(10 keys at most"):
+                await lookup(scheduler, "more", 8)  # its session's budget
+            with pytest.raises(ServerBusy, match=r"lookups under way may take 8 more.*max_pins"):
+                await lookup(worker, "other", 8)  # another session: the server's pins
+            backend.configure(latency=0)
+            nursery.cancel_scope.cancel()
+        await await_condition(lambda: core.budget.total == 0, what="the budget to be returned")
+        assert await lookup(scheduler, "later", 8) == LookupReply(0, 0)
+
+
+def test_the_key_budget_is_per_session_and_per_client_key() -> None:
+    from kvtrio.server.cache._limits import KeyBudget
+
+    budget = KeyBudget(per_session=10, per_user=15)
+    budget.take("s1", "alice", 8)
+    budget.take("s2", "alice", 7)
+    with pytest.raises(
+        RequestError, match=r"15 keys are still running \(15 keys at most per client key"
+    ):
+        budget.take("s3", "alice", 1)
+    budget.take("s3", "", 10)  # no client key (ipc, --insecure): per session only
+    with pytest.raises(RequestError, match="at most per session"):
+        budget.take("s1", "bob", 3)
+    for session, user, keys in (("s1", "alice", 8), ("s2", "alice", 7), ("s3", "", 10)):
+        budget.give(session, user, keys)
+    assert (budget.total, dict(budget.by_session), dict(budget.by_user)) == (0, {}, {})

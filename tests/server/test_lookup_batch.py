@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import pytest
 import trio
+import trio.lowlevel
 
+from kvtrio.client import open_client
 from kvtrio.config import ServerConfig
 from kvtrio.errors import BadRequest
 from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.protocol import (
+    MAX_HASHES,
     MAX_LOOKUP_BATCH,
+    MAX_LOOKUP_KEYS,
     Commit,
     EndSession,
     Lookup,
@@ -19,13 +25,15 @@ from kvtrio.protocol import (
     LookupBatchReply,
     LookupFailure,
     LookupReply,
+    Register,
     Store,
     StoreReply,
 )
+from kvtrio.server import open_server
 from kvtrio.storage import token_chunk_hashes
 
 from ..conftest import await_condition
-from .test_l2_tier import CHUNK, HASHES, cache, running, store, written_to_l2
+from .test_l2_tier import CHUNK, HASHES, LAYOUT, cache, running, store, written_to_l2
 
 
 @pytest.fixture
@@ -117,3 +125,71 @@ async def test_the_l2_parts_of_a_batch_run_together(config: ServerConfig) -> Non
         for request in ("a", "b"):
             await scheduler.request(EndSession(request, "m"))
         await await_condition(lambda: fault.statistics()["locks"] == 0, what="L2 unlocked")
+
+
+# --------------------------------------------------------------------------- issue 22
+
+
+async def test_a_malformed_hash_list_fails_its_own_lookup_and_says_what_is_wrong(
+    config: ServerConfig,
+) -> None:
+    """Was: one list with a non-binary element refused the whole batch ("expected an array of
+    binary values, got an array"), without saying which lookup."""
+    async with running(config, MemoryBackend()) as (_, worker, scheduler):
+        await store(worker, "stored", 2)
+        too_many = tuple(i.to_bytes(16, "little") for i in range(MAX_HASHES + 1))
+        lists: tuple[Any, ...] = (HASHES[:2], (HASHES[0], 7), "not an array", too_many, HASHES[:1])
+        batch = LookupBatch("m", 1, ("a", "int", "str", "long", "e"), lists)
+        reply = await scheduler.call(batch, LookupBatchReply)
+        assert reply.hit_chunks == (2, 0, 0, 0, 1)
+        failed = {failure.index: failure for failure in reply.failed}
+        assert sorted(failed) == [1, 2, 3]
+        assert {failure.code for failure in reply.failed} == {"bad_request"}
+        assert "the one at index 1 is a int" in failed[1].message
+        assert "expected an array of binary values, got str" in failed[2].message
+        assert f"at most {MAX_HASHES} chunk hashes" in failed[3].message
+        for request in ("a", "e"):
+            await scheduler.request(EndSession(request, "m"))
+
+
+class _LookupsPerStep(trio.abc.Instrument):
+    """The most lookups the server answered within one task step (of any task)."""
+
+    def __init__(self, lookups: Any) -> None:
+        self.lookups = lookups
+        self.before = 0
+        self.most = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.before = self.lookups.lookups
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.most = max(self.most, self.lookups.lookups - self.before)
+
+
+async def test_a_large_batch_yields_to_the_event_loop_between_slices(
+    server_config: ServerConfig,
+) -> None:
+    """Was: a batch ran all its lookups in one step of the router (1,024 × 880 hashes: 6 s in
+    which no other client was answered). Now a batch of more than SLICE_KEYS keys yields after
+    each slice: no task step answers more than a slice's lookups."""
+    from kvtrio.server.cache._batch import SLICE_KEYS
+
+    lookups, per = MAX_LOOKUP_BATCH, MAX_LOOKUP_KEYS // MAX_LOOKUP_BATCH
+    requests = tuple(f"r{i}" for i in range(lookups))
+    hashes = tuple(
+        tuple((i * per + j).to_bytes(16, "little") for j in range(per)) for i in range(lookups)
+    )
+    async with open_server(server_config) as server, open_client(server.endpoint) as client:
+        await client.request(Register("", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
+        counter = _LookupsPerStep(server.state.cache.lookups)  # type: ignore[union-attr]
+        trio.lowlevel.add_instrument(counter)
+        try:
+            reply = await client.call(LookupBatch("m", 1, requests, hashes), LookupBatchReply)
+        finally:
+            trio.lowlevel.remove_instrument(counter)
+        assert reply.hit_chunks == (0,) * lookups
+        assert not reply.failed
+        assert counter.lookups.lookups == lookups
+        assert 0 < counter.most <= SLICE_KEYS // per
+        server.stop()

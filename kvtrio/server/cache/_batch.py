@@ -3,13 +3,19 @@
 A scheduler facing a burst of new requests sends their lookups together: one message to
 decode, one scheduling round, one reply, instead of one of each per request. Every lookup of
 the batch is handled as its own ``lookup`` would be (same handler, same pins, same limits),
-in order; a lookup that fails is reported in the reply, the others still answer. The L2 parts
-of the lookups (a :class:`Later` each) run concurrently, and the reply waits for all of them.
+in order; a lookup that fails (its hashes malformed, a limit reached) is reported in the reply
+with its index, the others still answer. The L2 parts of the lookups (a :class:`Later` each)
+run concurrently, at most :data:`L2_PARTS` of a batch at once, and the reply waits for all.
+
+Bounded work (issue 22): the keys of the whole batch (``world_size`` × hashes, summed) are
+checked against ``MAX_LOOKUP_KEYS`` and the session's budget before any lookup runs; a batch
+of more than :data:`SLICE_KEYS` keys runs its lookups in a task that yields to the event loop
+after every :data:`SLICE_KEYS` keys (a lookup's first slice at once, as a lookup sent alone).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -17,46 +23,104 @@ from ...errors import ProtocolError, RequestError
 from ...protocol import Lookup, LookupBatch, LookupBatchReply, LookupFailure, LookupReply
 from .._session import Session
 from .._state import Later, ServerState
+from ._limits import KeyBudget, check_lookup_keys
 
-__all__ = ["register_lookup_batch"]
+__all__ = ["L2_PARTS", "SLICE_KEYS", "register_lookup_batch"]
 
 LookupHandler = Callable[[Session, Lookup], "LookupReply | Later"]
+Turn = Callable[[], Awaitable[None]]
+checkpoint: Turn = trio.lowlevel.checkpoint
+
+SLICE_KEYS = 1024
+"""Keys of lookups handled between two yields to the event loop: a batch's lookups, and the
+L1 prefix of one long lookup (pinning 1,024 keys takes ~10 ms here on an idle machine, up to
+~50 ms with the 2 cores loaded 4×; the largest message yields 64 times)."""
+L2_PARTS = 8
+"""L2 parts of one batch's lookups running at once (each probes the backends for its ranks):
+a batch of 1,024 lookups does not make 1,024 runnable tasks at once."""
 
 
-def register_lookup_batch(state: ServerState, lookup: LookupHandler) -> None:
-    """Serve ``lookup_batch`` with the handler of ``lookup`` (inline, L2 parts concurrent)."""
+def register_lookup_batch(
+    state: ServerState,
+    lookup: LookupHandler,
+    budget: KeyBudget | None = None,
+    turn: Turn = checkpoint,
+) -> None:
+    """Serve ``lookup_batch`` with the handler of ``lookup`` (inline, L2 parts concurrent);
+    ``budget``: the keys in flight of each session, checked for the whole batch first;
+    ``turn``: awaited between the slices of a big batch."""
 
     def lookup_batch(session: Session, request: LookupBatch) -> LookupBatchReply | Later:
         try:
             lookups = request.lookups()
         except ValueError as exc:
             raise ProtocolError(f"invalid 'lookup_batch' request: {exc}") from None
-        batch = _Answers(len(lookups))
-        later: list[tuple[int, Later]] = []
-        for index, item in enumerate(lookups):
-            try:
-                result = lookup(session, item)
-            except RequestError as exc:
-                batch.fail(index, exc)
-                continue
-            if type(result) is Later:
-                later.append((index, result))
-            else:
-                batch.answer(index, result)  # type: ignore[arg-type]
+        hashes = sum(len(h) for h in request.chunk_hashes if type(h) is tuple)
+        keys = check_lookup_keys(request.world_size, hashes)  # the batch's, before any work
+        if budget is not None:
+            budget.check(session.id, session.principal.user_id, keys)
+        batch = _Batch(lookup, session, len(lookups), turn)
+        if keys > SLICE_KEYS:
+            return Later(lambda: batch.run_sliced(lookups))
+        later = [part for index, item in enumerate(lookups) if (part := batch.run(index, item))]
         if not later:
-            return batch.reply()
+            return batch.reply()  # small: answered inline
         return Later(lambda: batch.finish(later))
 
     state.register_inline(LookupBatch, lookup_batch, concurrent=True)
 
 
-class _Answers:
-    """The answers of one batch as they come."""
+class _Batch:
+    """One batch's lookups and their answers as they come."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(
+        self, lookup: LookupHandler, session: Session, size: int, turn: Turn = checkpoint
+    ) -> None:
+        self.lookup = lookup
+        self.turn = turn
+        """Awaited between slices (the cache's :meth:`~._core.CacheCore.turn`)."""
+        self.session = session
         self.hit_tokens = [0] * size
         self.hit_chunks = [0] * size
         self.failed: list[LookupFailure] = []
+
+    def run(self, index: int, item: Lookup) -> tuple[int, Later] | None:
+        """Run lookup ``index`` of the batch; its L2 part, if it has one."""
+        try:
+            result = self.lookup(self.session, item)
+        except RequestError as exc:
+            self.fail(index, exc)
+            return None
+        if type(result) is Later:
+            return index, result
+        self.answer(index, result)  # type: ignore[arg-type]
+        return None
+
+    async def run_sliced(self, lookups: list[Lookup]) -> LookupBatchReply:
+        """Run the lookups in order, yielding after every :data:`SLICE_KEYS` keys; then their
+        L2 parts. Cancellation (the session ends): at a yield; the lookups not run yet are not
+        run (those that ran hold their pins until their request or session ends).
+        """
+        later: list[tuple[int, Later]] = []
+        done = 0
+        try:
+            for index, item in enumerate(lookups):
+                part = self.run(index, item)
+                if part is not None:
+                    later.append(part)
+                if type(item.chunk_hashes) is tuple:
+                    done += len(item.chunk_hashes) * item.world_size
+                if done >= SLICE_KEYS:
+                    done = 0
+                    await self.turn()
+        except BaseException:
+            for _, dropped in later:  # (their keys go back to the budget)
+                if dropped.abandon is not None:
+                    dropped.abandon()
+            raise
+        if not later:
+            return self.reply()
+        return await self.finish(later)
 
     def answer(self, index: int, reply: LookupReply) -> None:
         self.hit_tokens[index] = reply.hit_tokens
@@ -70,17 +134,24 @@ class _Answers:
         return LookupBatchReply(tuple(self.hit_tokens), tuple(self.hit_chunks), failed)
 
     async def finish(self, later: list[tuple[int, Later]]) -> LookupBatchReply:
-        """Run the lookups' L2 parts concurrently; the reply once all have answered.
+        """Run the lookups' L2 parts concurrently, :data:`L2_PARTS` at a time; the reply once
+        all have answered.
 
-        Cancellation (the session ends): cancels them all.
+        Cancellation (the session ends): cancels them all (a part that had not started is
+        abandoned: its keys go back to the budget).
         """
+        limiter = trio.CapacityLimiter(L2_PARTS)
 
         async def one(index: int, part: Later) -> None:
             try:
-                reply = await part.run()
+                async with limiter:
+                    reply = await part.run()
             except RequestError as exc:
                 self.fail(index, exc)
                 return
+            finally:
+                if part.abandon is not None:
+                    part.abandon()
             self.answer(index, reply)  # type: ignore[arg-type]
 
         async with trio.open_nursery() as nursery:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import NewType
 
 from ...errors import ErrorCode, RequestError
+from ...protocol import MAX_HASHES
 
 __all__ = ["CHUNK_HASH_SIZE", "RequestKey", "checked_hashes", "request_key"]
 
@@ -31,9 +32,33 @@ def request_key(engine: str, model: str, tenant: str, request_id: str) -> Reques
 
 
 def checked_hashes(hashes: Sequence[bytes], name: str = "chunk_hashes") -> Sequence[bytes]:
-    """Chunk hashes as sent: each exactly 16 bytes, else ``bad_request``."""
-    if any(len(h) != CHUNK_HASH_SIZE for h in hashes):
+    """Chunk hashes as sent: an array of at most ``MAX_HASHES`` binary values of exactly 16
+    bytes each, else ``bad_request`` saying what is wrong and where.
+
+    The codec checks most arrays' types already; a ``lookup_batch``'s hash lists are checked
+    here only, so that one bad list fails its own lookup, not the whole batch.
+    """
+    if type(hashes) not in (tuple, list):
         raise RequestError(
-            ErrorCode.BAD_REQUEST, f"{name}: every chunk hash is {CHUNK_HASH_SIZE} bytes"
+            ErrorCode.BAD_REQUEST,
+            f"{name}: expected an array of binary values, got {type(hashes).__name__}",
         )
+    if len(hashes) > MAX_HASHES:
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"{name}: at most {MAX_HASHES} chunk hashes in one message (MAX_HASHES), got "
+            f"{len(hashes)}: send the rest in another message",
+        )
+    for index, chunk_hash in enumerate(hashes):
+        if type(chunk_hash) is not bytes or len(chunk_hash) != CHUNK_HASH_SIZE:
+            got = (
+                f"{len(chunk_hash)} bytes"
+                if type(chunk_hash) is bytes
+                else f"a {type(chunk_hash).__name__}"
+            )
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"{name}: every chunk hash is {CHUNK_HASH_SIZE} bytes of binary data; "
+                f"the one at index {index} is {got}",
+            )
     return hashes

@@ -4,20 +4,40 @@ A registration whose shape could not be served (a chunk larger than the L1 arena
 counts that would overflow a computation further on) is refused with one ``bad_request`` line.
 Requests holding leases and the leases themselves (pins, reservations) are bounded by the
 ``max_requests`` and ``max_pins`` settings: beyond them a request gets ``busy``. A request that
-holds nothing costs nothing (the server keeps no prompts). Synchronous, no I/O.
+holds nothing costs nothing (the server keeps no prompts).
+
+The work of a lookup is bounded before it starts (issue 22): it names ``world_size`` × hashes
+object keys, at most ``MAX_LOOKUP_KEYS`` per message (a batch's summed), and the keys whose L2
+part is still running count against budgets per session and per client key
+(:class:`KeyBudget`) and against ``max_pins``. Synchronous, no I/O.
 """
 
 from __future__ import annotations
 
+import collections
+
 from ...errors import ErrorCode, RequestError
-from ...protocol import Register
+from ...protocol import MAX_LOOKUP_KEYS, MAX_WORLD_SIZE, Register
 from ...storage import LeaseTable
 from ._registry import layout_of
 
-__all__ = ["RequestLimits", "check_registration"]
+__all__ = [
+    "SESSION_KEYS",
+    "USER_KEYS",
+    "KeyBudget",
+    "RequestLimits",
+    "check_lookup_keys",
+    "check_registration",
+]
+
+SESSION_KEYS = 2 * MAX_LOOKUP_KEYS
+"""Object keys one session's lookups may have in their L2 part at once: two of the largest
+lookup messages (a scheduler's batch in flight while the next is admitted)."""
+USER_KEYS = 4 * MAX_LOOKUP_KEYS
+"""The same, for all the sessions of one client key (a key may hold several sessions)."""
 
 _SHAPE_LIMITS = {
-    "world_size": 1 << 12,
+    "world_size": MAX_WORLD_SIZE,
     "num_layers": 1 << 12,
     "num_blocks": 1 << 32,
     "block_size": 1 << 20,
@@ -52,6 +72,76 @@ def check_registration(request: Register, chunk_size: int, arena_size: int) -> N
         )
 
 
+def check_lookup_keys(world_size: int, hashes: int) -> int:
+    """The object keys a lookup (or a batch, with its hashes summed) of ``hashes`` chunk
+    hashes at ``world_size`` names; ``bad_request`` naming the bound if it is out of range."""
+    if type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"world_size must be an integer in 1…{MAX_WORLD_SIZE} (MAX_WORLD_SIZE), "
+            f"got {world_size!r}",
+        )
+    keys = world_size * hashes
+    if keys > MAX_LOOKUP_KEYS:
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"world_size {world_size} × {hashes} chunk hashes is {keys} keys, at most "
+            f"{MAX_LOOKUP_KEYS} in one message (MAX_LOOKUP_KEYS): look up a shorter prefix, "
+            "or send the lookups in several messages",
+        )
+    return keys
+
+
+class KeyBudget:
+    """Object keys whose lookup is still running its L2 part, per session and per client key.
+
+    :meth:`take` admits (or refuses ``busy``, naming the budget) before the work starts;
+    :meth:`give` returns them when the part has ended, however it ended. A client key of ``""``
+    (the local user of an ipc server, or ``--insecure``) has the per-session budget only.
+    """
+
+    def __init__(self, per_session: int = SESSION_KEYS, per_user: int = USER_KEYS) -> None:
+        self.per_session = per_session
+        self.per_user = per_user
+        self.by_session: collections.Counter[str] = collections.Counter()
+        self.by_user: collections.Counter[str] = collections.Counter()
+        self.total = 0
+        """Keys in flight, all sessions together (``max_pins`` counts them as pins to come)."""
+        self.refused = 0
+
+    def check(self, session: str, user: str, keys: int) -> None:
+        """Raise ``busy`` if ``keys`` more would exceed the session's or its key's budget."""
+        if self.by_session[session] + keys > self.per_session:
+            bound, name, held = self.per_session, "per session", self.by_session[session]
+        elif user and self.by_user[user] + keys > self.per_user:
+            bound, name, held = self.per_user, "per client key", self.by_user[user]
+        else:
+            return
+        self.refused += 1
+        raise RequestError(
+            ErrorCode.BUSY,
+            f"lookups of {held} keys are still running ({bound} keys at most {name}): "
+            "wait for their answers, or retry later",
+        )
+
+    def take(self, session: str, user: str, keys: int) -> None:
+        """:meth:`check`, then count ``keys`` as in flight."""
+        self.check(session, user, keys)
+        self.by_session[session] += keys
+        if user:
+            self.by_user[user] += keys
+        self.total += keys
+
+    def give(self, session: str, user: str, keys: int) -> None:
+        """The work of ``keys`` taken by :meth:`take` has ended."""
+        self.total -= keys
+        for table, name in ((self.by_session, session), (self.by_user, user)):
+            if name in table:
+                table[name] -= keys
+                if table[name] <= 0:
+                    del table[name]
+
+
 class RequestLimits:
     """Admission of new tracked requests and of new pins (see the module docstring)."""
 
@@ -76,12 +166,13 @@ class RequestLimits:
             "finished requests, or retry later",
         )
 
-    def admit_pins(self, leases: LeaseTable, count: int) -> None:
-        """Raise ``busy`` if ``count`` more pins would exceed ``max_pins``."""
-        if count and leases.live + count > self.max_pins:
+    def admit_pins(self, leases: LeaseTable, count: int, pending: int = 0) -> None:
+        """Raise ``busy`` if ``count`` more pins would exceed ``max_pins``, counting the
+        ``pending`` pins that lookups still in their L2 part may take."""
+        if count and leases.live + pending + count > self.max_pins:
             self.refused += 1
             raise RequestError(
                 ErrorCode.BUSY,
-                f"the server holds {leases.live} pins (max_pins {self.max_pins}): release or end "
-                "requests, or retry later",
+                f"the server holds {leases.live} pins and lookups under way may take {pending} "
+                f"more (max_pins {self.max_pins}): release or end requests, or retry later",
             )

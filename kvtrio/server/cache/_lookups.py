@@ -15,11 +15,14 @@ import trio
 
 from ...errors import ErrorCode, RequestError
 from ...protocol import EndSession, FreeLookupLocks, Lookup, LookupReply, Released
+from ...storage import LeaseKind
 from .._session import Session
 from .._state import Later
 from ..l2tier import TierBackend
+from ._batch import SLICE_KEYS
 from ._core import CacheCore
 from ._keys import RequestKey, checked_hashes, request_key
+from ._limits import check_lookup_keys
 from ._registry import ModelEntry
 
 __all__ = ["Lookups"]
@@ -42,6 +45,7 @@ class Lookups:
         core = self.core
         core.settle_copies()  # copies the worker already saw done are visible
         hashes = checked_hashes(lookup.chunk_hashes)
+        keys = check_lookup_keys(lookup.world_size, len(hashes))  # bounded before any work
         model = core.registry.engine_model(lookup.engine, lookup.model, lookup.tenant)
         if model is None:
             return LookupReply(0, 0)  # no worker of this engine has registered (yet)
@@ -57,27 +61,111 @@ class Lookups:
         # A new lookup of the request replaces the previous one: its pins and its loads.
         core.end_lookup(request)
         core.quotas.readers(lookup.num_readers, model.world_size)
+        readers = lookup.num_readers or (
+            model.world_size if model.profile.shared_across_ranks else 1
+        )
+        expires = now + core.config.pin_ttl
+        # The first slice of chunks is looked up and pinned now, atomically, as every lookup
+        # was; the rest of a long prefix (beyond SLICE_KEYS keys) in the Later, slice by slice.
+        first = max(1, SLICE_KEYS // len(model.spaces))
+        if core.l2.enabled or len(hashes) > first:  # (it may go on in a Later)
+            core.budget.check(session.id, session.principal.user_id, keys)
+        pending = core.budget.total  # (the L2 parts under way may pin that many)
+        core.limits.admit_pins(core.leases, len(hashes) * len(model.spaces), pending)
+        hit = self._pin_prefix(session, request, model, hashes[:first], readers, expires, True)
+        more = hit == first < len(hashes)
+        l2_part = core.l2.enabled and (more or hit < len(hashes))
+        core.watch(session)
+        if not (l2_part or more):
+            return self._done(len(hashes), hit, 0)
+        # Counted in flight until the Later ends. (A concurrent operation's Later always
+        # starts: trio runs a spawned task's first step, which enters the try below.)
+        user = session.principal.user_id
+        core.budget.take(session.id, user, keys)
+        taken = [keys]
+
+        def give() -> None:  # once, whichever comes first
+            if taken:
+                core.budget.give(session.id, user, taken.pop())
+
+        async def rest() -> LookupReply:
+            try:
+                found = hit
+                if more:
+                    found = await self._pin_rest(session, request, model, hashes, hit, readers,
+                                                 expires)  # fmt: skip
+                if not core.l2.enabled or found == len(hashes):
+                    return self._done(len(hashes), found, 0)
+                return await self._lookup_l2(session, request, model, hashes, found, readers)
+            finally:
+                give()
+
+        return Later(rest, give)
+
+    def _pin_prefix(
+        self,
+        session: Session,
+        request: RequestKey,
+        model: ModelEntry,
+        hashes: Sequence[bytes],
+        readers: int,
+        expires: float,
+        first: bool,
+    ) -> int:
+        """Find how many leading ``hashes`` every namespace has in L1 and pin them for
+        ``request``; the count. The quotas are admitted before any pin: a refusal raises
+        (``first``) or, for a later slice, ends the prefix there (0)."""
+        core = self.core
         hit = len(hashes)
         for space in model.spaces:
             hit = core.l1.prefix([space + h for h in hashes[:hit]])
         if hit:
             pinned = [space + h for space in model.spaces for h in hashes[:hit]]
-            core.quotas.admit(session, len(pinned), model.chunk_bytes)
-            core.quotas.admit_pins(pinned, model.chunk_bytes)
-        core.limits.admit_pins(core.leases, len(hashes) * len(model.spaces))  # (L2 hits too)
-        readers = lookup.num_readers or (
-            model.world_size if model.profile.shared_across_ranks else 1
-        )
-        expires = now + core.config.pin_ttl
+            try:
+                core.quotas.admit(session, len(pinned), model.chunk_bytes)
+                core.quotas.admit_pins(pinned, model.chunk_bytes)
+            except RequestError:
+                if first:
+                    raise
+                return 0
         for chunk_hash in hashes[:hit]:  # pinned before awaiting anything: they stay
             for space in model.spaces:
                 core.pin_for_lookup(request, session.id, space + chunk_hash, readers, expires)
         if hit and core.l2.enabled:  # L1 hits are uses in L2's policies too (the head last)
             core.l2.touch(space + h for h in reversed(hashes[:hit]) for space in model.spaces)
-        core.watch(session)
-        if core.l2.enabled and hit < len(hashes):
-            return Later(lambda: self._lookup_l2(session, request, model, hashes, hit, readers))
-        return self._done(len(hashes), hit, 0)
+        return hit
+
+    async def _pin_rest(
+        self,
+        session: Session,
+        request: RequestKey,
+        model: ModelEntry,
+        hashes: Sequence[bytes],
+        hit: int,
+        readers: int,
+        expires: float,
+    ) -> int:
+        """Pin the L1 prefix after the first ``hit`` chunks, one slice of :data:`SLICE_KEYS`
+        keys at a time, yielding to the event loop before each; the whole prefix's length.
+
+        Between slices other requests run: a slice sees L1 as it is then (what the earlier
+        slices pinned stays). If the request's lookup pins went away meanwhile (the request
+        ended, or a new lookup of it replaced this one), it stops there. Cancellation (the
+        session ends): at a yield; the pins end with the request or the session.
+        """
+        core = self.core
+        size = max(1, SLICE_KEYS // len(model.spaces))
+        marker = model.spaces[0] + hashes[0]
+        while hit < len(hashes):
+            await core.turn()
+            if core.leases.get(LeaseKind.LOOKUP, request, session.id, marker) is None:
+                break  # (ended or replaced: what it pinned was released with it)
+            part = hashes[hit : hit + size]
+            found = self._pin_prefix(session, request, model, part, readers, expires, False)
+            hit += found
+            if found < len(part):
+                break
+        return hit
 
     async def _lookup_l2(
         self,

@@ -22,6 +22,7 @@ from ._copy import Blocks, Job
 from ._core import CacheCore
 from ._keys import RequestKey, checked_hashes
 from ._registry import Registration
+from ._writes import SLICE
 
 __all__ = ["Reads"]
 
@@ -121,8 +122,10 @@ class Reads:
         )
         return registration.copy.retrieve(job)
 
-    def release(self, session: Session, release: Release) -> Released:
-        """Unpin this session's read pins of the named chunks (a worker's copies are done)."""
+    def release(self, session: Session, release: Release) -> Released | Later:
+        """Unpin this session's read pins of the named chunks (a worker's copies are done).
+        More than :data:`SLICE` chunks: in a Later that yields between slices (issue 22;
+        cancellation: at a yield, the pins not ended yet end with the session)."""
         core = self.core
         registration = core.registration(session)
         registration.copy.check_worker_end("release")
@@ -130,4 +133,14 @@ class Reads:
         object_keys = [
             registration.space + h for h in checked_hashes(release.chunk_hashes, "chunk_hashes")
         ]
-        return Released(core.end_reads(session.id, request, object_keys))
+        if len(object_keys) <= SLICE:
+            return Released(core.end_reads(session.id, request, object_keys))
+
+        async def sliced() -> Released:
+            released = 0
+            for first in range(0, len(object_keys), SLICE):
+                released += core.end_reads(session.id, request, object_keys[first : first + SLICE])
+                await core.turn()
+            return Released(released)
+
+        return Later(sliced)

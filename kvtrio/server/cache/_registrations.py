@@ -51,7 +51,7 @@ class Registrations:
                 ErrorCode.INCOMPATIBLE,
                 "CUDA workers are served in the first tenant's L1 arena only (not yet per tenant)",
             )
-        released = core.release_session(session.id, quarantine=False)
+        released = await core.release_session(session.id, quarantine=False)
         registration = core.registry.register(session.id, register, self.host_copy)
         core.arenas.bind(registration.space, tenant_arena)
         core.watch(session)
@@ -103,4 +103,4 @@ class Registrations:
 
     async def unregister(self, session: Session, unregister: Unregister) -> Released:
         """Drop the session's registration and everything it holds."""
-        return Released(self.core.release_session(session.id, quarantine=False))
+        return Released(await self.core.release_session(session.id, quarantine=False))

@@ -69,7 +69,7 @@ class CacheService:
         state.register(Unregister, self.registrations.unregister)
         # Inline: answered in the router's round; a Later part (L2, a large scrub) in a task.
         state.register_inline(Lookup, self.lookups.lookup, concurrent=True)
-        register_lookup_batch(state, self.lookups.lookup)
+        register_lookup_batch(state, self.lookups.lookup, self.core.budget, self.core.turn)
         state.register_inline(Store, self.writes.store)
         state.register_inline(Commit, self.writes.commit)
         state.register_inline(Retrieve, self.reads.retrieve)  # (waiting for L2 loads: a Later)

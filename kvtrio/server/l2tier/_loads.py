@@ -1,8 +1,9 @@
 """Lookups across the backend cascade and L2 → L1 loads.
 
-- **Lookup**: the chunks after the L1 prefix go to every backend's ``lookup_and_lock`` at once;
-  the caller runs this inside the lookup's cancel scope, and a cancelled lookup unlocks
-  (shielded) whatever it had locked.
+- **Lookup**: the chunks after the L1 prefix go to every backend's ``lookup_and_lock``, one
+  call per namespace (rank), at most :data:`PROBES` at once per backend; the caller runs this
+  inside the lookup's cancel scope, and a cancelled lookup unlocks (shielded) whatever it had
+  locked.
 - **Loads**: L2 hits get an L1 slot reserved right away (by the caller) and a loader task per
   batch of a request's objects (in the tier's loaders nursery, bounded per backend) that reads
   them into their slots with one backend call, verifies their frames in one worker-thread call,
@@ -14,7 +15,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import trio
@@ -26,10 +27,13 @@ from ...storage import Entry
 from ._backends import Calls, TierBackend
 from ._writes import CPU_LIMITER
 
-__all__ = ["Load", "Loads"]
+__all__ = ["PROBES", "Load", "Loads"]
 
 log = logging.getLogger("kvtrio.l2")
 
+PROBES = 4
+"""Concurrent ``lookup_and_lock`` calls of one lookup per backend: a lookup probes one key list
+per rank, and a world of 256 ranks must not make 256 runnable tasks at once (issue 22)."""
 _BATCH_CHUNKS = 32
 _BATCH_BYTES = 64 << 20
 """A load batch holds at most this many objects (or about this many bytes), as the
@@ -94,11 +98,16 @@ class Loads:
             locked[(b, s)] = count  # recorded at once: a cancellation must unlock it
             tier_backend.succeeded()
 
+        async def prober(b: int, left: Iterator[int]) -> None:
+            for s in left:  # (the iterator is shared by the backend's probers)
+                await probe(b, s)
+
         try:
             async with trio.open_nursery() as nursery:
                 for b in range(len(usable)):
-                    for s in range(len(spaces)):
-                        nursery.start_soon(probe, b, s)
+                    left = iter(range(len(spaces)))
+                    for _ in range(min(PROBES, len(spaces))):
+                        nursery.start_soon(prober, b, left)
             chosen: list[list[TierBackend]] = []
             for chunk in range(len(hashes)):
                 sources = [

@@ -239,10 +239,6 @@ async def _terminate(context: zmq.Context[zmq.Socket[bytes]]) -> None:
         )
 
 
-_ARENA_LIMITER = trio.CapacityLimiter(1)
-"""Blocking work on the L1 arena file (allocating its pages) runs one job at a time."""
-
-
 async def commit_arena(arena: SharedArena, plan: L1Plan) -> None:
     """Allocate every page of the first L1 arena before the server serves (a worker thread).
 
@@ -255,9 +251,7 @@ async def commit_arena(arena: SharedArena, plan: L1Plan) -> None:
     """
     started = trio.current_time()
     try:
-        await trio.to_thread.run_sync(
-            arena.allocate, limiter=_ARENA_LIMITER, abandon_on_cancel=True
-        )
+        await trio.to_thread.run_sync(arena.allocate, abandon_on_cancel=True)
     except OSError as exc:
         raise ConfigError(
             f"cannot commit the L1's {format_size(plan.arena)} in {plan.directory}: "
@@ -268,32 +262,33 @@ async def commit_arena(arena: SharedArena, plan: L1Plan) -> None:
 
 async def _populate(arena: SharedArena) -> None:
     """Map the arena's (allocated) pages into the server while it already serves, in a thread
-    of low CPU priority (:func:`_populate_quietly`): it only spares first stores their page
-    faults, and must not slow the answers meanwhile.
+    of its own at the lowest CPU priority (Linux ``nice`` is per thread; trio's worker threads
+    are reused, and an unprivileged thread cannot raise its priority back): it only spares
+    first stores their page faults, and must not slow the answers meanwhile.
 
-    Cancellation: the thread finishes its current slice; the result is abandoned.
+    Cancellation (the server stops): the thread stops after its current slice, unwaited.
     """
     started = trio.current_time()
-    await trio.to_thread.run_sync(
-        _populate_quietly, arena, limiter=_ARENA_LIMITER, abandon_on_cancel=True
-    )
-    log.debug("L1 arena mapped in %.2fs", trio.current_time() - started)
-
-
-def _populate_quietly(arena: SharedArena) -> None:
-    """Run :meth:`SharedArena.populate` in a new thread at the lowest CPU priority (Linux
-    ``nice`` is per thread) and wait for it. A thread of its own: trio's worker threads are
-    reused, and an unprivileged thread cannot raise its priority back."""
+    stop = threading.Event()
+    done = trio.Event()
+    token = trio.lowlevel.current_trio_token()
 
     def work() -> None:
-        if hasattr(os, "setpriority") and sys.platform == "linux":
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        arena.populate()
+        try:
+            if sys.platform == "linux":
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            arena.populate(stop)
+        finally:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(done.set)
 
-    thread = threading.Thread(target=work, name="kvtrio-l1-populate", daemon=True)
-    thread.start()
-    thread.join()
+    threading.Thread(target=work, name="kvtrio-l1-populate", daemon=True).start()
+    try:
+        await done.wait()
+    finally:
+        stop.set()
+    log.debug("L1 arena mapped in %.2fs", trio.current_time() - started)
 
 
 def create_arena(plan: L1Plan) -> SharedArena:

@@ -17,6 +17,7 @@ import mmap
 import os
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable
 from typing import cast
@@ -48,7 +49,7 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return cast("Callable[[int, int, int], int]", function)
 
 
-def populate_pages(buffer: npt.NDArray[np.uint8]) -> None:
+def populate_pages(buffer: npt.NDArray[np.uint8], stop: threading.Event | None = None) -> None:
     """Fill the page tables of the shared mapping behind ``buffer`` (Linux; elsewhere nothing),
     without holding the GIL, so that the process's other threads (a client's heartbeats, an
     engine's forward) run meanwhile.
@@ -57,12 +58,15 @@ def populate_pages(buffer: npt.NDArray[np.uint8]) -> None:
     attaching a 4 GiB arena stopped every thread of an engine worker for seconds (longer than
     the 10 s heartbeat timeout on a loaded machine). Here ``madvise(MADV_POPULATE_WRITE)``, or
     where the kernel is older, one read per page from numpy (which releases the GIL; tmpfs maps
-    the page writable). Blocking: call it from a worker thread.
+    the page writable). Blocking: call it from a worker thread; ``stop`` set ends it after the
+    current slice (:data:`_POPULATE_SLICE`).
     """
     if sys.platform != "linux" or buffer.nbytes == 0:
         return
     madvise = _madvise()
     for start in range(0, buffer.nbytes, _POPULATE_SLICE):
+        if stop is not None and stop.is_set():
+            return
         piece = buffer[start : start + _POPULATE_SLICE]
         if madvise is None or madvise(piece.ctypes.data, piece.nbytes, _MADV_POPULATE_WRITE):
             madvise = None  # (not this kernel: the slow way from here on)
@@ -187,15 +191,16 @@ class SharedArena:
         finally:
             os.close(fd)
 
-    def populate(self) -> None:
+    def populate(self, stop: threading.Event | None = None) -> None:
         """Populate this process's mapping of the (allocated) file (:func:`populate_pages`).
 
         Without it the first write to each page of the server's mapping takes a page fault:
         the server zeroes a store's slots, and zeroing 64 MiB took 49–52 ms the first time
         against 4–5 ms after (``docs/design.md``, issue 17 item 3). Blocking (0.3–1.6 s per GiB
-        here, in slices that let the process's other threads map memory meanwhile).
+        here, in slices that let the process's other threads map memory meanwhile); ``stop``
+        set ends it after the current slice.
         """
-        populate_pages(self.buffer)
+        populate_pages(self.buffer, stop)
 
     def view(self, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
         """The bytes ``[offset, offset + nbytes)`` as a writable uint8 array (no copy)."""

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import sys
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -262,11 +260,13 @@ async def commit_arena(arena: SharedArena, plan: L1Plan) -> None:
 
 async def _populate(arena: SharedArena) -> None:
     """Map the arena's (allocated) pages into the server while it already serves, in a thread
-    of its own at the lowest CPU priority (Linux ``nice`` is per thread; trio's worker threads
-    are reused, and an unprivileged thread cannot raise its priority back): it only spares
-    first stores their page faults, and must not slow the answers meanwhile.
+    of its own, 16 MiB at a time (:func:`~kvtrio.shm.populate_pages`): it only spares first
+    stores their page faults, and must not hold the answers up meanwhile.
 
-    Cancellation (the server stops): the thread stops after its current slice, unwaited.
+    Not at a lower CPU priority: the thread holds the process's memory-map lock during each
+    slice, and a ``nice 19`` thread preempted mid-slice by busy processes held it for seconds
+    (a ping took 2.6 s under load: priority inversion). Cancellation (the server stops): the
+    thread stops after its current slice, unwaited.
     """
     started = trio.current_time()
     stop = threading.Event()
@@ -275,9 +275,6 @@ async def _populate(arena: SharedArena) -> None:
 
     def work() -> None:
         try:
-            if sys.platform == "linux":
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             arena.populate(stop)
         finally:
             with contextlib.suppress(trio.RunFinishedError):

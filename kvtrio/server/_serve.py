@@ -258,6 +258,11 @@ async def commit_arena(arena: SharedArena, plan: L1Plan) -> None:
     log.debug("L1 arena allocated in %.2fs", trio.current_time() - started)
 
 
+_POPULATE_SHARE = 0.5
+"""Of one CPU, what populating the L1's mapping after "serving" may take (it sleeps as long as
+each slice took): the rest is the requests'."""
+
+
 async def _populate(arena: SharedArena) -> None:
     """Map the arena's (allocated) pages into the server while it already serves, in a thread
     of its own, 16 MiB at a time (:func:`~kvtrio.shm.populate_pages`): it only spares first
@@ -275,7 +280,7 @@ async def _populate(arena: SharedArena) -> None:
 
     def work() -> None:
         try:
-            arena.populate(stop)
+            arena.populate(stop, share=_POPULATE_SHARE)
         finally:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(done.set)

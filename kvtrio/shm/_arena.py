@@ -18,6 +18,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import cast
@@ -49,7 +50,9 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return cast("Callable[[int, int, int], int]", function)
 
 
-def populate_pages(buffer: npt.NDArray[np.uint8], stop: threading.Event | None = None) -> None:
+def populate_pages(
+    buffer: npt.NDArray[np.uint8], stop: threading.Event | None = None, share: float = 1.0
+) -> None:
     """Fill the page tables of the shared mapping behind ``buffer`` (Linux; elsewhere nothing),
     without holding the GIL, so that the process's other threads (a client's heartbeats, an
     engine's forward) run meanwhile.
@@ -59,7 +62,8 @@ def populate_pages(buffer: npt.NDArray[np.uint8], stop: threading.Event | None =
     the 10 s heartbeat timeout on a loaded machine). Here ``madvise(MADV_POPULATE_WRITE)``, or
     where the kernel is older, one read per page from numpy (which releases the GIL; tmpfs maps
     the page writable). Blocking: call it from a worker thread; ``stop`` set ends it after the
-    current slice (:data:`_POPULATE_SLICE`).
+    current slice (:data:`_POPULATE_SLICE`). ``share`` < 1 paces it: after each slice it sleeps
+    so that it takes about that share of one CPU.
     """
     if sys.platform != "linux" or buffer.nbytes == 0:
         return
@@ -68,9 +72,12 @@ def populate_pages(buffer: npt.NDArray[np.uint8], stop: threading.Event | None =
         if stop is not None and stop.is_set():
             return
         piece = buffer[start : start + _POPULATE_SLICE]
+        began = time.monotonic()
         if madvise is None or madvise(piece.ctypes.data, piece.nbytes, _MADV_POPULATE_WRITE):
             madvise = None  # (not this kernel: the slow way from here on)
             np.bitwise_or.reduce(piece[:: mmap.PAGESIZE])
+        if share < 1.0:
+            time.sleep((time.monotonic() - began) * (1.0 / share - 1.0))
 
 
 def reclaim_stale_arenas(directory: str, prefix: str = "kvtrio") -> list[str]:
@@ -191,7 +198,7 @@ class SharedArena:
         finally:
             os.close(fd)
 
-    def populate(self, stop: threading.Event | None = None) -> None:
+    def populate(self, stop: threading.Event | None = None, share: float = 1.0) -> None:
         """Populate this process's mapping of the (allocated) file (:func:`populate_pages`).
 
         Without it the first write to each page of the server's mapping takes a page fault:
@@ -200,7 +207,7 @@ class SharedArena:
         here, in slices that let the process's other threads map memory meanwhile); ``stop``
         set ends it after the current slice.
         """
-        populate_pages(self.buffer, stop)
+        populate_pages(self.buffer, stop, share)
 
     def view(self, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
         """The bytes ``[offset, offset + nbytes)`` as a writable uint8 array (no copy)."""

@@ -69,13 +69,15 @@ _SERVER_CURVE = (
     "it as the server's user without those settings (docs/security.md)"
 )
 _CLOSED_ONCE = (
-    "the server closed the connection during the CURVE handshake (it stopped meanwhile, or "
-    "it does not hold the secret of the server key this client uses)"
+    "the server closed the connection during the CURVE handshake (it stopped meanwhile, it "
+    "speaks plain ZeroMQ: started with --insecure, or it does not hold the secret of the "
+    "server key this client uses)"
 )
 _CLOSED_AGAIN = (
     "the server closed the connection during every CURVE handshake: it does not hold the "
     "secret of the server key this client uses (a wrong server key: server_key, "
-    "KVTRIO_SERVER_KEY, or the default keys of another server; docs/security.md)"
+    "KVTRIO_SERVER_KEY, or the default keys of another server), or it speaks plain ZeroMQ "
+    "(started with --insecure: connect with --insecure); docs/security.md"
 )
 _CLOSED_PLAIN = "the server closed the connection during the handshake (it stopped meanwhile?)"
 _CLOSED_PLAIN_AGAIN = (
@@ -105,6 +107,8 @@ class HandshakeWatch:
         """Why the handshake fails, or None (none failed since the last that succeeded)."""
         self._closed = 0
         """Connections closed by the server during the handshake, in a row."""
+        self._counted = False
+        """Whether this connection's close is counted (one connection may report two)."""
 
     @property
     def undecided(self) -> bool:
@@ -116,6 +120,8 @@ class HandshakeWatch:
     def observe(self, event: int, value: int) -> str | None:
         """Follow one monitor event; returns the new :attr:`error` when it changed to a
         failure worth logging (once; not while :attr:`undecided`), else None."""
+        if event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+            self._counted = False  # (the next failure is another connection's)
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.error, self._closed = None, 0
             return None
@@ -132,7 +138,8 @@ class HandshakeWatch:
                     "a wrong server key, or not a kvtrio server; see docs/security.md)"
                 )
         elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            self._closed += 1
+            self._closed += 0 if self._counted else 1
+            self._counted = True
             if self._closed > 1:
                 error = _CLOSED_AGAIN if self.curve else _CLOSED_PLAIN_AGAIN
             else:

@@ -118,9 +118,11 @@ def test_a_plain_server_is_reached_by_a_client_told_so_and_no_client_makes_keys(
         run("keygen", "client", "--dir", str(keys), "--tenants", "*")
         curve = run("ping", server.endpoint, "--timeout", "1", env=env)
         assert curve.returncode == 1
-        assert "the server speaks plain ZeroMQ (no CURVE" in curve.stderr, curve.stderr
-        assert "this client speaks CURVE" in curve.stderr
-        assert "--insecure" in curve.stderr
+        # ZeroMQ reports the mismatch (a server that speaks plain) when the client reads the
+        # server's greeting before the server closed; else two closes, which say both causes.
+        said = curve.stderr
+        assert "speaks plain ZeroMQ" in said, said
+        assert "--insecure" in said, said
 
 
 def test_the_server_answers_promptly_right_after_serving(

@@ -188,6 +188,14 @@ def _add_key_arguments(command: argparse.ArgumentParser) -> None:
         help="this client's .key_secret file [default: KVTRIO_CLIENT_KEY, then this user's "
         "default keys]",
     )
+    command.add_argument(
+        "--insecure",
+        action="store_const",
+        const=True,
+        default=None,
+        help="connect without CURVE, to a server started with --insecure [default: "
+        "KVTRIO_INSECURE]",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -354,6 +362,7 @@ def _status(args: argparse.Namespace) -> None:
         heartbeat=False,
         server_key=args.server_key,
         client_key=args.client_key,
+        insecure=args.insecure,
     ) as client:
         stats = client.call(GetStats(), StatsReply, fail_fast=True)
     document = status_document(stats)
@@ -374,6 +383,7 @@ def _ping(args: argparse.Namespace) -> None:
         heartbeat=False,
         server_key=args.server_key,
         client_key=args.client_key,
+        insecure=args.insecure,
     ) as client:
         started = time.perf_counter()
         pong = client.call(Ping(), Pong, fail_fast=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .client import Client
-from .errors import KvtrioError
+from .errors import ConfigError, KvtrioError
 from .protocol import Ping
 
 __all__ = ["ServerProcess", "ServerStartError", "launch_server"]
@@ -103,10 +103,7 @@ class ServerProcess:
         proc = self.proc
         assert proc is not None
         deadline = time.monotonic() + timeout
-        with Client(
-            self.endpoint, timeout=0.5, heartbeat=False, server_key=self.probe_key,
-            client_name="kvtrio-launch",
-        ) as probe:  # fmt: skip
+        with self._probe_client(proc, deadline, timeout) as probe:
             delay = 0.005
             while True:
                 if proc.poll() is not None:
@@ -122,6 +119,27 @@ class ServerProcess:
                     )
                 time.sleep(delay)
                 delay = min(delay * 2, 0.1)
+
+    def _probe_client(
+        self, proc: subprocess.Popen[bytes], deadline: float, timeout: float
+    ) -> Client:
+        """The readiness probe's client, once it can be made: a client never creates keys,
+        and on its first start the server creates the default ones (a :class:`ConfigError`
+        until then)."""
+        delay = 0.005
+        while True:
+            try:
+                return Client(
+                    self.endpoint, timeout=0.5, heartbeat=False, server_key=self.probe_key,
+                    client_name="kvtrio-launch",
+                )  # fmt: skip
+            except ConfigError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise ServerStartError(
+                        f"kvtrio serve made no keys within {timeout:g} s: {self.log_tail()}"
+                    ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
         """Signal the process (by PID) and wait for it; SIGKILL if it does not exit within

@@ -33,6 +33,7 @@ __all__ = [
     "multiple_of",
     "not_negative",
     "one_of",
+    "parse_byte_size",
     "parse_http_address",
     "parse_size",
     "positive",
@@ -42,7 +43,8 @@ __all__ = [
 
 _T = TypeVar("_T")
 ByteSize = NewType("ByteSize", int)
-"""A size in bytes; accepts ``4GiB``, ``512MB``, ``1_000`` or a plain integer."""
+"""A size in bytes; accepts ``4GiB``, ``512MB``, ``100B`` or a plain integer of at least 1 MiB
+(:func:`parse_byte_size`)."""
 HttpAddress = NewType("HttpAddress", str)
 """``PORT`` or ``HOST:PORT``; a TOML file may give the port as an integer."""
 Validator = Any
@@ -63,6 +65,28 @@ def parse_size(text: str | int) -> int:
     unit = (unit or "").lower().rstrip("b")
     scale = 1024 ** "bkmgt".index(unit[0]) if unit.endswith("i") else _SIZE_UNITS[unit]
     return int(float(number) * scale)
+
+
+BARE_SIZE_MIN = 1 << 20
+"""A size written without a unit must be at least this many bytes (or 0)."""
+
+
+def parse_byte_size(text: str | int) -> int:
+    """:func:`parse_size` for a setting: a number without a unit is bytes, and below 1 MiB
+    (other than 0) it is refused (``ValueError``) with a hint, since ``--l1-size 10`` surely
+    meant 10GiB and not a 10-byte cache. A unit, ``B`` included (``512B``), is taken as
+    written."""
+    size = parse_size(text)
+    match = _SIZE_RE.match(str(text).replace("_", ""))
+    bare = isinstance(text, int) or (match is not None and match.group(2) is None)
+    if bare and 0 < size < BARE_SIZE_MIN:
+        number = str(text).strip()
+        units = ("GiB", "MiB") if size < 1024 else ("MiB", "KiB")
+        raise ValueError(
+            f"a size without a unit is bytes; did you mean {number}{units[0]} or "
+            f"{number}{units[1]}? ({number}B for {number} byte{'s' if size > 1 else ''})"
+        )
+    return size
 
 
 def format_size(size: int) -> str:
@@ -173,8 +197,8 @@ _BOOLEANS = {
 def make_converter() -> cattrs.Converter:
     """A cattrs converter that reads settings as people write them: numbers and booleans from
     strings (``"1_000"``, ``"yes"``), sizes (:data:`ByteSize`, also ``None``/``"auto"`` for an
-    optional one), HTTP addresses (:data:`HttpAddress`); it refuses unknown keys and values of
-    the wrong kind."""
+    optional one; a bare number below 1 MiB is refused, :func:`parse_byte_size`), HTTP
+    addresses (:data:`HttpAddress`); it refuses unknown keys and values of the wrong kind."""
     conv = cattrs.Converter(forbid_extra_keys=True)
 
     def number(kind: type) -> Any:
@@ -209,13 +233,13 @@ def make_converter() -> cattrs.Converter:
     def optional_size(value: Any, _: Any) -> ByteSize | None:
         if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
             return None  # the default: sized from the machine at start (server/_l1size.py)
-        return ByteSize(parse_size(value))
+        return ByteSize(parse_byte_size(value))
 
     conv.register_structure_hook(int, number(int))
     conv.register_structure_hook(float, number(float))
     conv.register_structure_hook(str, string)
     conv.register_structure_hook(bool, boolean)
-    conv.register_structure_hook(ByteSize, lambda v, _: ByteSize(parse_size(v)))
+    conv.register_structure_hook(ByteSize, lambda v, _: ByteSize(parse_byte_size(v)))
     conv.register_structure_hook_func(lambda t: t == ByteSize | None, optional_size)
 
     def http_address(value: Any, _: Any) -> HttpAddress:

@@ -68,9 +68,15 @@ async def await_async(
 @pytest.fixture(scope="session", autouse=True)
 def _private_key_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The suite's servers and clients use default CURVE keys of their own, never the user's
-    (``~/.config/kvtrio/keys``); server processes inherit the setting."""
+    (``~/.config/kvtrio/keys``); server processes inherit the setting. The keys exist from the
+    start, as after a server's first start: a client never creates them, and a test may start
+    a client before its server."""
+    from kvtrio.transport import ensure_default_keys
+
     previous = os.environ.get("KVTRIO_KEY_DIR")
-    os.environ["KVTRIO_KEY_DIR"] = str(tmp_path_factory.mktemp("kvtrio-keys") / "keys")
+    directory = tmp_path_factory.mktemp("kvtrio-keys") / "keys"
+    os.environ["KVTRIO_KEY_DIR"] = str(directory)
+    ensure_default_keys(directory)
     yield
     if previous is None:
         del os.environ["KVTRIO_KEY_DIR"]

@@ -71,7 +71,14 @@ def test_sizes(text: str | int, size: int) -> None:
         ({"chunk_size": 1 << 21}, {}, "must be at most 1048576"),
         ({"chunk_size": 7}, {}, "chunk_size = 7 (from --chunk-size): must be a multiple of 16"),
         ({"chunk_size": 0}, {}, "must be greater than 0"),
-        ({"max_message_size": "1"}, {}, "max_message_size = '1' (from --max-message-size): must"),
+        ({"max_message_size": "1B"}, {}, "max_message_size = '1B' (from --max-message-size): must"),
+        (  # issue 22: was a 10-byte L1
+            {"l1_size": "10"},
+            {},
+            "l1_size = '10' (from --l1-size): a size without a unit is bytes; did you mean "
+            "10GiB or 10MiB? (10B for 10 bytes)",
+        ),
+        ({}, {"KVTRIO_MAX_MESSAGE_SIZE": "4096"}, "did you mean 4096MiB or 4096KiB?"),
         ({"max_message_size": "512KiB"}, {}, "must be at least 1048576"),
         (
             {"heartbeat_timeout": 0},

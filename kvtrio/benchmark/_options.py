@@ -8,7 +8,7 @@ from pathlib import Path
 import attrs
 
 from ..errors import KvtrioError
-from ..options import parse_size
+from ..options import parse_byte_size
 from ..storage import EVICTION_POLICIES
 from ..transfer import LAYOUT_KINDS
 from ..transport import check_endpoint
@@ -134,7 +134,7 @@ class BenchOptions:
         if self.trace is not None and not self.trace.is_file():
             raise BenchError(f"--trace {self.trace}: no such file")
         try:
-            l1_size = parse_size(self.l1_size)
+            l1_size = parse_byte_size(self.l1_size)
         except ValueError as exc:
             raise BenchError(f"--l1-size: {exc}") from None
         if self.eviction and self.eviction not in EVICTION_POLICIES:

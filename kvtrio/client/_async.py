@@ -28,9 +28,9 @@ from ._common import (
     DEFAULT_TIMEOUT,
     GOODBYE_TIMEOUT,
     MONITOR_EVENTS,
+    HandshakeWatch,
     curve_options,
     dealer_options,
-    handshake_failure,
     hello_request,
     read_reply_header,
     reply_or_error,
@@ -82,11 +82,14 @@ class AsyncClient:
     client says ``hello`` by itself and keeps the answer in :attr:`server_info`.
     """
 
-    def __init__(self, socket: Socket, endpoint: str, timeout: float, client_name: str) -> None:
+    def __init__(
+        self, socket: Socket, endpoint: str, timeout: float, client_name: str, curve: bool = False
+    ) -> None:
         self._socket = socket
         self.endpoint = endpoint
+        self.handshake = HandshakeWatch(curve)
         self.handshake_error: str | None = None
-        """Why the last handshake failed (CURVE), if it did."""
+        """Why the last handshake failed, if it did (:class:`HandshakeWatch`)."""
         self.timeout = timeout
         self.client_name = client_name
         self._ids = itertools.count(1)
@@ -184,12 +187,11 @@ class AsyncClient:
 
     async def _follow_connection(self, monitor: Monitor, nursery: trio.Nursery) -> None:
         while True:
-            event = await monitor.receive()
-            failure = handshake_failure(event)
-            if failure is not None and failure != self.handshake_error:
+            event, value = await monitor.receive_event()
+            failure = self.handshake.observe(event, value)
+            if failure is not None:
                 log.warning("%s: %s", self.endpoint, failure)
-            if failure is not None or event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.handshake_error = failure  # kept through the disconnections that follow
+            self.handshake_error = self.handshake.error  # kept through disconnections
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected = True
                 self._up.set()
@@ -248,6 +250,7 @@ async def open_client(
     heartbeat: bool = True,
     server_key: str | None = None,
     client_key: str | None = None,
+    insecure: bool | None = None,
 ) -> AsyncIterator[AsyncClient]:
     """Connect to a kvtrio server for the duration of the block.
 
@@ -255,17 +258,19 @@ async def open_client(
     before the connection is up wait for it, within their timeout. With ``heartbeat``, an idle
     client pings the server so its session stays alive. A malformed ``endpoint`` raises
     :class:`~kvtrio.errors.TransportError` before anything is opened. ``server_key`` /
-    ``client_key``: CURVE credentials for ``tcp://`` (see
-    :func:`~kvtrio.client._common.curve_options`).
+    ``client_key``: CURVE credentials for ``tcp://``; ``insecure``: none, a plain connection to
+    a server started with ``--insecure`` (see :func:`~kvtrio.client._common.curve_options`).
     """
     endpoint = check_endpoint(endpoint)
-    options = {**dealer_options(), **curve_options(endpoint, server_key, client_key)}
+    options = {**dealer_options(), **curve_options(endpoint, server_key, client_key, insecure)}
     async with (
         open_socket(zmq.DEALER, options=options, pump=False) as socket,
         open_monitor(socket, MONITOR_EVENTS) as monitor,
         trio.open_nursery() as nursery,
     ):
-        client = AsyncClient(socket, endpoint, timeout, client_name)
+        client = AsyncClient(
+            socket, endpoint, timeout, client_name, curve=zmq.CURVE_SERVERKEY in options
+        )
         nursery.start_soon(client._receive_replies)
         nursery.start_soon(client._follow_connection, monitor, nursery)
         if heartbeat:

@@ -25,9 +25,9 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "GOODBYE_TIMEOUT",
     "MONITOR_EVENTS",
+    "HandshakeWatch",
     "curve_options",
     "dealer_options",
-    "handshake_failure",
     "hello_request",
     "read_reply_header",
     "reply_or_error",
@@ -54,19 +54,102 @@ MONITOR_EVENTS = (
 refused at the handshake (CURVE)."""
 
 
-def handshake_failure(event: int) -> str | None:
-    """What a failed handshake event means for the user, or None for other events."""
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return (
-            "the server refused this client's CURVE key (it is not among the server's allowed "
-            "keys; see docs/security.md)"
-        )
-    if event in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-        return (
-            "the handshake with the server failed (a wrong server key, or CURVE on one side "
-            "only, e.g. a plain client of a CURVE server; see docs/security.md)"
-        )
-    return None
+_REFUSED_KEY = (
+    "the server refused this client's CURVE key (it is not among the server's allowed keys; "
+    "see docs/security.md)"
+)
+_SERVER_PLAIN = (
+    "the server speaks plain ZeroMQ (no CURVE: it was started with --insecure) and this client "
+    "speaks CURVE: connect it with --insecure (KVTRIO_INSECURE=1, insecure=True; "
+    "docs/security.md)"
+)
+_SERVER_CURVE = (
+    "the server speaks CURVE and this client plain ZeroMQ (it was told --insecure, "
+    "KVTRIO_INSECURE or server_key none): give it the server's key and a client key, or run "
+    "it as the server's user without those settings (docs/security.md)"
+)
+_CLOSED_ONCE = (
+    "the server closed the connection during the CURVE handshake (it stopped meanwhile, it "
+    "speaks plain ZeroMQ: started with --insecure, or it does not hold the secret of the "
+    "server key this client uses)"
+)
+_CLOSED_AGAIN = (
+    "the server closed the connection during every CURVE handshake: it does not hold the "
+    "secret of the server key this client uses (a wrong server key: server_key, "
+    "KVTRIO_SERVER_KEY, or the default keys of another server), or it speaks plain ZeroMQ "
+    "(started with --insecure: connect with --insecure); docs/security.md"
+)
+_CLOSED_PLAIN = "the server closed the connection during the handshake (it stopped meanwhile?)"
+_CLOSED_PLAIN_AGAIN = (
+    "the server closed the connection during every handshake (is it a kvtrio server of this "
+    "version?)"
+)
+_GONE = (
+    "the server closed the connection during the handshake and no longer listens: it stopped "
+    "or was killed (not a key problem)"
+)
+
+
+class HandshakeWatch:
+    """What a client's connection events say about its handshakes, for the user.
+
+    A wrong server key and a server killed during the handshake look the same to a CURVE
+    client at first (the server closes the connection); they differ in what follows: the
+    next connection to a live server fails again the same way, while a killed server refuses
+    the next connection (``EVENT_CLOSED``). A CURVE client of a plain server and the
+    reverse are told apart by the mechanism mismatch ZeroMQ reports, and say which side
+    speaks what.
+    """
+
+    def __init__(self, curve: bool) -> None:
+        self.curve = curve
+        self.error: str | None = None
+        """Why the handshake fails, or None (none failed since the last that succeeded)."""
+        self._closed = 0
+        """Connections closed by the server during the handshake, in a row."""
+        self._counted = False
+        """Whether this connection's close is counted (one connection may report two)."""
+
+    @property
+    def undecided(self) -> bool:
+        """True after a single handshake the server closed: whether the server is gone, does
+        not take this client's server key or speaks plain ZeroMQ, the next event says (within
+        a reconnection, ~0.1 s); fail-fast requests wait for it."""
+        return self.error in (_CLOSED_ONCE, _CLOSED_PLAIN)
+
+    def observe(self, event: int, value: int) -> str | None:
+        """Follow one monitor event; returns the new :attr:`error` when it changed to a
+        failure worth logging (once; not while :attr:`undecided`), else None."""
+        if event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+            self._counted = False  # (the next failure is another connection's)
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.error, self._closed = None, 0
+            return None
+        error = self.error
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            error = _REFUSED_KEY
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                error = _SERVER_PLAIN if self.curve else _SERVER_CURVE
+                self._closed = 0  # (the close that came with it was this mismatch)
+            else:
+                error = (
+                    f"the handshake with the server failed (ZeroMQ protocol error {value:#x}: "
+                    "a wrong server key, or not a kvtrio server; see docs/security.md)"
+                )
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self._closed += 0 if self._counted else 1
+            self._counted = True
+            if self._closed > 1:
+                error = _CLOSED_AGAIN if self.curve else _CLOSED_PLAIN_AGAIN
+            else:
+                error = _CLOSED_ONCE if self.curve else _CLOSED_PLAIN
+        elif event == zmq.EVENT_CLOSED and self._closed:
+            error, self._closed = _GONE, 0  # the next connection was refused: nobody listens
+        if error == self.error:
+            return None
+        self.error = error
+        return None if self.undecided else error
 
 
 def dealer_options() -> dict[int, Any]:
@@ -88,18 +171,24 @@ def dealer_options() -> dict[int, Any]:
 
 
 def curve_options(
-    endpoint: str, server_key: str | None = None, client_key: str | None = None
+    endpoint: str,
+    server_key: str | None = None,
+    client_key: str | None = None,
+    insecure: bool | None = None,
 ) -> dict[int, Any]:
     """CURVE options for a client of ``endpoint`` (see ``docs/security.md``).
 
-    For ``tcp://``: ``server_key`` (Z85 or key file) and ``client_key`` (``.key_secret`` file),
-    else ``KVTRIO_SERVER_KEY`` / ``KVTRIO_CLIENT_KEY``, else the default keys of this user (the
-    ones a server started by this user created); none of these: a plain connection. ``ipc://``
-    is protected by file permissions and takes no keys. :class:`ConfigError` for bad key files.
+    For ``tcp://``: none with ``insecure`` (or ``KVTRIO_INSECURE``, or ``server_key="none"``):
+    a plain connection, to a server started with ``--insecure``; else ``server_key`` (Z85 or
+    key file) and ``client_key`` (``.key_secret`` file), else ``KVTRIO_SERVER_KEY`` /
+    ``KVTRIO_CLIENT_KEY``, else the default keys of this user (the ones a server started by
+    this user created). ``ipc://`` is protected by file permissions and takes no keys.
+    :class:`ConfigError` for bad or missing key files (a client never creates keys).
     """
     if not endpoint.startswith("tcp://"):
         return {}
-    return curve_client_options(resolve_client_credentials(server_key, client_key))
+    credentials = resolve_client_credentials(server_key, client_key, insecure=insecure)
+    return curve_client_options(credentials)
 
 
 def hello_request(client_name: str) -> Hello:

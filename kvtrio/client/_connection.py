@@ -27,7 +27,7 @@ from ..errors import (
     ServerUnavailable,
 )
 from ..protocol import Reply, Request
-from ._common import handshake_failure, read_reply_header, reply_or_error
+from ._common import read_reply_header, reply_or_error
 
 if TYPE_CHECKING:
     from ._sync import Client
@@ -238,14 +238,14 @@ class Connection:
         client = self.client
         while True:
             try:
-                event = parse_monitor_message(self.monitor.recv_multipart(_NOBLOCK))["event"]
+                message = parse_monitor_message(self.monitor.recv_multipart(_NOBLOCK))
             except zmq.Again:
                 return
-            failure = handshake_failure(event)
-            if failure is not None and failure != client.handshake_error:
+            event = int(message["event"])
+            failure = client.handshake.observe(event, int(message["value"]))
+            if failure is not None:
                 client._log_warning(failure)
-            if failure is not None or event == _HANDSHAKE_SUCCEEDED:
-                client.handshake_error = failure  # kept through the disconnections that follow
+            client.handshake_error = client.handshake.error  # kept through disconnections
             if event == _HANDSHAKE_SUCCEEDED:
                 client.state = "connected"
                 self.on_connected()
@@ -253,7 +253,8 @@ class Connection:
             if client.state == "connected":
                 client._log_lost()
             client.state = "disconnected"
-            self.fail_unsent_fail_fast()
+            if not client.handshake.undecided:  # (the next event says why, in ~0.1 s)
+                self.fail_unsent_fail_fast()
             if event == _DISCONNECTED:
                 self.read_replies()  # replies that arrived before the close are still good
                 for request_id, call in list(self.calls.items()):

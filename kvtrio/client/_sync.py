@@ -43,6 +43,7 @@ from ._common import (
     DEFAULT_TIMEOUT,
     GOODBYE_TIMEOUT,
     MONITOR_EVENTS,
+    HandshakeWatch,
     curve_options,
     dealer_options,
 )
@@ -66,7 +67,9 @@ class Client:
     requests) each time the client meets a server instance it has not seen before: on the first
     connection and after the server restarted. The server's ``hello`` answer is in
     :attr:`server_info`. A malformed ``endpoint`` raises :class:`~kvtrio.errors.TransportError`
-    here, at construction.
+    here, at construction. ``server_key`` / ``client_key``: CURVE credentials for ``tcp://``;
+    ``insecure``: none, a plain connection to a server started with ``--insecure``
+    (:func:`~kvtrio.client._common.curve_options`; missing keys are a ``ConfigError`` here).
     """
 
     def __init__(
@@ -79,14 +82,17 @@ class Client:
         heartbeat: bool = True,
         server_key: str | None = None,
         client_key: str | None = None,
+        insecure: bool | None = None,
     ) -> None:
         self.endpoint = check_endpoint(endpoint)
-        self._options = {**dealer_options(), **curve_options(self.endpoint, server_key, client_key)}
+        curve = curve_options(self.endpoint, server_key, client_key, insecure)
+        self._options = {**dealer_options(), **curve}
         self.timeout = timeout
         self.client_name = client_name
         self.server_info: HelloReply | None = None
+        self.handshake = HandshakeWatch(curve=bool(curve))
         self.handshake_error: str | None = None
-        """Why the last handshake failed (CURVE), if it did."""
+        """Why the last handshake failed, if it did (:class:`HandshakeWatch`)."""
         self.state = "connecting"
         """``connecting`` (never connected yet), ``connected`` or ``disconnected``."""
         self.in_flight = 0

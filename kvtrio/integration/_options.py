@@ -91,6 +91,14 @@ class ConnectorOptions:
             "this user's default keys)"
         },
     )
+    insecure: bool = attrs.field(
+        default=False,
+        converter=_to_bool,
+        metadata={
+            "help": "connect without CURVE, to a server started with --insecure (default: "
+            "KVTRIO_INSECURE)"
+        },
+    )
     load: bool = attrs.field(
         default=True, converter=_to_bool, metadata={"help": "load hits from kvtrio"}
     )

@@ -109,7 +109,7 @@ class KvtrioConnector(KVConnectorBase_V1):
             "block_size": self.block_size,
             "tenant": self.options.tenant,
             "timeout": self.options.timeout,
-            "server_key": self.options.server_key or None,
+            "server_key": "none" if self.options.insecure else self.options.server_key or None,
             "client_key": self.options.client_key or None,
             # Shared by this engine's scheduler and workers (vLLM hands them one config):
             # the server scopes request ids by it, so engines never touch each other's requests.

@@ -233,9 +233,12 @@ class L2Stats:
 
     name: str
     healthy: bool | None
-    """False while it is skipped after failures (it is tried again after a backoff); None
-    (unknown) until its start-up probe or a first operation has answered."""
+    """False while an operation fails (lookups or stores: a backend that cannot store is
+    unhealthy although lookups answer), until one of that kind succeeds again; None (unknown)
+    until its start-up probe or a first operation has answered."""
     counters: dict[str, float]
+    problem: str = ""
+    """Why it is unhealthy, in one line (``stores fail: disk: cannot use /proc/nope: …``)."""
 
 
 @frozen

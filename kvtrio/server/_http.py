@@ -56,9 +56,9 @@ class HttpApp:
         if path == "/metrics":
             await _respond(send, 200, await self.metrics.render(self.state.stats()), CONTENT_TYPE)
         elif path == "/healthz":
-            phase = self.state.phase
-            status = 200 if phase == "serving" else 503
-            await _respond(send, status, f"{phase}\n".encode(), "text/plain")
+            strict = b"strict" in scope.get("query_string", b"").split(b"&")
+            status, text = self._health(strict)
+            await _respond(send, status, text.encode(), "text/plain")
         elif path == "/status":
             body = json.dumps(status_document(self.state.stats()), indent=2).encode() + b"\n"
             await _respond(send, 200, body, "application/json")
@@ -66,6 +66,21 @@ class HttpApp:
             await _respond(
                 send, 404, b"not found: try /metrics, /healthz or /status\n", "text/plain"
             )
+
+    def _health(self, strict: bool) -> tuple[int, str]:
+        """``/healthz``: 503 and the phase while starting or draining; 200 ``serving``; 200
+        ``degraded`` and a line per unhealthy L2 backend (with the reason) while one is, or
+        503 with ``?strict``. Degraded is still 200 by default: the server answers and L1
+        serves, and a liveness probe that restarts it would lose L1 and not mend the L2."""
+        phase = self.state.phase
+        if phase != "serving":
+            return 503, f"{phase}\n"
+        cache = self.state.cache
+        unhealthy = [b for b in (cache.l2_stats() if cache else ()) if b.healthy is False]
+        if not unhealthy:
+            return 200, "serving\n"
+        lines = [f"L2 {b.name}: UNHEALTHY ({b.problem or 'failing'})" for b in unhealthy]
+        return (503 if strict else 200), "degraded\n" + "\n".join(lines) + "\n"
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

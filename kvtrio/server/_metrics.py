@@ -336,7 +336,8 @@ _BACKEND_COUNTERS = (
 def _l2_families(stats: StatsReply) -> Iterator[Metric]:
     healthy = GaugeMetricFamily(
         "kvtrio_l2_healthy",
-        "1 while an L2 backend is in use, 0 while it is skipped after failures, NaN if unknown.",
+        "1 while an L2 backend works, 0 while its lookups or stores fail (until one succeeds "
+        "again; the reason is in /status and /healthz), NaN until anything answered.",
         labels=["backend"],
     )
     moved = CounterMetricFamily(

@@ -19,7 +19,7 @@ from ..options import format_size, parse_size
 from ..protocol import StatsReply
 from ..shm import default_shm_dir
 
-__all__ = ["status_document", "status_summary", "storage_summary"]
+__all__ = ["backend_health", "status_document", "status_summary", "storage_summary"]
 
 _WHERE_KEYS = ("path", "url", "endpoint", "bucket")
 """Backend options that say where the data goes; never the others (they may be credentials)."""
@@ -155,7 +155,12 @@ def status_document(stats: StatsReply) -> dict[str, Any]:
             "skipped": cache.write_behind_skipped,
         }
     document["l2"] = [
-        {"name": backend.name, "healthy": backend.healthy, **backend.counters}
+        {
+            "name": backend.name,
+            "healthy": backend.healthy,
+            **({"problem": backend.problem} if backend.problem else {}),
+            **backend.counters,
+        }
         for backend in stats.l2
     ]
     storage = stats.config.get("storage")
@@ -206,9 +211,18 @@ def status_summary(document: dict[str, Any]) -> str:
     if not document.get("l2"):
         lines.append("none")
     for backend in document.get("l2", []):
-        health = {True: "healthy", False: "UNHEALTHY"}.get(backend.get("healthy"), "unknown")
-        lines.append(f"{_describe_backend(backend)}: {health}")
+        lines.append(f"{_describe_backend(backend)}: {backend_health(backend)}")
     return "\n".join(lines)
+
+
+def backend_health(backend: dict[str, Any]) -> str:
+    """``healthy``, ``unknown`` (nothing answered yet) or ``UNHEALTHY (why)`` for an entry of
+    the status document's ``l2``."""
+    healthy = backend.get("healthy")
+    if healthy is False:
+        problem = backend.get("problem")
+        return f"UNHEALTHY ({problem})" if problem else "UNHEALTHY"
+    return "healthy" if healthy else "unknown"
 
 
 def _duration(seconds: float) -> str:

@@ -17,6 +17,8 @@ import mmap
 import os
 import sys
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import cast
@@ -29,6 +31,11 @@ __all__ = ["SharedArena", "default_shm_dir", "populate_pages", "reclaim_stale_ar
 _SUFFIX = ".l1"
 _MADV_POPULATE_WRITE = 23
 """Linux ≥ 5.14: fault in the page tables of a range, as if written (``linux/mman.h``)."""
+_POPULATE_SLICE = 16 << 20
+"""Bytes populated per call. The kernel holds the process's memory-map lock for the whole of a
+call, and a thread that maps or unmaps memory meanwhile (an allocation, a new thread's stack)
+waits for it, and every thread that faults a page waits behind that one: one call for 4 GiB
+froze the server for seconds (issue 22). A 16 MiB slice takes ~25 ms here."""
 
 
 @functools.cache
@@ -43,7 +50,9 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return cast("Callable[[int, int, int], int]", function)
 
 
-def populate_pages(buffer: npt.NDArray[np.uint8]) -> None:
+def populate_pages(
+    buffer: npt.NDArray[np.uint8], stop: threading.Event | None = None, share: float = 1.0
+) -> None:
     """Fill the page tables of the shared mapping behind ``buffer`` (Linux; elsewhere nothing),
     without holding the GIL, so that the process's other threads (a client's heartbeats, an
     engine's forward) run meanwhile.
@@ -52,17 +61,23 @@ def populate_pages(buffer: npt.NDArray[np.uint8]) -> None:
     attaching a 4 GiB arena stopped every thread of an engine worker for seconds (longer than
     the 10 s heartbeat timeout on a loaded machine). Here ``madvise(MADV_POPULATE_WRITE)``, or
     where the kernel is older, one read per page from numpy (which releases the GIL; tmpfs maps
-    the page writable). Blocking: call it from a worker thread.
+    the page writable). Blocking: call it from a worker thread; ``stop`` set ends it after the
+    current slice (:data:`_POPULATE_SLICE`). ``share`` < 1 paces it: after each slice it sleeps
+    so that it takes about that share of one CPU.
     """
     if sys.platform != "linux" or buffer.nbytes == 0:
         return
     madvise = _madvise()
-    if (
-        madvise is not None
-        and madvise(buffer.ctypes.data, buffer.nbytes, _MADV_POPULATE_WRITE) == 0
-    ):
-        return
-    np.bitwise_or.reduce(buffer[:: mmap.PAGESIZE])
+    for start in range(0, buffer.nbytes, _POPULATE_SLICE):
+        if stop is not None and stop.is_set():
+            return
+        piece = buffer[start : start + _POPULATE_SLICE]
+        began = time.monotonic()
+        if madvise is None or madvise(piece.ctypes.data, piece.nbytes, _MADV_POPULATE_WRITE):
+            madvise = None  # (not this kernel: the slow way from here on)
+            np.bitwise_or.reduce(piece[:: mmap.PAGESIZE])
+        if share < 1.0:
+            time.sleep((time.monotonic() - began) * (1.0 / share - 1.0))
 
 
 def reclaim_stale_arenas(directory: str, prefix: str = "kvtrio") -> list[str]:
@@ -167,15 +182,14 @@ class SharedArena:
         return cls(path, size, fd, owner=False, populate=populate)
 
     def preallocate(self) -> None:
-        """Allocate every page of the file now (tmpfs allocates on first write otherwise),
-        and populate this process's mapping of it (:func:`populate_pages`).
+        """:meth:`allocate`, then :meth:`populate`. Blocking: call it from a worker thread."""
+        self.allocate()
+        self.populate()
 
-        Without the second step the first write to each page of the server's mapping takes a
-        page fault: the server zeroes a store's slots, and zeroing 64 MiB took 49–52 ms the
-        first time against 4–5 ms after (``docs/design.md``, issue 17 item 3). Blocking (about
-        0.2 s per GiB here to allocate, 0.3 s more to populate): the server runs it in a worker
-        thread after it started. Raises ``OSError`` (e.g. ``ENOSPC``) if the memory is not there.
-        """
+    def allocate(self) -> None:
+        """Allocate every page of the file now (tmpfs allocates on first write otherwise), so
+        that a full ``/dev/shm`` fails here and not in an engine writing a slot later (SIGBUS).
+        About 0.2–0.4 s per GiB here. Blocking; raises ``OSError`` (e.g. ``ENOSPC``)."""
         if not hasattr(os, "posix_fallocate"):  # pragma: no cover - not Linux
             return
         fd = os.open(self.path, os.O_RDWR)
@@ -183,7 +197,17 @@ class SharedArena:
             os.posix_fallocate(fd, 0, self.size)
         finally:
             os.close(fd)
-        populate_pages(self.buffer)
+
+    def populate(self, stop: threading.Event | None = None, share: float = 1.0) -> None:
+        """Populate this process's mapping of the (allocated) file (:func:`populate_pages`).
+
+        Without it the first write to each page of the server's mapping takes a page fault:
+        the server zeroes a store's slots, and zeroing 64 MiB took 49–52 ms the first time
+        against 4–5 ms after (``docs/design.md``, issue 17 item 3). Blocking (0.3–1.6 s per GiB
+        here, in slices that let the process's other threads map memory meanwhile); ``stop``
+        set ends it after the current slice.
+        """
+        populate_pages(self.buffer, stop, share)
 
     def view(self, offset: int, nbytes: int) -> npt.NDArray[np.uint8]:
         """The bytes ``[offset, offset + nbytes)`` as a writable uint8 array (no copy)."""

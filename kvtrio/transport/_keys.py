@@ -9,7 +9,8 @@ half-written key).
 The default key directory (``$KVTRIO_KEY_DIR``, else ``$XDG_CONFIG_HOME/kvtrio/keys``, else
 ``~/.config/kvtrio/keys``) holds ``server.key[_secret]`` and ``client.key[_secret]``, generated
 on the server's first start; ``clients/`` there holds the allowed client public keys. A client
-of the same user finds the server's public key and its own secret key there by itself.
+of the same user finds the server's public key and its own secret key there by itself; it never
+creates them.
 """
 
 from __future__ import annotations
@@ -248,35 +249,45 @@ def _create_once(directory: Path, name: str) -> None:
         _write_private(public, _certificate(pair, tenants, secret=False))
 
 
+_TRUE = ("1", "true", "yes", "on")
+
+
 def resolve_client_credentials(
     server_key: str | None = None,
     client_key: str | None = None,
     environ: Mapping[str, str] | None = None,
+    *,
+    insecure: bool | None = None,
 ) -> ClientCredentials | None:
     """The CURVE credentials a client uses, or None for a plain connection.
 
-    ``server_key`` (Z85 public key or key file) and ``client_key`` (a ``.key_secret`` file) come
-    from the caller, else ``KVTRIO_SERVER_KEY`` / ``KVTRIO_CLIENT_KEY``, else the default key
-    directory's ``server.key`` and ``client.key_secret`` (created if missing, as the server
-    does on its first start). Giving one without the
-    other is a :class:`ConfigError`. ``server_key="none"``: a plain connection (to an
-    ``--insecure`` server) even where default keys exist.
+    Plain (to a server started with ``--insecure``) when told so: ``insecure=True``, else
+    ``KVTRIO_INSECURE`` true (``1``, ``true``, ``yes``, ``on``: the variable that starts a
+    server without CURVE), or ``server_key="none"``. Otherwise ``server_key`` (Z85 public key
+    or key file) and ``client_key`` (a ``.key_secret`` file) come from the caller, else
+    ``KVTRIO_SERVER_KEY`` / ``KVTRIO_CLIENT_KEY``, else the default key directory's
+    ``server.key`` and ``client.key_secret``. Giving one without the other is a
+    :class:`ConfigError`, and so are default keys that do not exist: a client never creates
+    keys (only a server does, on its first start), nor falls back to plain by itself.
     """
     env = os.environ if environ is None else environ
+    if insecure is None:
+        insecure = env.get("KVTRIO_INSECURE", "").strip().lower() in _TRUE
     server_key = server_key or env.get("KVTRIO_SERVER_KEY") or None
-    if server_key == NO_KEY:
+    if insecure or server_key == NO_KEY:
         return None
     client_key = client_key or env.get("KVTRIO_CLIENT_KEY") or None
     if server_key is None and client_key is None:
-        # The default keys; created here if this client comes first (a server started at the
-        # same moment finds and uses them: whoever comes first creates them, once).
         directory = default_key_dir(env)
         server_file, client_file = directory / "server.key", directory / "client.key_secret"
-        if not (server_file.exists() and client_file.exists()):
-            try:
-                ensure_default_keys(directory)
-            except OSError:
-                return None  # nowhere to keep keys: a plain connection, which CURVE refuses
+        for file in (server_file, client_file):
+            if not file.exists():
+                raise ConfigError(
+                    f"no CURVE keys for this client: {file} does not exist (a kvtrio server "
+                    "creates the default keys on its first start, as this user: start it "
+                    "first, or give server_key and client_key); for a server started with "
+                    "--insecure, connect with --insecure (KVTRIO_INSECURE=1, insecure=True)"
+                )
         server_key, client_key = str(server_file), str(client_file)
     if server_key is None or client_key is None:
         raise ConfigError(

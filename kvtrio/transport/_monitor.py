@@ -23,8 +23,15 @@ class Monitor:
 
     async def receive(self) -> int:
         """Wait for the next event and return its code (``zmq.EVENT_*``)."""
+        return (await self.receive_event())[0]
+
+    async def receive_event(self) -> tuple[int, int]:
+        """Wait for the next event: its code (``zmq.EVENT_*``) and its value (an errno, a
+        ZeroMQ protocol error, a descriptor: it depends on the event). Cancellation: stops
+        waiting; no event is lost."""
         frames = await self._pair.recv_multipart()
-        return int(parse_monitor_message(frames)["event"])
+        message = parse_monitor_message(frames)
+        return int(message["event"]), int(message["value"])
 
 
 @asynccontextmanager

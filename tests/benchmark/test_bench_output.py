@@ -42,6 +42,8 @@ def test_output_names_heads_settings_and_the_files_written(tmp_path: Path) -> No
 
 def test_a_bare_number_is_too_small_an_l1() -> None:
     with pytest.raises(BenchError, match="too small"):
+        run_bench(BenchOptions(l1_size="512KiB"))
+    with pytest.raises(BenchError, match=r"--l1-size: a size without a unit is bytes; did you"):
         run_bench(BenchOptions(l1_size="1"))
 
 

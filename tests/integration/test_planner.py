@@ -123,7 +123,7 @@ def test_options_defaults_and_spellings() -> None:
     )
     assert set(OPTION_HELP) == {
         "kvtrio.url", "kvtrio.model", "kvtrio.tenant", "kvtrio.server_key", "kvtrio.client_key",
-        "kvtrio.load", "kvtrio.save",
+        "kvtrio.insecure", "kvtrio.load", "kvtrio.save",
         "kvtrio.async_load", "kvtrio.timeout", "kvtrio.lookup_wait",
     }  # fmt: skip
 

@@ -98,13 +98,16 @@ def test_default_keys_are_created_once_even_by_racing_processes(tmp_path: Path) 
     credentials = resolve_client_credentials(environ={"KVTRIO_KEY_DIR": str(directory)})
     assert credentials is not None
     assert credentials.server_public == server.public
-    # A client that comes first creates the default keys; the server then uses the same.
-    first = resolve_client_credentials(environ={"KVTRIO_KEY_DIR": str(tmp_path / "fresh")})
-    assert first is not None
-    assert first.server_public == load_keypair(tmp_path / "fresh" / "server.key_secret").public
-    assert set(load_allowed_keys(tmp_path / "fresh" / "clients")) == {first.public}
+    # A client never creates keys (issue 22): only a server does, on its first start.
+    with pytest.raises(ConfigError, match=r"no CURVE keys .*connect with --insecure"):
+        resolve_client_credentials(environ={"KVTRIO_KEY_DIR": str(tmp_path / "fresh")})
+    assert not (tmp_path / "fresh").exists()
     environ = {"KVTRIO_KEY_DIR": str(directory), "KVTRIO_SERVER_KEY": "none"}
     assert resolve_client_credentials(environ=environ) is None  # plain, to an --insecure server
+    for plain in ({"KVTRIO_INSECURE": "1"}, {"KVTRIO_INSECURE": "yes", "KVTRIO_KEY_DIR": "/x"}):
+        assert resolve_client_credentials(environ=plain) is None
+    assert resolve_client_credentials(insecure=True, environ={}) is None
+    assert resolve_client_credentials(environ={"KVTRIO_INSECURE": "0", **environ}) is None
     with pytest.raises(ConfigError, match="needs both"):
         resolve_client_credentials(server_key=server.public.decode(), environ={})
 

@@ -31,6 +31,7 @@ _DROP_AFTER = 2
 they backed the backend off)."""
 _REMEMBERED = 4096
 """Objects whose failed reads are remembered at most (the oldest are forgotten)."""
+_ROLES = {"read": "lookups", "store": "stores"}
 
 Observe = Callable[[str, str, float, bool], None]
 """``(backend label, operation, seconds, succeeded)`` per call into a backend (the metrics)."""
@@ -54,6 +55,11 @@ class TierBackend:
     oldest first)."""
     failing: set[bytes] = attrs.field(factory=set)
     """Distinct objects whose reads failed since the last read that succeeded."""
+    problems: dict[str, str] = attrs.field(factory=dict)
+    """What does not work, by role (``read``: lookups, loads, unlocks; ``store``: stores and
+    deletes): the last failure's description, until an operation of that role succeeds. A
+    backend with a problem is unhealthy, also once its backoff has passed: a disk that
+    answers lookups but cannot store is not healthy (issue 22)."""
 
     def count(self, what: str, n: int = 1) -> None:
         self.counters[what] = self.counters.get(what, 0) + n
@@ -61,9 +67,24 @@ class TierBackend:
     def usable(self, now: float) -> bool:
         return now >= self.down_until
 
-    def failed(self, exc: BaseException, now: float) -> None:
-        """Count and log a failure (once per outage) and back the backend off."""
+    @property
+    def healthy(self) -> bool | None:
+        """False while an operation of some role fails (:attr:`problems`), None until anything
+        answered, else True."""
+        if self.problems:
+            return False
+        return True if self.known else None
+
+    @property
+    def problem(self) -> str:
+        """Why it is unhealthy, in one line (empty if it is not): ``stores fail: …``."""
+        return "; ".join(f"{_ROLES[role]} fail: {text}" for role, text in self.problems.items())
+
+    def failed(self, exc: BaseException, now: float, role: str = "read") -> None:
+        """Count and log a failure (once per outage), note it as a problem of ``role``
+        (``read`` or ``store``) and back the backend off."""
         self.known = True
+        self.problems[role] = describe(exc)
         self.count("errors")
         self.backoff = min(max(self.backoff * 2, _BACKOFF_MIN), _BACKOFF_MAX)
         if self.down_until < now:
@@ -125,9 +146,11 @@ class TierBackend:
             )
         return doomed
 
-    def succeeded(self) -> None:
+    def succeeded(self, role: str = "read") -> None:
+        """An operation of ``role`` worked: its problem is gone, the backoff ends; logged as
+        back once no role has a problem."""
         self.known = True
-        if self.backoff:
+        if self.problems.pop(role, None) is not None and not self.problems:
             log.info(
                 "L2 backend %s is back",
                 self.name,
@@ -170,7 +193,7 @@ class Calls:
             await backend.backend.delete(keys)
         except Exception as exc:  # any failure of a backend: see the module docstring
             self.observed(backend, "delete", started, False)
-            backend.failed(exc, trio.current_time())
+            backend.failed(exc, trio.current_time(), "store")
         else:
             self.observed(backend, "delete", started, True)
 

@@ -2,9 +2,10 @@
 
 The work is in the parts: write-behind in :mod:`._writes`, lookups and loads in :mod:`._loads`,
 L1 hits passed on to the backends' eviction policies in :mod:`._touches`, the backends' health
-and the boundary for calls into them in :mod:`._backends`. Each backend is probed once at
-start-up, before the server serves (a warning if it fails); its health is unknown until
-something answered.
+and the boundary for calls into them in :mod:`._backends`. Each backend is probed at start-up,
+before the server serves (a lookup, which builds a disk L2's index; a warning if it fails), and
+again while it has a problem (a lookup, and a store where stores failed); its health is unknown
+until something answered, false while lookups or stores fail.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ log = logging.getLogger("kvtrio.l2")
 
 _PROBE_TIMEOUT = 10.0
 """Seconds the start-up probe of a backend may take before its health is left unknown."""
+_REPROBE_INTERVAL = 1.0
+"""Seconds between checks whether a backend with a problem is due for another probe."""
+_PROBE_OBJECT = b"kvtrio health probe"
 
 
 class L2Tier:
@@ -88,7 +92,9 @@ class L2Tier:
                 self.loads.loaders = nursery
                 async with trio.open_nursery() as probes:
                     for tier_backend in self.backends:
-                        probes.start_soon(self._probe, tier_backend)
+                        probes.start_soon(self._probe_once, tier_backend)
+                for tier_backend in self.backends:
+                    nursery.start_soon(self._reprobe, tier_backend)
                 self.writes.start(nursery)
                 nursery.start_soon(self.touches.run)
                 task_status.started()
@@ -103,24 +109,63 @@ class L2Tier:
                     except Exception:
                         log.exception("closing L2 backend %s failed", tier_backend.name)
 
-    async def _probe(self, tier_backend: TierBackend) -> None:
-        """Look up (and unlock) one random key, so that a backend that cannot work (a dead
-        service, an L2 path that cannot be created) is reported at start-up, not at the first
-        request. A failure is a warning and a backoff; the server serves without it meanwhile.
-        Bounded by :data:`_PROBE_TIMEOUT` (health stays unknown if it gets no answer); not
-        counted in the request metrics.
+    async def _reprobe(self, tier_backend: TierBackend) -> None:
+        """After the start-up probe (:meth:`serve`), probe ``tier_backend`` again whenever it
+        has a problem and its backoff has passed, until cancelled: so that a backend that cannot
+        work (a dead service, an L2 path that cannot be created) is reported at start-up, not at
+        the first request, and reads healthy again as soon as it works, also when no traffic
+        would have tried it.
+
+        Cancellation: a probe under way is abandoned (see :meth:`_probe_once`).
         """
-        key = os.urandom(32)
+        while True:
+            wait = max(tier_backend.down_until - trio.current_time(), _REPROBE_INTERVAL)
+            await trio.sleep(wait)
+            if tier_backend.problems:
+                await self._probe_once(tier_backend)
+
+    async def _probe_once(self, tier_backend: TierBackend) -> None:
+        """Look up (and unlock) one random key; where stores have been failing, also store an
+        object under another random key and delete it. A failure is a warning, a backoff and
+        a problem (unhealthy, with the reason); the server serves without the backend
+        meanwhile. Bounded by :data:`_PROBE_TIMEOUT` (health stays as it was if no answer
+        came); not counted in the request metrics.
+
+        A healthy backend is never written to by a probe (no object, no segment space at each
+        start): a disk that answers lookups but cannot write shows as unhealthy from its
+        first failed store on. The probe object is not a kvtrio frame: nothing loads it.
+        Cancellation: the probe is abandoned (a probe object may stay, unreachable).
+        """
+        backend = tier_backend.backend
         with trio.move_on_after(_PROBE_TIMEOUT):
+            key = os.urandom(32)
             try:
-                found = await tier_backend.backend.lookup_and_lock([key])
+                found = await backend.lookup_and_lock([key])
             except Exception as exc:  # any failure of a backend: see _backends
                 tier_backend.failed(exc, trio.current_time())
                 return
             tier_backend.succeeded()
             if found:
                 await self._calls.unlock(tier_backend, [key])
-            log.debug("L2 backend %s answered its start-up probe", tier_backend.name)
+            if "store" in tier_backend.problems:
+                await self._probe_store(tier_backend)
+            log.debug("L2 backend %s answered its probe", tier_backend.name)
+
+    async def _probe_store(self, tier_backend: TierBackend) -> None:
+        """Store one probe object and delete it (see :meth:`_probe_once`)."""
+        backend, key = tier_backend.backend, os.urandom(32)
+        buffers = [[memoryview(_PROBE_OBJECT)]]
+        try:
+            if getattr(backend, "accepts_parents", False):  # (optional: see Backend)
+                stored = await backend.store([key], buffers, parents=[None])  # type: ignore[call-arg]
+            else:
+                stored = await backend.store([key], buffers)
+        except Exception as exc:  # any failure of a backend: see _backends
+            tier_backend.failed(exc, trio.current_time(), "store")
+            return
+        tier_backend.succeeded("store")
+        if stored and stored[0]:
+            await self._calls.delete(tier_backend, [key])
 
     # ----------------------------------------------------------------- the parts' operations
 
@@ -169,7 +214,6 @@ class L2Tier:
         return self.loads.corrupt
 
     def stats(self) -> tuple[L2Stats, ...]:
-        now = trio.current_time()
         result = []
         for tier_backend in self.backends:
             try:
@@ -179,7 +223,8 @@ class L2Tier:
             result.append(
                 L2Stats(
                     name=tier_backend.label,
-                    healthy=tier_backend.usable(now) if tier_backend.known else None,
+                    healthy=tier_backend.healthy,
+                    problem=tier_backend.problem,
                     counters={k: float(v) for k, v in {**own, **tier_backend.counters}.items()},
                 )
             )

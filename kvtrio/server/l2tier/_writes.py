@@ -199,10 +199,10 @@ class WriteBehind:
                 results = await backend.store(keys, buffers, **extra)
             except Exception as exc:  # any failure of a backend: see _backends
                 self._calls.observed(tier_backend, "store", started, False)
-                tier_backend.failed(exc, trio.current_time())
+                tier_backend.failed(exc, trio.current_time(), "store")
                 continue
             self._calls.observed(tier_backend, "store", started, True)
-            tier_backend.succeeded()
+            tier_backend.succeeded("store")
             for ok, payload in zip(results, payloads, strict=True):
                 tier_backend.count("stores" if ok else "stores_refused")
                 tier_backend.count("store_bytes", payload.nbytes if ok else 0)

@@ -81,8 +81,10 @@ _CLOSED_AGAIN = (
 )
 _CLOSED_PLAIN = "the server closed the connection during the handshake (it stopped meanwhile?)"
 _CLOSED_PLAIN_AGAIN = (
-    "the server closed the connection during every handshake (is it a kvtrio server of this "
-    "version?)"
+    "the server closed the connection during every handshake: most likely the server speaks "
+    "CURVE and this client plain ZeroMQ (it was told --insecure, KVTRIO_INSECURE or "
+    "server_key none: give it the server's key and a client key; docs/security.md), or it is "
+    "not a kvtrio server of this version"
 )
 _GONE = (
     "the server closed the connection during the handshake and no longer listens: it stopped "

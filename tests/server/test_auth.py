@@ -132,8 +132,10 @@ async def test_a_plain_client_is_told_why_it_cannot_reach_a_curve_server(key_dir
                 await plain.call(Ping(), Pong, timeout=0.3)
             except ServerUnavailable as exc:
                 message = str(exc)
-                if "handshake" in message:
+                if "plain ZeroMQ" in message:  # (decided: a close alone may be a restart)
                     break
+        # ZeroMQ reports the mechanism mismatch, or (under load, not always) only closes the
+        # connection at every handshake: either way the message says which side speaks what.
         assert "the server speaks CURVE and this client plain ZeroMQ" in message
 
 

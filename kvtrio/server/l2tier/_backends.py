@@ -157,6 +157,7 @@ class TierBackend:
                 extra=event("l2_backend_back", backend=self.label),
             )
         self.backoff = 0.0
+        self.down_until = -math.inf  # (it answers: skipping it any longer loses writes)
 
 
 class Calls:

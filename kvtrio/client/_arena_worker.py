@@ -59,11 +59,20 @@ WRITE_MARGIN = 2.0
 """Seconds before a reservation expires after which a slot is no longer written."""
 
 
-def _tail_blocks(layout: KVLayout, chunk: np.ndarray[Any, Any], skip: int) -> np.ndarray[Any, Any]:
-    """A contiguous copy of a canonical chunk without its first ``skip`` blocks."""
+def _token_rows(layout: KVLayout, chunk: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A canonical chunk viewed as ``(layers, kv, tokens, row bytes)``."""
     row_bytes = layout.row_elements * layout.element_size
-    rows = chunk.reshape(layout.num_layers, layout.kv, -1, row_bytes)
-    return np.ascontiguousarray(rows[:, :, skip * layout.block_size :]).reshape(-1)
+    return chunk.reshape(layout.num_layers, layout.kv, -1, row_bytes)
+
+
+def _some_blocks(
+    layout: KVLayout, chunk: np.ndarray[Any, Any], start: int, stop: int
+) -> np.ndarray[Any, Any]:
+    """A contiguous copy of blocks ``[start, stop)`` of a canonical chunk, as a chunk of
+    ``stop - start`` blocks."""
+    size = layout.block_size
+    rows = _token_rows(layout, chunk)[:, :, start * size : stop * size]
+    return np.ascontiguousarray(rows).reshape(-1)
 
 
 class ArenaCopies:
@@ -199,7 +208,16 @@ class ArenaCopies:
                 continue
             try:
                 out = arena.view(slot.offset, slot.nbytes)
-                self.transfer.gather(self.layout, self.arrays, span.blocks(slot.chunk), out)
+                blocks = span.blocks(slot.chunk)
+                if len(blocks) == span.blocks_per_chunk:
+                    self.transfer.gather(self.layout, self.arrays, blocks, out)
+                else:  # the partial chunk: its blocks first; the rest stays zero (scrubbed)
+                    part = np.empty(
+                        self.layout.chunk_nbytes(len(blocks) * self.layout.block_size), np.uint8
+                    )
+                    self.transfer.gather(self.layout, self.arrays, blocks, part)
+                    tokens = len(blocks) * self.layout.block_size
+                    _token_rows(self.layout, out)[:, :, :tokens] = _token_rows(self.layout, part)
             except Exception:
                 log.exception("copying chunk %d of %s into L1 failed", slot.chunk, span.request_id)
                 failed.append(chunk_hash)
@@ -282,8 +300,10 @@ class ArenaCopies:
                     blocks = span.blocks(slot.chunk)
                     data = arena.view(slot.offset, slot.nbytes)
                     skip = max(0, keep_before - slot.chunk * span.chunk_size) // layout.block_size
-                    if skip:
-                        blocks, data = blocks[skip:], _tail_blocks(layout, data, skip)
+                    if skip or len(blocks) < span.blocks_per_chunk:
+                        # only some blocks: those the engine has not, up to where it computes
+                        data = _some_blocks(layout, data, skip, len(blocks))
+                        blocks = blocks[skip:]
                     if blocks:
                         self.transfer.scatter(layout, self.arrays, blocks, data)
                     loaded.add(slot.chunk)

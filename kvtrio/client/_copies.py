@@ -10,8 +10,9 @@ the adapter runs on it, in the adapter's transfer thread:
 * :class:`~._cuda_worker.CudaCopies` (CUDA tensors): the server copies over CUDA IPC; the
   worker hands it the engine's blocks and event and waits for the server's event.
 
-:class:`Span` is an operation as both see it: the full chunks of a token range, their hashes
-and engine blocks. The helpers below are shared by both paths.
+:class:`Span` is an operation as both see it: the chunks of a token range (the last one may be
+the prompt's partial chunk, or a chunk only partly loaded), their hashes and engine blocks. The
+helpers below are shared by both paths.
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ _R = TypeVar("_R", bound=Reply)
 
 @attrs.frozen
 class Span:
-    """The full chunks of one store or retrieve: chunk ``first + i`` has ``hashes[i]``."""
+    """The chunks of one store or retrieve: chunk ``first + i`` has ``hashes[i]``.
+
+    Every chunk has the full chunk's format in its slot; the engine blocks moved are those
+    before ``stop_block``: the last chunk may hold fewer (the prompt's partial chunk: its
+    blocks first, zeros after) or be loaded only in part (the engine computes the rest)."""
 
     request_id: str
     first: int
@@ -66,11 +71,26 @@ class Span:
     blocks_per_chunk: int
     block_ids: Sequence[int]
     """The engine blocks of the request from its first token on."""
+    stop_block: int = 1 << 62
+    """Blocks from this one on (an index in the prompt) are not moved."""
+    partial: bool = False
+    """The last chunk is the prompt's partial chunk."""
 
     def blocks(self, chunk: int) -> Sequence[int]:
-        """The engine blocks of chunk ``chunk`` (an index in the prompt)."""
+        """The engine blocks of chunk ``chunk`` (an index in the prompt) that are moved."""
         per = self.blocks_per_chunk
-        return self.block_ids[chunk * per : (chunk + 1) * per]
+        return self.block_ids[chunk * per : min((chunk + 1) * per, self.stop_block)]
+
+    def whole(self) -> Span:
+        """The span without its partial chunk (for paths that store whole chunks only)."""
+        if not self.partial:
+            return self
+        return attrs.evolve(
+            self,
+            hashes=self.hashes[:-1],
+            stop_block=(self.first + self.chunks - 1) * self.blocks_per_chunk,
+            partial=False,
+        )
 
     def batches(self, limit: int = BATCH_BYTES) -> list[range]:
         """Consecutive ranges of ``range(len(hashes))``: 1 chunk, then doubling, at most

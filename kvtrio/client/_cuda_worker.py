@@ -106,17 +106,27 @@ class CudaCopies:
 
     def block_ids(self, span: Span, keep_before: int) -> tuple[int, ...]:
         """The engine blocks of the span's chunks, -1 for those before token ``keep_before``
-        (the engine has them already)."""
+        (the engine has them already) and from ``span.stop_block`` on (it computes them)."""
         size = self.layout.block_size
         first, per = span.first * span.blocks_per_chunk, span.blocks_per_chunk
         return tuple(
-            -1 if b * size < keep_before else int(span.block_ids[b])
+            -1 if b * size < keep_before or b >= span.stop_block else int(span.block_ids[b])
             for b in range(first, first + span.chunks * per)
         )
 
     def store(self, span: Span, event: bytes) -> list[Future[Reply]]:
         """Send the blocks and the engine's event; wait for the server's event (the server
-        commits the chunks itself). Raises what the store request raised."""
+        commits the chunks itself). Raises what the store request raised.
+
+        Whole chunks only: the server's CUDA store copies every block of a chunk, so the
+        prompt's partial chunk is counted as not stored (``partial_on_cuda``)."""
+        if span.partial:
+            self.failures.store(
+                span.request_id, "partial_on_cuda", 1, "CUDA workers store whole chunks only"
+            )
+            span = span.whole()
+            if not span.hashes:
+                return []
         request = span.store(block_ids=self.block_ids(span, 0), event=event)
         reply = self.client.call(request, StoreReply, fail_fast=True)
         count_failed_slots(self.failures, span.request_id, reply)

@@ -21,8 +21,11 @@ from ..protocol import (
     LookupBatch,
     LookupBatchReply,
     LookupReply,
+    PromptChunks,
     Reply,
+    as_block_hashes,
     block_chunk_hashes,
+    prompt_chunks,
     token_chunk_hashes,
 )
 from ._sync import Client
@@ -55,14 +58,6 @@ def _batches(queue: list[tuple[str, _Queued]], world_size: int) -> list[list[tup
     return batches
 
 
-def as_block_hashes(hashes: Sequence[bytes | int]) -> tuple[bytes, ...]:
-    """Engine block hashes as bytes: ints (older vLLM, trace ids) become 16-byte little-endian
-    two's complement."""
-    return tuple(
-        h if isinstance(h, bytes) else int(h).to_bytes(16, "little", signed=True) for h in hashes
-    )
-
-
 def chunk_hashes(
     chunk_size: int,
     block_size: int,
@@ -86,14 +81,19 @@ def chunk_hashes(
 
 
 class _Queued:
-    """A deferred lookup: queued for the next batch, then the batch's future and its index."""
+    """A lookup: its prompt's chunks, then (once sent) the future of its message and its index
+    in the batch (-1: sent alone)."""
 
-    __slots__ = ("batch", "hashes", "index")
+    __slots__ = ("batch", "chunks", "index")
 
-    def __init__(self, hashes: tuple[bytes, ...]) -> None:
-        self.hashes = hashes
-        self.batch: Future[Reply] | None = None
-        self.index = 0
+    def __init__(self, chunks: PromptChunks, batch: Future[Reply] | None = None) -> None:
+        self.chunks = chunks
+        self.batch = batch
+        self.index = -1
+
+    @property
+    def hashes(self) -> tuple[bytes, ...]:
+        return self.chunks.hashes
 
 
 class SchedulerAdapter:
@@ -143,7 +143,7 @@ class SchedulerAdapter:
                 client_key=client_key,
             )
         )
-        self._lookups: dict[str, Future[Reply] | _Queued] = {}
+        self._lookups: dict[str, _Queued] = {}
         self._queue: list[tuple[str, _Queued]] = []
         """Deferred lookups not sent yet (see :meth:`flush_lookups`)."""
         self._batches = True
@@ -183,23 +183,25 @@ class SchedulerAdapter:
             try:
                 if info is None:
                     raise ValueError(f"no kvtrio server at {self.client.endpoint} yet")
-                hashes = chunk_hashes(
+                # The prompt's full chunks and its partial chunk (the whole blocks after them):
+                # a hit may reach its last whole block.
+                chunks = prompt_chunks(
                     info.chunk_size, self.block_size, token_ids=token_ids, block_hashes=block_hashes
                 )
                 # A lookup answers a prefix: beyond the server's bounds, a shorter prefix.
-                hashes = hashes[: lookup_limit(self.world_size)]
+                chunks = chunks.limited(lookup_limit(self.world_size))
             except (ValueError, TypeError, OverflowError) as exc:
                 log.debug("lookup of %s not sent: %s", request_id, exc)
                 failed: Future[Reply] = Future()
                 failed.set_result(LookupReply(0, 0))
-                self._lookups[request_id] = failed
+                self._lookups[request_id] = _Queued(PromptChunks((), 1, 1), failed)
                 return
+            queued = _Queued(chunks)
+            self._lookups[request_id] = queued
             if defer and self._batches:
-                queued = _Queued(tuple(hashes))
-                self._lookups[request_id] = queued
                 self._queue.append((request_id, queued))
                 return
-            self._lookups[request_id] = self._submit(request_id, tuple(hashes))
+            queued.batch = self._submit(request_id, chunks.hashes)
 
     def _submit(self, request_id: str, hashes: tuple[bytes, ...]) -> Future[Reply]:
         lookup = Lookup(
@@ -220,7 +222,7 @@ class SchedulerAdapter:
             queue = [(rid, queued) for rid, queued in queue if self._lookups.get(rid) is queued]
             if len(queue) == 1 or (queue and not self._batches):
                 for request_id, queued in queue:
-                    self._lookups[request_id] = self._submit(request_id, queued.hashes)
+                    queued.batch = self._submit(request_id, queued.hashes)
                 return
             if not queue:
                 return
@@ -240,7 +242,8 @@ class SchedulerAdapter:
 
     def check_lookup_result(self, request_id: str, *, wait: float = 0.0) -> int | None:
         """Matched tokens of the lookup, or None while it is pending (0 if it failed); waits
-        up to ``wait`` seconds for a pending one (sending the deferred ones first).
+        up to ``wait`` seconds for a pending one (sending the deferred ones first). A hit that
+        includes the prompt's partial chunk reaches its last whole block.
 
         Without a wait it still makes progress: replies that arrived are received here, in the
         calling thread (a busy scheduler thread never waits for another thread to get the GIL).
@@ -249,16 +252,13 @@ class SchedulerAdapter:
             entry = self._lookups.get(request_id)
         if entry is None:
             return None
-        if type(entry) is _Queued:
-            if entry.batch is None:
-                if wait <= 0:
-                    return None  # (deferred: not sent yet, no answer possible)
-                self.flush_lookups()
-                if entry.batch is None:  # sent as a plain lookup
-                    return self.check_lookup_result(request_id, wait=wait)
-            future = entry.batch
-        else:
-            future = entry  # type: ignore[assignment]
+        if entry.batch is None:
+            if wait <= 0:
+                return None  # (deferred: not sent yet, no answer possible)
+            self.flush_lookups()
+            if entry.batch is None:  # pragma: no cover - flush sends every queued lookup
+                return None
+        future = entry.batch
         if not future.done():
             if wait > 0:
                 with contextlib.suppress(concurrent.futures.TimeoutError):
@@ -270,7 +270,7 @@ class SchedulerAdapter:
         try:
             reply = future.result()
         except ServerError as exc:
-            if type(entry) is _Queued and exc.code is ErrorCode.UNKNOWN_OPERATION:
+            if entry.index >= 0 and exc.code is ErrorCode.UNKNOWN_OPERATION:
                 self._unbatched(request_id, entry)  # an older server: sent alone now
                 return None
             log.debug("lookup of %s failed: %s", request_id, exc)
@@ -279,21 +279,23 @@ class SchedulerAdapter:
             log.debug("lookup of %s failed: %s", request_id, exc)
             return 0
         if type(reply) is LookupBatchReply:
-            assert type(entry) is _Queued
             for failure in reply.failed:
                 if failure.index == entry.index:
                     log.debug("lookup of %s failed: %s", request_id, failure.message)
                     return 0
-            return reply.hit_tokens[entry.index]
-        assert isinstance(reply, LookupReply)
-        return reply.hit_tokens
+            hit_tokens = reply.hit_tokens[entry.index]
+        else:
+            assert isinstance(reply, LookupReply)
+            hit_tokens = reply.hit_tokens
+        return entry.chunks.covered(hit_tokens // entry.chunks.chunk_size)
 
     def _unbatched(self, request_id: str, queued: _Queued) -> None:
         """The server has no ``lookup_batch``: send this lookup alone (and no more batches)."""
         with self._lock:
             self._batches = False
             if self._lookups.get(request_id) is queued:
-                self._lookups[request_id] = self._submit(request_id, queued.hashes)
+                queued.index = -1
+                queued.batch = self._submit(request_id, queued.hashes)
 
     def cleanup_lookup_result(self, request_id: str) -> None:
         """Forget the local result of ``request_id``'s lookup (its pins stay for the retrieve)."""

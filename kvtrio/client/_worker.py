@@ -22,7 +22,7 @@ copied as soon as its reply is in. CUDA tensors are copied by the server over CU
 not wait for those answers: it copies the next operation meanwhile.
 
 The chunk keys of every operation are computed here from that operation's own prompt
-(:func:`~kvtrio.client.chunk_hashes`); the server keeps no prompts.
+(:func:`kvtrio.protocol.prompt_chunks`); the server keeps no prompts.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from ..protocol import (
     Registered,
     Reply,
     Unregister,
+    prompt_chunks,
 )
 from ..transfer import KVLayout
 from ..transfer.cuda import CudaRuntime, torch_runtime
@@ -56,7 +57,6 @@ from ._copies import CopyPath, Span, when_all
 from ._cuda_worker import CudaCopies, is_cuda_cache
 from ._failures import Failures
 from ._registration import Current, Registration
-from ._scheduler import chunk_hashes
 from ._sync import Client
 from ._tensors import describe_kv_caches
 
@@ -74,10 +74,14 @@ class LoadStoreOp:
     """One store or retrieve of a request (vLLM's LMCache adapter ``LoadStoreOp``).
 
     ``block_ids`` are the request's engine blocks from its first token on; ``[start, end)`` is
-    the token range to move (only its full chunks are moved). Give ``token_ids`` or
-    ``block_hashes`` (hash mode) at least on the first operation of a request. A retrieve leaves
-    the first ``skip_first_n_tokens`` tokens of the range alone (a whole number of blocks): the
-    engine has them already, in blocks other requests may be reading.
+    the token range to move, in whole blocks (``start`` a multiple of the chunk size). Give the
+    prompt as ``token_ids`` or ``block_hashes`` (hash mode). A store moves the full chunks of
+    the prompt's first ``end`` tokens and then, as its *partial chunk*, the whole blocks after
+    them. A retrieve names the chunks from the whole prompt, as its lookup did (the partial
+    chunk of the prompt's whole blocks after its full chunks), writes only the blocks before
+    ``end`` (the last chunk may be loaded in part), and leaves the first
+    ``skip_first_n_tokens`` tokens of the range alone (a whole number of blocks): the engine
+    has them already, in blocks other requests may be reading.
     """
 
     block_ids: tuple[int, ...] = attrs.field(converter=_ints)
@@ -314,39 +318,50 @@ class WorkerAdapter:
 
     # ----------------------------------------------------------------- transfers (own thread)
 
-    def _span(self, current: Current, request_id: str, op: LoadStoreOp) -> Span:
-        """The full chunks of ``[op.start, op.end)`` and their hashes, from the operation's
-        own prompt (``ValueError`` if it carries none)."""
-        size = self.chunk_size
-        hashes = chunk_hashes(
-            size,
-            self.block_size,
-            token_ids=op.token_ids,
-            block_hashes=op.block_hashes,
-            end=op.end,
-        )
-        first, last = op.start // size, op.end // size
-        if len(hashes) < last:
-            raise ValueError(f"the operation's prompt covers {len(hashes)} chunks, not {last}")
+    def _span(self, current: Current, request_id: str, op: LoadStoreOp, *, store: bool) -> Span:
+        """The chunks the operation moves and their hashes, from its own prompt (``ValueError``
+        if it carries none, or too little of it).
+
+        A store names the chunks of the prompt's first ``end`` tokens: its full chunks, then
+        the whole blocks after them as its partial chunk. A retrieve names them from the whole
+        prompt, as its lookup did, and moves the blocks before ``end`` only."""
+        size, block = self.chunk_size, self.block_size
+        end = op.end - op.end % block
+        tokens, block_hashes = op.token_ids, op.block_hashes
+        if store:
+            tokens = None if tokens is None else tokens[:end]
+            block_hashes = None if block_hashes is None else block_hashes[: end // block]
+        chunks = prompt_chunks(size, block, token_ids=tokens, block_hashes=block_hashes)
+        if chunks.tokens < end:
+            raise ValueError(f"the operation's prompt covers {chunks.tokens} tokens, not {end}")
+        first, last = op.start // size, self._chunks_to(end)
         return Span(
             request_id,
             first,
-            tuple(hashes[first:last]),
-            hashes[first - 1] if first else b"",
+            chunks.hashes[first:last],
+            chunks.hashes[first - 1] if first else b"",
             size,
             current.registered.chunk_bytes,
-            size // self.block_size,
+            size // block,
             op.block_ids,
+            stop_block=end // block,
+            partial=bool(chunks.tail_blocks) and last > chunks.full,
         )
+
+    def _chunks_to(self, end: int) -> int:
+        """The number of chunks that hold the whole blocks before token ``end``."""
+        whole = end - end % self.block_size
+        return -(-whole // self.chunk_size)
 
     def _blocks_of(self, op: LoadStoreOp, chunk: int) -> Sequence[int]:
         per_chunk = self.chunk_size // self.block_size
-        return op.block_ids[chunk * per_chunk : (chunk + 1) * per_chunk]
+        stop = min((chunk + 1) * per_chunk, op.end // self.block_size)
+        return op.block_ids[chunk * per_chunk : stop]
 
     def _run_store(
         self, request_id: str, op: LoadStoreOp, engine_event: bytes, done: Future[None]
     ) -> None:
-        chunks = max(0, op.end // self.chunk_size - op.start // self.chunk_size)
+        chunks = max(0, self._chunks_to(op.end) - op.start // self.chunk_size)
         commits: list[Future[Reply]] = []
         try:
             current = self._registration.wait(time.monotonic() + self.timeout)
@@ -354,7 +369,8 @@ class WorkerAdapter:
                 self.failures.store(request_id, "not_registered", chunks, "no registration")
             else:
                 assert self._path is not None
-                commits = self._path.store(self._span(current, request_id, op), engine_event)
+                span = self._span(current, request_id, op, store=True)
+                commits = self._path.store(span, engine_event)
         except NotRegistered as exc:
             self.failures.store(request_id, "not_registered", chunks, exc)
             self._lost()
@@ -378,7 +394,7 @@ class WorkerAdapter:
     def _run_retrieve(
         self, request_id: str, op: LoadStoreOp, engine_event: bytes, done: Future[None]
     ) -> None:
-        first, last = op.start // self.chunk_size, op.end // self.chunk_size
+        first, last = op.start // self.chunk_size, self._chunks_to(op.end)
         loaded: set[int] = set()
         causes: dict[int, str] = {}  # chunks of batches the server refused
         cause = ""
@@ -408,7 +424,7 @@ class WorkerAdapter:
                 cause = "not_registered"
             else:
                 assert self._path is not None
-                span = self._span(current, request_id, op)
+                span = self._span(current, request_id, op, store=False)
                 keep_before = op.start + op.skip_first_n_tokens  # the engine has these tokens
                 # (reported before any release is sent: the engine need not wait for that)
                 self._path.retrieve(span, keep_before, engine_event, loaded, causes, finished)

@@ -46,6 +46,13 @@ def _to_str(value: Any) -> str:
     return value
 
 
+def _policy(value: Any) -> str:
+    text = _to_str(value).strip().lower()
+    if text not in ("auto", "always"):
+        raise ValueError(f"expected auto or always, got {value!r}")
+    return text
+
+
 def _endpoint(value: Any) -> str:
     text = _to_str(value)
     if not text.startswith(("tcp://", "ipc://")) or text in ("tcp://", "ipc://"):
@@ -104,6 +111,14 @@ class ConnectorOptions:
     )
     save: bool = attrs.field(
         default=True, converter=_to_bool, metadata={"help": "store computed chunks into kvtrio"}
+    )
+    load_policy: str = attrs.field(
+        default="auto",
+        converter=_policy,
+        metadata={
+            "help": "auto: load a hit only when this engine's own measurements say loading is "
+            "faster than computing it; always: load every hit"
+        },
     )
     async_load: bool = attrs.field(
         default=True,

@@ -4,12 +4,15 @@ request to load from kvtrio and which to store, in whole chunks.
 The vLLM connector (:mod:`kvtrio.integration.vllm`) feeds this from vLLM's scheduler calls; the
 rules live here so they can be read, and tested, without vLLM:
 
-* a lookup hit is usable up to the last whole chunk *before* the request's last token (the
-  engine must compute at least one token to sample from);
+* a lookup hit is usable up to the last whole block *before* the request's last token (the
+  engine must compute at least one token to sample from): the hit's last chunk may be loaded
+  in part;
 * a load covers the chunks from the one holding the engine's first missing token up to the hit,
   and leaves the blocks the engine already has (its own prefix cache) alone;
 * a store covers the whole chunks the engine has computed beyond what kvtrio already holds
-  (lookup hits count as held), each chunk once per request.
+  (lookup hits count as held), each chunk once per request; once the prompt is computed, also
+  its *partial chunk* (the whole blocks after its last full chunk), so that the same prompt
+  later loads up to its last block, not its last chunk.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ import attrs
 
 from ..client import LoadStoreOp
 
-__all__ = ["RequestPlan", "Transfer", "plan_load", "plan_store", "usable_hit"]
+__all__ = [
+    "RequestPlan",
+    "Transfer",
+    "held_after_lookup",
+    "plan_load",
+    "plan_store",
+    "usable_hit",
+]
 
 
 @attrs.frozen
@@ -45,21 +55,29 @@ class RequestPlan:
     save: bool = True
     """Storing into kvtrio is allowed for this request."""
     hit_tokens: int = 0
-    """Usable tokens kvtrio had at lookup (a whole number of chunks)."""
+    """Usable tokens kvtrio had at lookup (a whole number of blocks)."""
     local_tokens: int = 0
     """Tokens the engine's own prefix cache had at lookup."""
     held_tokens: int = 0
-    """Prefix known to be in kvtrio: lookup hits, then stores issued."""
+    """Prefix of full chunks known to be in kvtrio: lookup hits, then stores issued."""
+    tail_held: bool = False
+    """The prompt's partial chunk is in kvtrio (a lookup hit it, or a store was issued)."""
     locked: bool = False
     """The lookup pinned chunks at kvtrio that no load has taken over yet."""
     stores: int = 0
     """Stores issued for this request (the engine must then wait for them before freeing)."""
 
 
-def usable_hit(hit_tokens: int, num_tokens: int, chunk_size: int) -> int:
-    """The part of a lookup hit the engine may load: whole chunks, at least one token short of
+def usable_hit(hit_tokens: int, num_tokens: int, block_size: int) -> int:
+    """The part of a lookup hit the engine may load: whole blocks, at least one token short of
     the request's ``num_tokens``."""
-    return min(hit_tokens, (num_tokens - 1) // chunk_size * chunk_size) if num_tokens > 0 else 0
+    return min(hit_tokens, (num_tokens - 1) // block_size * block_size) if num_tokens > 0 else 0
+
+
+def held_after_lookup(plan: RequestPlan, hit_tokens: int, chunk_size: int) -> None:
+    """Record a lookup's hit (tokens, the partial chunk's included) as held by kvtrio."""
+    plan.held_tokens = max(plan.held_tokens, hit_tokens - hit_tokens % chunk_size)
+    plan.tail_held |= hit_tokens % chunk_size > 0
 
 
 def plan_load(
@@ -75,19 +93,20 @@ def plan_load(
     """The load of ``external_tokens`` tokens after the engine's ``plan.local_tokens``; None
     when there is nothing to load.
 
-    ``block_ids`` are all the request's blocks, from its first token. The load starts at the
-    chunk holding the first missing token and skips the blocks before it.
+    ``block_ids`` are all the request's blocks, from its first token; ``tokens`` the prompt
+    as it was looked up. The load starts at the chunk holding the first missing token, skips
+    the blocks before it, and ends at a block boundary (its last chunk may be loaded in part).
     """
     if external_tokens <= 0 or plan.hit_tokens <= plan.local_tokens:
         return None
     end = min(plan.local_tokens + external_tokens, plan.hit_tokens)
-    end -= end % chunk_size
+    end -= end % block_size
     start = plan.local_tokens // chunk_size * chunk_size
-    if end <= start:
+    if end <= plan.local_tokens:
         return None
     op = LoadStoreOp(
         block_ids=tuple(block_ids[: end // block_size]),
-        token_ids=tuple(tokens[:end]),
+        token_ids=tuple(tokens),
         start=start,
         end=end,
         skip_first_n_tokens=plan.local_tokens - start,
@@ -101,23 +120,47 @@ def plan_store(
     tokens: Sequence[int],
     block_ids: Sequence[int],
     computed_tokens: int,
+    prompt_tokens: int,
     block_size: int,
     chunk_size: int,
-) -> Transfer | None:
-    """The store of the whole chunks the engine will have computed (``computed_tokens``, this
-    step included) beyond ``plan.held_tokens``; None when there are none. Updates ``plan``."""
+) -> list[Transfer]:
+    """The stores of what the engine will have computed (``computed_tokens``, this step
+    included) and kvtrio does not hold: the prompt's partial chunk once the prompt is
+    computed, and the whole chunks beyond ``plan.held_tokens``. Updates ``plan``."""
     if not plan.save:
-        return None
+        return []
     end = min(computed_tokens, len(tokens), len(block_ids) * block_size)
+    stores = []
+    whole = prompt_tokens - prompt_tokens % block_size  # the prompt's whole blocks
+    full = prompt_tokens - prompt_tokens % chunk_size  # and its full chunks
+    if not plan.tail_held and full < whole <= end:
+        stores.append(
+            _store(plan, tokens, block_ids, block_size, min(plan.held_tokens, full), whole)
+        )
+        plan.held_tokens = max(plan.held_tokens, full)
+        plan.tail_held = True
     end -= end % chunk_size
-    if end <= plan.held_tokens:
-        return None
+    if end > plan.held_tokens:
+        stores.append(_store(plan, tokens, block_ids, block_size, plan.held_tokens, end))
+        plan.held_tokens = end
+    return stores
+
+
+def _store(
+    plan: RequestPlan,
+    tokens: Sequence[int],
+    block_ids: Sequence[int],
+    block_size: int,
+    start: int,
+    end: int,
+) -> Transfer:
+    """The store of tokens ``[start, end)``: full chunks, then the partial chunk of the whole
+    blocks after them if ``end`` is not at a chunk boundary."""
     op = LoadStoreOp(
         block_ids=tuple(block_ids[: end // block_size]),
         token_ids=tuple(tokens[:end]),
-        start=plan.held_tokens,
+        start=start,
         end=end,
     )
-    plan.held_tokens = end
     plan.stores += 1
     return Transfer(plan.request_id, "store", op)

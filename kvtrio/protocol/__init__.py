@@ -50,8 +50,11 @@ from ._codec import (
 )
 from ._hashes import (
     HASH_SCHEME_TOKENS,
+    PromptChunks,
+    as_block_hashes,
     block_chunk_hashes,
     block_hash_scheme,
+    prompt_chunks,
     token_chunk_hashes,
 )
 from ._messages import (
@@ -115,6 +118,7 @@ __all__ = [
     "Pong",
     "Probe",
     "ProbeReply",
+    "PromptChunks",
     "Register",
     "Registered",
     "Release",
@@ -130,6 +134,7 @@ __all__ = [
     "Store",
     "StoreReply",
     "Unregister",
+    "as_block_hashes",
     "as_int_array",
     "block_chunk_hashes",
     "block_hash_scheme",
@@ -142,6 +147,7 @@ __all__ = [
     "encode_error",
     "encode_reply",
     "encode_request",
+    "prompt_chunks",
     "read_reply_header",
     "read_request_header",
     "token_chunk_hashes",

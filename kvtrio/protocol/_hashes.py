@@ -17,6 +17,14 @@ SHA-256 (truncated to 128 bits) rather than a faster non-cryptographic hash: on 
 costs 1.7 µs per chunk against 6 µs for packing the chunk's 256 token ids, and a shared cache
 must not let a crafted prompt collide with someone else's prefix (vLLM moved its prefix-cache
 hash to SHA-256 for the same reason). The exact algorithm is in ``docs/protocol.md``.
+
+**The tail.** A prompt rarely ends on a chunk boundary, and the engine must compute only its
+last token: the whole engine blocks after the prompt's last full chunk form its *partial chunk*,
+named apart from any full chunk (``SHA-256("kvtrio/tokens/partial/v1" ‖ h[i-1] ‖ its tokens)``,
+or ``SHA-256("kvtrio/blocks/partial/v1" ‖ its last block's hash)`` in hash mode). It is stored
+like a chunk, in the same format (its blocks first, the rest of the chunk zeros), so a hit can
+reach the prompt's last whole block instead of its last full chunk. :class:`PromptChunks` is
+what a client looks up, stores and retrieves for one prompt.
 """
 
 from __future__ import annotations
@@ -25,10 +33,15 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+import attrs
+
 __all__ = [
     "HASH_SCHEME_TOKENS",
+    "PromptChunks",
+    "as_block_hashes",
     "block_chunk_hashes",
     "block_hash_scheme",
+    "prompt_chunks",
     "token_chunk_hashes",
 ]
 
@@ -37,6 +50,8 @@ HASH_SCHEME_TOKENS = "tokens/sha256-128/v1"
 
 _TOKEN_ROOT = hashlib.sha256(b"kvtrio/tokens/v1").digest()[:16]
 _BLOCK_PREFIX = b"kvtrio/blocks/v1"
+_TOKEN_PARTIAL = b"kvtrio/tokens/partial/v1"
+_BLOCK_PARTIAL = b"kvtrio/blocks/partial/v1"
 
 
 def block_hash_scheme(engine_hash: str) -> str:
@@ -75,3 +90,95 @@ def block_chunk_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int) -> 
         sha256(_BLOCK_PREFIX + block_hashes[(i + 1) * blocks_per_chunk - 1]).digest()[:16]
         for i in range(len(block_hashes) // blocks_per_chunk)
     ]
+
+
+def as_block_hashes(hashes: Sequence[bytes | int]) -> tuple[bytes, ...]:
+    """Engine block hashes as bytes: ints (older vLLM, trace ids) become 16-byte little-endian
+    two's complement."""
+    return tuple(
+        h if isinstance(h, bytes) else int(h).to_bytes(16, "little", signed=True) for h in hashes
+    )
+
+
+@attrs.frozen
+class PromptChunks:
+    """The chunks of one prompt as a client names them: its full chunks, then its partial
+    chunk (the whole blocks after the last full chunk) when it has one."""
+
+    hashes: tuple[bytes, ...]
+    """Chunk hashes, in prompt order; the last one is the partial chunk's if ``tail_blocks``."""
+    chunk_size: int
+    block_size: int
+    tail_blocks: int = 0
+    """Engine blocks in the partial chunk (0: every chunk is full)."""
+
+    @property
+    def full(self) -> int:
+        """The number of full chunks."""
+        return len(self.hashes) - (1 if self.tail_blocks else 0)
+
+    @property
+    def tokens(self) -> int:
+        """The tokens all the chunks cover."""
+        return self.covered(len(self.hashes))
+
+    def covered(self, chunks: int) -> int:
+        """The tokens the first ``chunks`` chunks cover (a lookup's hit in tokens)."""
+        chunks = max(0, min(chunks, len(self.hashes)))
+        if chunks > self.full:
+            return self.full * self.chunk_size + self.tail_blocks * self.block_size
+        return chunks * self.chunk_size
+
+    def blocks_in(self, chunk: int) -> int:
+        """Engine blocks chunk ``chunk`` holds (the partial chunk fewer than a full one)."""
+        return (
+            self.tail_blocks
+            if chunk == self.full and self.tail_blocks
+            else (self.chunk_size // self.block_size)
+        )
+
+    def limited(self, chunks: int) -> PromptChunks:
+        """The first ``chunks`` chunks (a lookup within the server's bounds)."""
+        if chunks >= len(self.hashes):
+            return self
+        return PromptChunks(self.hashes[: max(0, chunks)], self.chunk_size, self.block_size)
+
+
+def prompt_chunks(
+    chunk_size: int,
+    block_size: int,
+    *,
+    token_ids: Sequence[int] | None = None,
+    block_hashes: Sequence[bytes | int] | None = None,
+    tail: bool = True,
+) -> PromptChunks:
+    """The chunks of a prompt, from its engine block hashes (hash mode, preferred when given)
+    or its token ids; with ``tail``, its partial chunk too (whole blocks of ``block_size``
+    tokens after the last full chunk, when there is at least one).
+
+    Raises ``ValueError`` when neither is given or the chunk size is not a multiple of the
+    block size, ``TypeError``/``OverflowError`` for token ids that are not integers in
+    ``[0, 2**32)``.
+    """
+    if block_size <= 0 or chunk_size % block_size:
+        raise ValueError(f"chunk size {chunk_size} is not a multiple of block size {block_size}")
+    per_chunk = chunk_size // block_size
+    if block_hashes is not None:
+        blocks = as_block_hashes(block_hashes)
+        hashes = block_chunk_hashes(blocks, per_chunk)
+        tail_blocks = len(blocks) - len(hashes) * per_chunk if tail else 0
+        if tail_blocks:
+            last = blocks[len(hashes) * per_chunk + tail_blocks - 1]
+            hashes.append(hashlib.sha256(_BLOCK_PARTIAL + last).digest()[:16])
+        return PromptChunks(tuple(hashes), chunk_size, block_size, tail_blocks)
+    if token_ids is None:
+        raise ValueError("the prompt's token ids or block hashes are needed")
+    hashes = token_chunk_hashes(token_ids, chunk_size)
+    full_end = len(hashes) * chunk_size
+    tail_blocks = (len(token_ids) - full_end) // block_size if tail else 0
+    if tail_blocks:
+        digest = hashlib.sha256(_TOKEN_PARTIAL)
+        digest.update(hashes[-1] if hashes else _TOKEN_ROOT)
+        digest.update(array("I", token_ids[full_end : full_end + tail_blocks * block_size]))
+        hashes.append(digest.digest()[:16])
+    return PromptChunks(tuple(hashes), chunk_size, block_size, tail_blocks)

@@ -147,3 +147,59 @@ async def test_a_commit_the_server_refuses_is_counted_and_the_store_still_finish
     assert await hit_chunks(scheduler, "r") == 0  # nothing half-stored became visible
     state = await cache_stats(scheduler)
     assert (state.l1_ready, state.l1_writing) == (0, 0)
+
+
+async def test_the_prompts_partial_chunk_is_stored_looked_up_and_loaded_to_the_last_block(
+    worker: tuple[WorkerAdapter, list[np.ndarray]], server: ServerHandle
+) -> None:
+    """Issue 23: a prompt of 2 chunks, 6 whole blocks and 5 tokens is stored with its 6
+    blocks as a partial chunk; the same prompt's lookup reaches its last whole block and
+    the load moves exactly those blocks. A chunk can also be loaded in part."""
+    from kvtrio.client import SchedulerAdapter
+
+    adapter, arrays = worker
+    prompt = PROMPT[: 2 * CHUNK + 6 * BLOCK + 5]
+    tail_end = 2 * CHUNK + 6 * BLOCK
+    store = adapter.submit_store_request("s", LoadStoreOp(SOURCE, prompt, end=len(prompt)))
+    await in_thread(store.result)
+    assert adapter.metrics()["store_failures"] == {}
+
+    scheduler = SchedulerAdapter(server.endpoint, "m", 1, 0, BLOCK)
+    try:
+        await await_condition(lambda: scheduler.client.server_info is not None, what="hello")
+
+        def hit(tokens: list[int], request: str) -> int | None:
+            scheduler.maybe_submit_lookup_request(request, token_ids=tokens)
+            return scheduler.check_lookup_result(request, wait=5.0)
+
+        assert await in_thread(lambda: hit(prompt, "a")) == tail_end
+        # Another tail (3 blocks, not 6) is another partial chunk: only the full chunks hit.
+        assert await in_thread(lambda: hit(prompt[: 2 * CHUNK + 3 * BLOCK], "b")) == 2 * CHUNK
+    finally:
+        await in_thread(scheduler.close)
+
+    target = TARGET[: 2 * PER_CHUNK + 7]
+    before = [array[:, target[-1]].view(np.uint16).copy() for array in arrays]
+    op = LoadStoreOp(target, prompt, end=tail_end)
+    await in_thread(adapter.submit_retrieve_request("r", op).result)
+    assert await in_thread(adapter.get_block_ids_with_load_errors) == set()
+    moved = 2 * PER_CHUNK + 6
+    for array, kept in zip(arrays, before, strict=True):
+        view = array.view(np.uint16)
+        assert np.array_equal(view[:, target[:moved]], view[:, SOURCE[:moved]])
+        assert np.array_equal(view[:, target[-1]], kept)  # the block after the tail: untouched
+
+    # A full chunk loaded in part: the first 2 chunks' blocks, but the last block left alone
+    # (from token 100 on, the engine's own: skipped at the start too).
+    again = [array[:, TARGET[: 2 * PER_CHUNK]].copy() for array in arrays]
+    for array in arrays:
+        array[:, TARGET[: 2 * PER_CHUNK]] = 0
+    op = LoadStoreOp(TARGET, prompt, start=CHUNK, end=2 * CHUNK - BLOCK)
+    await in_thread(adapter.submit_retrieve_request("r2", op).result)
+    assert await in_thread(adapter.get_block_ids_with_load_errors) == set()
+    for array, old in zip(arrays, again, strict=True):
+        view, old16 = array.view(np.uint16), old.view(np.uint16)
+        part = slice(PER_CHUNK, 2 * PER_CHUNK - 1)
+        assert np.array_equal(view[:, TARGET[part]], old16[:, part])
+        assert not view[:, TARGET[2 * PER_CHUNK - 1]].any()  # the last block: left alone
+        assert not view[:, TARGET[:PER_CHUNK]].any()  # before start: not touched

@@ -72,9 +72,13 @@ async def test_store_and_retrieve_through_the_adapter(
             Lookup("q", "m", 1, tuple(token_chunk_hashes(PROMPT, CHUNK))), LookupReply
         )
     assert reply.hit_chunks == 2
+    # The prompt's partial chunk (its 6 whole blocks after the full chunks) is not stored by
+    # CUDA workers: counted, not silently dropped.
+    assert adapter.metrics()["store_failures"] == {"partial_on_cuda": 1}
 
-    # Retrieve into other blocks; the engine already has the first chunk's first 2 blocks.
-    op = LoadStoreOp(TARGET, PROMPT, end=len(PROMPT), skip_first_n_tokens=2 * BLOCK)
+    # Retrieve into other blocks what the lookup found; the engine already has the first
+    # chunk's first 2 blocks.
+    op = LoadStoreOp(TARGET, PROMPT, end=2 * CHUNK, skip_first_n_tokens=2 * BLOCK)
     before = [t.array[:, TARGET[:2]].copy() for t in tensors.values()]
     await trio.to_thread.run_sync(adapter.submit_retrieve_request("r", op).result, 10)
     assert adapter.get_block_ids_with_load_errors() == set()
@@ -84,3 +88,16 @@ async def test_store_and_retrieve_through_the_adapter(
         moved = 2 * PER_CHUNK
         assert array[:, TARGET[2:moved]].tobytes() == array[:, SOURCE[2:moved]].tobytes()
     assert adapter.get_finished([])[1] == {"r"}
+
+    # Issue 23: a load to a block boundary inside a chunk leaves the chunk's later blocks alone
+    # (-1 to the server): the engine computes them.
+    for tensor in tensors.values():
+        tensor.array[:, TARGET] = 0
+    op = LoadStoreOp(TARGET, PROMPT, end=2 * CHUNK - BLOCK)
+    await trio.to_thread.run_sync(adapter.submit_retrieve_request("r2", op).result, 10)
+    assert adapter.get_block_ids_with_load_errors() == set()
+    for tensor in tensors.values():
+        array = tensor.array
+        moved = 2 * PER_CHUNK - 1
+        assert array[:, TARGET[:moved]].tobytes() == array[:, SOURCE[:moved]].tobytes()
+        assert not array[:, TARGET[moved]].any()

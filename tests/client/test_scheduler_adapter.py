@@ -150,14 +150,14 @@ def test_lookups_are_cut_to_the_servers_bounds_of_one_message() -> None:
     """Issue 22: the server refuses a lookup of more than MAX_LOOKUP_KEYS keys (world size ×
     hashes, summed over a batch); the adapter looks up a shorter prefix and cuts batches."""
     from kvtrio.client._scheduler import _batches, _Queued, lookup_limit
-    from kvtrio.protocol import MAX_HASHES, MAX_LOOKUP_BATCH, MAX_LOOKUP_KEYS
+    from kvtrio.protocol import MAX_HASHES, MAX_LOOKUP_BATCH, MAX_LOOKUP_KEYS, PromptChunks
 
     assert lookup_limit(1) == MAX_HASHES
     assert lookup_limit(16) == MAX_LOOKUP_KEYS // 16
     assert lookup_limit(256) == MAX_LOOKUP_KEYS // 256
     hashes = (bytes(16),) * (lookup_limit(16) // 2)
-    queue = [(f"r{i}", _Queued(hashes)) for i in range(5)]
+    queue = [(f"r{i}", _Queued(PromptChunks(hashes, 256, 16))) for i in range(5)]
     cut = _batches(queue, 16)
     assert [len(batch) for batch in cut] == [2, 2, 1]  # 2,048 × 16 = 32,768 keys each
-    small = [(f"r{i}", _Queued(())) for i in range(MAX_LOOKUP_BATCH + 1)]
+    small = [(f"r{i}", _Queued(PromptChunks((), 256, 16))) for i in range(MAX_LOOKUP_BATCH + 1)]
     assert [len(batch) for batch in _batches(small, 1)] == [MAX_LOOKUP_BATCH, 1]

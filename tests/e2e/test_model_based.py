@@ -11,7 +11,8 @@ tokens (``engine_worker.py compute``), so the oracle knows the right bytes.
 Invariants, after every step:
 
 * every retrieved block holds the KV of its own prompt (blocks reported failed excepted);
-* a hit never exceeds the longest prefix any engine of that model and tenant stored;
+* a hit never exceeds the longest prefix any engine of that model and tenant stored (whole
+  chunks, then the prompt's partial chunk: its whole blocks after them);
 
 and at quiescence (every ``QUIESCE`` steps and at the end): no pins and no leases are left.
 
@@ -52,7 +53,7 @@ Prompt = tuple[int, ...]  # chunk values; the tokens follow from them
 
 def tokens_of(prompt: Prompt, tail: int) -> list[int]:
     """Chunk ``i`` of value ``v`` is tokens ``v * 10_000 + i * CHUNK + j``; ``tail`` more tokens
-    make a partial chunk (never cached)."""
+    make a partial chunk (its whole blocks are cached)."""
     tokens = [v * 10_000 + i * CHUNK + j for i, v in enumerate(prompt) for j in range(CHUNK)]
     return tokens + [7] * tail
 
@@ -101,6 +102,8 @@ class Driver:
         self.server, self.rng = server, rng
         self.engines = [Engine(server, e, t) for e, t in ENGINES]
         self.stored: dict[str, set[Prompt]] = {t: {()} for _, t in ENGINES}
+        self.tails: dict[str, set[tuple[Prompt, int]]] = {t: set() for _, t in ENGINES}
+        """Partial chunks stored: the prompt's full chunks and the tail's whole blocks."""
         self.history: deque[str] = deque(maxlen=25)
         self.counts: dict[str, int] = {}
         self.seconds: dict[str, float] = {}
@@ -125,9 +128,20 @@ class Driver:
         length = self.rng.randint(1, MAX_CHUNKS)
         return tuple(self.rng.choice((0, 1, 2)) for _ in range(length)), self.rng.randrange(CHUNK)
 
-    def bound(self, tenant: str, prompt: Prompt) -> int:
-        """The longest prefix of ``prompt`` (in chunks) an engine of this tenant stored."""
-        return max(i for i in range(len(prompt) + 1) if prompt[:i] in self.stored[tenant])
+    def bound(self, tenant: str, prompt: Prompt, tail: int) -> int:
+        """The longest prefix of ``prompt`` and ``tail`` (in tokens) an engine of this tenant
+        stored."""
+        chunks = max(i for i in range(len(prompt) + 1) if prompt[:i] in self.stored[tenant])
+        if chunks == len(prompt) and (prompt, tail // BLOCK) in self.tails[tenant]:
+            return chunks * CHUNK + tail // BLOCK * BLOCK
+        return chunks * CHUNK
+
+    def stores(self, tenant: str, prompt: Prompt, tail: int) -> None:
+        """Record what a store of ``prompt`` and ``tail`` may make visible."""
+        for i in range(1, len(prompt) + 1):
+            self.stored[tenant].add(prompt[:i])
+        if tail >= BLOCK:
+            self.tails[tenant].add((prompt, tail // BLOCK))
 
     # ----------------------------------------------------------------- steps
 
@@ -157,10 +171,10 @@ class Driver:
         prompt, tail = self.prompt()
         tokens = tokens_of(prompt, tail)
         hit = lookup(engine.scheduler, request, tokens)
-        bound = self.bound(engine.tenant, prompt)
+        bound = self.bound(engine.tenant, prompt, tail)
         self.note(f"lookup {engine.id}/{request} {prompt}+{tail}: {hit} (bound {bound})")
-        if hit % CHUNK or hit > bound * CHUNK:
-            self.fail(f"lookup hit {hit} tokens, but at most {bound} chunks were ever stored")
+        if hit % BLOCK or hit > bound or (hit % CHUNK and hit != bound):
+            self.fail(f"lookup hit {hit} tokens, but at most {bound} tokens were ever stored")
         if hit and self.rng.random() < 0.8:
             blocks = TARGET[: hit // BLOCK]
             engine.worker("scramble", blocks=blocks)
@@ -175,7 +189,7 @@ class Driver:
             self.note(f"retrieve {engine.id}/{request}: {len(loaded)} blocks, {len(failed)} failed")
             if wrong:
                 self.fail(f"retrieved blocks {wrong} do not hold the KV of their own prompt")
-            self.hit_chunks += hit // CHUNK
+            self.hit_chunks += -(-hit // CHUNK)
             self.checked_blocks += len(loaded)
         elif self.rng.random() < 0.5:
             self.note(f"abort {engine.id}/{request}")
@@ -187,8 +201,7 @@ class Driver:
         tokens = tokens_of(prompt, tail)
         engine.worker("compute", tokens=tokens, blocks=SOURCE)
         self.note(f"store {engine.id}/{request} {prompt}+{tail}")
-        for i in range(1, len(prompt) + 1):
-            self.stored[engine.tenant].add(prompt[:i])
+        self.stores(engine.tenant, prompt, tail)
         engine.worker.store(request, tokens, SOURCE)
 
     def restart_server(self) -> None:
@@ -201,8 +214,7 @@ class Driver:
         prompt, tail = self.prompt()
         tokens = tokens_of(prompt, tail)
         engine.worker("compute", tokens=tokens, blocks=SOURCE)
-        for i in range(1, len(prompt) + 1):  # may be stored in part: still an upper bound
-            self.stored[engine.tenant].add(prompt[:i])
+        self.stores(engine.tenant, prompt, tail)  # may be stored in part: still an upper bound
         engine.worker("store", request=request, tokens=tokens, blocks=SOURCE, end=len(tokens))
         self.note(f"kill {engine.id} storing {request} {prompt}")
         engine.replace_worker()

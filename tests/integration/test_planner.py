@@ -10,7 +10,13 @@ from kvtrio.integration._options import (
     parse_options,
     request_switches,
 )
-from kvtrio.integration._planner import RequestPlan, plan_load, plan_store, usable_hit
+from kvtrio.integration._planner import (
+    RequestPlan,
+    held_after_lookup,
+    plan_load,
+    plan_store,
+    usable_hit,
+)
 
 CHUNK, BLOCK = 64, 16
 TOKENS = list(range(1000, 1000 + 5 * CHUNK + 10))
@@ -22,15 +28,24 @@ BLOCKS = list(range(100, 100 + 21))  # 5 chunks + 10 tokens: 21 blocks
     [
         (0, 330, 0),
         (128, 330, 128),
-        (320, 320, 256),  # the whole prompt: keep the last chunk for the engine to compute
+        (320, 320, 304),  # the whole prompt: the engine computes its last block
         (320, 321, 320),
+        (304, 310, 304),  # a hit with the partial chunk (4 chunks + 3 blocks)
         (64, 0, 0),
     ],
 )
 def test_usable_hit_leaves_the_engine_a_token_to_compute(
     hit: int, num_tokens: int, usable: int
 ) -> None:
-    assert usable_hit(hit, num_tokens, CHUNK) == usable
+    assert usable_hit(hit, num_tokens, BLOCK) == usable
+
+
+def test_a_lookup_hit_counts_as_held_full_chunks_and_tail() -> None:
+    plan = RequestPlan("r")
+    held_after_lookup(plan, 2 * CHUNK, CHUNK)
+    assert (plan.held_tokens, plan.tail_held) == (2 * CHUNK, False)
+    held_after_lookup(plan, 4 * CHUNK + 3 * BLOCK, CHUNK)
+    assert (plan.held_tokens, plan.tail_held) == (4 * CHUNK, True)
 
 
 def load(plan: RequestPlan, external: int) -> tuple[int, int, int, tuple[int, ...]] | None:
@@ -47,7 +62,7 @@ def load(plan: RequestPlan, external: int) -> tuple[int, int, int, tuple[int, ..
         return None
     op = transfer.op
     assert transfer.kind == "load"
-    assert op.token_ids == tuple(TOKENS[: op.end])
+    assert op.token_ids == tuple(TOKENS)  # named as the lookup named them: the whole prompt
     return op.start, op.end, op.skip_first_n_tokens, op.block_ids
 
 
@@ -60,44 +75,78 @@ def test_a_load_starts_at_the_chunk_of_the_first_missing_token_and_skips_what_th
     assert blocks == tuple(BLOCKS[:16])
 
 
+def test_a_load_may_end_inside_a_chunk_at_a_block_boundary() -> None:
+    # The hit reaches the prompt's last whole block before its last token: the last chunk is
+    # loaded in part (its first 3 blocks), the engine computes the rest.
+    plan = RequestPlan("r", hit_tokens=4 * CHUNK + 3 * BLOCK)
+    start, end, skip, blocks = load(plan, 4 * CHUNK + 3 * BLOCK) or (0, 0, 0, ())
+    assert (start, end, skip) == (0, 4 * CHUNK + 3 * BLOCK, 0)
+    assert blocks == tuple(BLOCKS[:19])
+
+
 def test_nothing_to_load() -> None:
     assert load(RequestPlan("r", hit_tokens=2 * CHUNK, local_tokens=2 * CHUNK), 0) is None
     assert load(RequestPlan("r", hit_tokens=0), 0) is None
-    # The engine asked for less than one whole chunk beyond its own: nothing is loadable.
-    assert load(RequestPlan("r", hit_tokens=2 * CHUNK, local_tokens=CHUNK), BLOCK) is None
+    # The engine asked for less than one whole block beyond its own: nothing is loadable.
+    assert load(RequestPlan("r", hit_tokens=2 * CHUNK, local_tokens=CHUNK), BLOCK - 1) is None
 
 
-def store(plan: RequestPlan, computed: int, blocks: int = len(BLOCKS)) -> tuple[int, int] | None:
-    transfer = plan_store(
+def store(
+    plan: RequestPlan, computed: int, blocks: int = len(BLOCKS), prompt: int = 10 * CHUNK
+) -> list[tuple[int, int]]:
+    transfers = plan_store(
         plan,
         tokens=TOKENS,
         block_ids=BLOCKS[:blocks],
         computed_tokens=computed,
+        prompt_tokens=prompt,
         block_size=BLOCK,
         chunk_size=CHUNK,
     )
-    if transfer is None:
-        return None
-    assert transfer.op.block_ids == tuple(BLOCKS[: transfer.op.end // BLOCK])
-    return transfer.op.start, transfer.op.end
+    for transfer in transfers:
+        assert transfer.op.block_ids == tuple(BLOCKS[: transfer.op.end // BLOCK])
+        assert transfer.op.token_ids == tuple(TOKENS[: transfer.op.end])
+    return [(transfer.op.start, transfer.op.end) for transfer in transfers]
 
 
 def test_stores_cover_each_whole_chunk_once_as_the_engine_computes_them() -> None:
     plan = RequestPlan("r")
-    assert store(plan, CHUNK - 1) is None
-    assert store(plan, CHUNK + 5) == (0, CHUNK)
-    assert store(plan, CHUNK + 6) is None
-    assert store(plan, 3 * CHUNK) == (CHUNK, 3 * CHUNK)
-    assert store(plan, 10 * CHUNK) == (3 * CHUNK, 5 * CHUNK)  # only the tokens that exist
+    assert store(plan, CHUNK - 1) == []
+    assert store(plan, CHUNK + 5) == [(0, CHUNK)]
+    assert store(plan, CHUNK + 6) == []
+    assert store(plan, 3 * CHUNK) == [(CHUNK, 3 * CHUNK)]
+    assert store(plan, 10 * CHUNK) == [(3 * CHUNK, 5 * CHUNK)]  # only the tokens that exist
     assert plan.stores == 3
+
+
+def test_the_prompts_partial_chunk_is_stored_once_the_prompt_is_computed() -> None:
+    # A prompt of 2 chunks and 40 tokens: 2 whole blocks after its full chunks.
+    prompt = 2 * CHUNK + 40
+    plan = RequestPlan("r")
+    assert store(plan, CHUNK, prompt=prompt) == [(0, CHUNK)]  # chunked prefill, first part
+    assert store(plan, prompt, prompt=prompt) == [(CHUNK, 2 * CHUNK + 2 * BLOCK)]
+    assert (plan.held_tokens, plan.tail_held) == (2 * CHUNK, True)
+    assert store(plan, prompt + 1, prompt=prompt) == []  # decoding: nothing new yet
+    assert store(plan, 3 * CHUNK, prompt=prompt) == [(2 * CHUNK, 3 * CHUNK)]  # a full chunk
+    # Prefill and decode in one go (a resumed request): the tail, then the full chunks.
+    plan = RequestPlan("r", held_tokens=CHUNK)
+    assert store(plan, 4 * CHUNK, prompt=prompt) == [
+        (CHUNK, 2 * CHUNK + 2 * BLOCK),
+        (2 * CHUNK, 4 * CHUNK),
+    ]
+    # A prompt shorter than a chunk has a partial chunk too; one that a lookup found is not
+    # stored again; a prompt of whole chunks has none.
+    assert store(RequestPlan("r"), 40, prompt=40) == [(0, 2 * BLOCK)]
+    assert store(RequestPlan("r", tail_held=True), 40, prompt=40) == []
+    assert store(RequestPlan("r"), 2 * CHUNK, prompt=2 * CHUNK) == [(0, 2 * CHUNK)]
 
 
 def test_stores_skip_what_kvtrio_holds_and_wait_for_blocks() -> None:
     plan = RequestPlan("r", held_tokens=2 * CHUNK)
-    assert store(plan, 2 * CHUNK) is None
-    assert store(plan, 4 * CHUNK, blocks=12) == (2 * CHUNK, 3 * CHUNK)  # 12 blocks: 3 chunks
+    assert store(plan, 2 * CHUNK) == []
+    assert store(plan, 4 * CHUNK, blocks=12) == [(2 * CHUNK, 3 * CHUNK)]  # 12 blocks: 3 chunks
     plan = RequestPlan("r", save=False)
-    assert store(plan, 4 * CHUNK) is None
+    assert store(plan, 4 * CHUNK) == []
     assert plan.stores == 0
 
 
@@ -123,7 +172,7 @@ def test_options_defaults_and_spellings() -> None:
     )
     assert set(OPTION_HELP) == {
         "kvtrio.url", "kvtrio.model", "kvtrio.tenant", "kvtrio.server_key", "kvtrio.client_key",
-        "kvtrio.insecure", "kvtrio.load", "kvtrio.save",
+        "kvtrio.insecure", "kvtrio.load", "kvtrio.save", "kvtrio.load_policy",
         "kvtrio.async_load", "kvtrio.timeout", "kvtrio.lookup_wait",
     }  # fmt: skip
 

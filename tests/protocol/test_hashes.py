@@ -65,3 +65,47 @@ def test_storage_still_exports_the_hash_functions() -> None:
     assert kvtrio.storage.token_chunk_hashes is token_chunk_hashes
     assert kvtrio.storage.block_chunk_hashes is block_chunk_hashes
     assert kvtrio.storage.block_hash_scheme("x") == block_hash_scheme("x") == "blocks/x/v1"
+
+
+def test_the_partial_chunk_follows_the_documented_algorithm() -> None:
+    """docs/protocol.md: the whole blocks after the last full chunk, named apart."""
+    from kvtrio.protocol import prompt_chunks
+
+    tokens = list(range(1000, 1000 + 256 * 2 + 3 * 32 + 5))
+    chunks = prompt_chunks(256, 32, token_ids=tokens)
+    full = reference_token_hashes(tokens, 256)
+    tail = tokens[512 : 512 + 96]
+    expected = hashlib.sha256(
+        b"kvtrio/tokens/partial/v1" + full[-1] + struct.pack("<96I", *tail)
+    ).digest()[:16]
+    assert chunks.hashes == (*full, expected)
+    assert (chunks.full, chunks.tail_blocks, chunks.tokens) == (2, 3, 608)
+    assert [chunks.covered(n) for n in range(4)] == [0, 256, 512, 608]
+    assert [chunks.blocks_in(i) for i in range(3)] == [8, 8, 3]
+    # Another number of whole blocks, or none, or a prompt shorter than a chunk.
+    assert prompt_chunks(256, 32, token_ids=tokens[:-40]).hashes[-1] != expected
+    assert prompt_chunks(256, 32, token_ids=tokens[:540]).hashes == tuple(full)
+    short = prompt_chunks(256, 32, token_ids=tokens[:70])
+    root = hashlib.sha256(b"kvtrio/tokens/v1").digest()[:16]
+    assert short.hashes == (
+        hashlib.sha256(
+            b"kvtrio/tokens/partial/v1" + root + struct.pack("<64I", *tokens[:64])
+        ).digest()[:16],
+    )
+    assert prompt_chunks(256, 32, token_ids=tokens, tail=False).hashes == tuple(full)
+    assert chunks.limited(2).hashes == tuple(full)
+    assert chunks.limited(2).tail_blocks == 0
+
+
+def test_the_partial_chunk_in_hash_mode_is_named_by_its_last_block() -> None:
+    from kvtrio.protocol import prompt_chunks
+
+    blocks = [bytes([i]) * 16 for i in range(8 * 2 + 5)]
+    chunks = prompt_chunks(256, 32, block_hashes=blocks)
+    assert chunks.hashes[:2] == tuple(block_chunk_hashes(blocks, 8))
+    assert (
+        chunks.hashes[2] == hashlib.sha256(b"kvtrio/blocks/partial/v1" + blocks[-1]).digest()[:16]
+    )
+    assert chunks.tail_blocks == 5
+    with pytest.raises(ValueError, match="multiple"):
+        prompt_chunks(250, 32, token_ids=[1])

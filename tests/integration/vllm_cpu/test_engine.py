@@ -50,7 +50,8 @@ PROMPTS = {
 HIT = 4 * CHUNK
 MAX_TOKENS = 8
 WARMUP = {"id": "warmup", "tokens": PREFIX[::-1][:64], "max_tokens": MAX_TOKENS}
-"""Run first by timed processes: less than a chunk, so kvtrio stores nothing of it."""
+"""Run first by timed processes: less than a chunk, so kvtrio stores only its partial chunk (2
+whole blocks), which no other prompt shares."""
 REPEAT = 5  # timed runs of each prompt without kvtrio (with kvtrio, each runs once)
 STARTUP = 600.0  # seconds a vLLM process may take to come up (2 cores, shared)
 
@@ -136,8 +137,9 @@ def reference(model: Path, workdir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def with_kvtrio(model: Path, workdir: Path, kvtrio: ServerProcess) -> dict[str, Any]:
-    """Process 2: ``A`` stores its 4 chunks; once they are in kvtrio, ``B`` runs."""
-    prompts = [WARMUP, prompt("A"), prompt("B", wait_ready=4)]
+    """Process 2: ``A`` stores its 4 chunks (and its partial chunk, 2 blocks); once they are in
+    kvtrio (with the warmup's partial chunk: 6), ``B`` runs."""
+    prompts = [WARMUP, prompt("A"), prompt("B", wait_ready=6)]
     return run_llm(model, workdir, "with-kvtrio", {"kvtrio": kvtrio.endpoint, "prompts": prompts})
 
 
@@ -291,6 +293,8 @@ def test_kvtrio_holds_no_pin_once_vllm_is_done(
     through_api: dict[str, Any], kvtrio: ServerProcess
 ) -> None:
     stats = cache(kvtrio)
-    assert stats.l1_ready == 4  # A's 4 chunks; B and C found them and stored nothing new
+    # A's 4 chunks and its partial chunk, the warmup's partial chunk; B and C found A's chunks
+    # and stored nothing new (their tails are less than a block).
+    assert stats.l1_ready == 6
     assert stats.lookup_hit_chunks == 8  # B's 4 and C's 4
     assert (stats.l1_pins, stats.l1_writing) == (0, 0)

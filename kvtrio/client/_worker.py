@@ -274,18 +274,6 @@ class WorkerAdapter:
             raise
         return done
 
-    def batched_submit_store_requests(
-        self, request_ids: Sequence[str], ops: Sequence[LoadStoreOp], event: object = None
-    ) -> None:
-        for request_id, op in zip(request_ids, ops, strict=True):
-            self.submit_store_request(request_id, op, event)
-
-    def batched_submit_retrieve_requests(
-        self, request_ids: Sequence[str], ops: Sequence[LoadStoreOp], event: object = None
-    ) -> None:
-        for request_id, op in zip(request_ids, ops, strict=True):
-            self.submit_retrieve_request(request_id, op, event)
-
     def num_blocks_per_chunk(self) -> int:
         """Engine blocks per cached chunk (a method, as in vLLM's adapter)."""
         return max(1, self.chunk_size // self.block_size)

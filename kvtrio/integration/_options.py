@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["OPTION_HELP", "ConnectorOptions", "parse_options", "request_switches"]
+__all__ = ["OPTION_HELP", "ConnectorOptions", "opted_out", "parse_options", "request_switches"]
 
 PREFIX = "kvtrio."
 
@@ -188,3 +188,17 @@ def request_switches(params: Mapping[str, Any] | None) -> tuple[bool | None, boo
             switches.append(None)
             problems.append(f"{key}: {exc}")
     return switches[0], switches[1], "; ".join(problems)
+
+
+def opted_out(request: Any) -> str:
+    """Why ``request`` (a vLLM request) must not share KV through kvtrio's token-keyed chunks,
+    or ''."""
+    if request.cache_salt:
+        return "it has a cache_salt"
+    if request.lora_request is not None:
+        return "it uses a LoRA adapter"
+    if request.mm_features:
+        return "it has multimodal inputs"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "it has prompt embeddings"
+    return ""

@@ -39,7 +39,7 @@ from vllm.v1.request import RequestStatus
 from ..client import SchedulerAdapter, WorkerAdapter
 from ._costs import CostModel, LoadPolicy, Measurements
 from ._cpu_kernels import check_cpu_kernels
-from ._options import ConnectorOptions, parse_options, request_switches
+from ._options import ConnectorOptions, opted_out, parse_options, request_switches
 from ._planner import (
     RequestPlan,
     Transfer,
@@ -72,8 +72,9 @@ log = logging.getLogger("kvtrio.vllm")
 
 
 class KvtrioConnectorMetadata(KVConnectorMetadata):
-    """What the scheduler side hands to every worker for one step: loads and stores, and the
-    requests vLLM preempted (their blocks are about to be reused)."""
+    """What the scheduler side hands to every worker for one step: loads and stores, the
+    requests vLLM preempted (their blocks are about to be reused), and the tokens the step
+    computes (workers time the forward per token)."""
 
     def __init__(
         self,
@@ -84,7 +85,6 @@ class KvtrioConnectorMetadata(KVConnectorMetadata):
         self.transfers = transfers
         self.preempted = preempted
         self.step_tokens = step_tokens
-        """Tokens the step computes (all requests): workers time the forward per token."""
 
     def __repr__(self) -> str:
         return f"KvtrioConnectorMetadata({self.transfers!r}, preempted={set(self.preempted)})"
@@ -102,19 +102,6 @@ class KvtrioWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         if isinstance(other, KvtrioWorkerMetadata):
             return KvtrioWorkerMetadata(self.steps + other.steps, self.loads + other.loads)
         return self
-
-
-def _opted_out(request: Request) -> str:
-    """Why ``request`` must not share KV through kvtrio's token-keyed chunks, or ''."""
-    if request.cache_salt:
-        return "it has a cache_salt"
-    if request.lora_request is not None:
-        return "it uses a LoRA adapter"
-    if request.mm_features:
-        return "it has multimodal inputs"
-    if getattr(request, "prompt_embeds", None) is not None:
-        return "it has prompt embeddings"
-    return ""
 
 
 class KvtrioConnector(KVConnectorBase_V1):
@@ -255,7 +242,7 @@ class KvtrioConnector(KVConnectorBase_V1):
             load=self.options.load if load is None else load,
             save=self.options.save if save is None else save,
         )
-        reason = _opted_out(request)
+        reason = opted_out(request)
         if reason:
             # kvtrio keys chunks by token ids alone: such a request's KV differs from another
             # request's with the same tokens, so it must neither load nor store.
@@ -383,10 +370,15 @@ class KvtrioConnector(KVConnectorBase_V1):
                 self._async_loads.add(transfer.request_id)
                 op = transfer.op
                 self._measured.time_load(op.end - op.start - op.skip_first_n_tokens, future)
-        concurrent.futures.wait(sync)  # each retrieve ends within kvtrio.timeout
-        metadata = self._get_connector_metadata() if self.has_connector_metadata() else None
-        if isinstance(metadata, KvtrioConnectorMetadata):
-            self._measured.step_started(metadata.step_tokens)
+        if sync:
+            concurrent.futures.wait(sync)  # each retrieve ends within kvtrio.timeout
+            # vLLM runs the forward after its synchronous loads: it starts now
+            self._measured.step_started(getattr(self._get_connector_metadata(), "step_tokens", 0))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward: this step's transfers, and its forward starts now."""
+        super().bind_connector_metadata(connector_metadata)
+        self._measured.step_started(getattr(connector_metadata, "step_tokens", 0))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: synchronous loads finished in :meth:`start_load_kv`."""

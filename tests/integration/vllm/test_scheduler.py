@@ -158,6 +158,33 @@ def test_blocks_are_held_until_their_stores_are_done(
     assert_no_pins(kvtrio)
 
 
+def test_auto_computes_a_hit_that_loading_would_slow_down(
+    engines: Callable[..., Engine], kvtrio: ServerProcess
+) -> None:
+    """Issue 23: ``load_policy=auto`` (the default) reports no hit to vLLM when this engine's
+    measurements say loading it takes longer than computing it; the lookup's pins are released,
+    the request computes everything and its output is the same."""
+    from kvtrio.integration._costs import CostModel
+
+    engine = engines()
+    store_prompt(engine, kvtrio)
+    engine.add("loaded", PROMPT)
+    engine.run()
+    assert engine.results["loaded"].external_cached == 5 * CHUNK  # nothing known: loaded
+    # Measurements as a tiny model's: a prefill token costs 1 µs, a load of 320 tokens 50 ms.
+    measured = CostModel(explore_every=1000)
+    measured.observe_step(1000, 0.001)
+    measured.observe_load(5 * CHUNK, 0.050)
+    engine.connector._policy.model = measured
+    engine.add("computed", PROMPT)
+    engine.run()
+    result = engine.results["computed"]
+    assert result.external_cached == 0
+    assert result.output == engine.results["loaded"].output
+    assert engine.connector._policy.stats["skipped"] == 1
+    assert_no_pins(kvtrio)
+
+
 def test_requests_opt_out_with_kv_transfer_params(
     engines: Callable[..., Engine], kvtrio: ServerProcess
 ) -> None:

@@ -316,6 +316,7 @@ class KvtrioConnector(KVConnectorBase_V1):
             for tokens, seconds in measured.steps:
                 self._costs.observe_step(tokens, seconds)
             for tokens, seconds in measured.loads:
+                log.debug("a load of %d tokens took %.1f ms", tokens, seconds * 1e3)
                 self._costs.observe_load(tokens, seconds)
 
     def request_finished(

@@ -15,8 +15,9 @@ chunk, and the chunk's bytes for that layer are the same rows in a different ord
 
 ``vllm_cpu`` has no such rows: vLLM's CPU kernels keep K transposed (``[dim, token]`` per block
 and head), so nothing longer than one element is contiguous in both. It is copied by the optional
-C helper (8×8 tile transposes, at memcpy speed), and otherwise by the blockwise path with separate
-K and V views (about half of memcpy).
+C helper (register-tile transposes of each head's K through a stage in L1, SSE2 or AVX2, at
+memcpy speed), and otherwise by the blockwise path with separate K and V views (about half of
+memcpy).
 
 The optional C helper (:mod:`._cpu_native`, built on first use when there is a C compiler) does
 the copies of C-contiguous layers of every kind: the same rows, moved with plain vector moves

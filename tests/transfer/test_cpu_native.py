@@ -163,6 +163,26 @@ def test_the_instruction_set_can_be_capped_and_reset_lifts_the_cap() -> None:
     assert helper.isa() == best
 
 
+def test_base_addresses_are_kept_only_while_their_arrays_live() -> None:
+    """The same arrays (in any list) give the cached addresses; new arrays, even ones that reuse
+    a dead array's id, and views of the same memory get their own."""
+    layers = [np.zeros(64, np.uint8) for _ in range(3)]
+    first = native._bases(layers)
+    assert first.tolist() == [layer.ctypes.data for layer in layers]
+    assert native._bases(list(layers)) is first
+    shifted = [layers[0][16:], *layers[1:]]
+    assert native._bases(shifted)[0] == layers[0].ctypes.data + 16
+    del shifted
+    reused = 0
+    for _ in range(20):  # fresh arrays, often at a dead one's id (and not always its address)
+        ids = [id(layer) for layer in layers]
+        del layers
+        layers = [np.zeros(128, np.uint8) for _ in range(3)]
+        reused += [id(layer) for layer in layers] == ids
+        assert native._bases(layers).tolist() == [layer.ctypes.data for layer in layers]
+    assert reused  # the case this test is about happened
+
+
 @needs_compiler
 def test_gather_of_repeated_blocks_and_layers_with_different_strides() -> None:
     layout = layout_of(2, 16, 2, 16)

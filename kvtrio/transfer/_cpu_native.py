@@ -1,11 +1,13 @@
 """The optional C helper of the CPU copy path, built on first use; numpy is the fallback.
 
 ``cpu_ext/kvtrio_cpu.c`` copies the ``vllm_cpu`` layout (whose K is stored transposed per block
-and head) with 8×8 register-tile transposes: numpy can only move those elements one at a time,
-at about half of memcpy (``bench/transfer.py``). It also copies the rows of the other layouts
-with plain vector moves: glibc's ``memcpy`` (which numpy uses) falls 10-20× below memory speed
-on the AMD EPYC machines here when source and destination are misaligned to each other in some
-ways, which is what a page-aligned arena slot and a numpy-allocated KV cache (16 mod 64) are.
+and head) with register-tile transposes, one head at a time through a stage in L1: numpy can only
+move those elements one at a time, at about half of memcpy (``bench/transfer.py``). The tiles use
+SSE2, or AVX2 where the CPU has it (checked at run time: the library itself assumes only
+x86-64); other CPUs get a scalar loop. The helper also copies the rows of the other layouts with
+plain vector moves: glibc's ``memcpy`` (which numpy uses) falls 10-20× below memory speed on the
+AMD EPYC machines here when source and destination are misaligned to each other in some ways,
+which is what a page-aligned arena slot and a numpy-allocated KV cache (16 mod 64) are.
 The first :func:`cpu_helper` call of a process compiles it with the C compiler (``$CC``, ``cc``
 or ``gcc``; a fraction of a second) into the kvtrio cache, keyed by a digest of the source, and
 loads it through ctypes; every later process loads the cached library. Nothing requires a
@@ -22,6 +24,7 @@ import os
 import shutil
 import subprocess
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,12 +35,15 @@ import numpy.typing as npt
 from ._cuda_build import cache_root, extension_disabled
 from ._layouts import KVLayout
 
-__all__ = ["SOURCE", "CpuHelper", "build_cpu_library", "cpu_helper", "reset"]
+__all__ = ["ISAS", "SOURCE", "CpuHelper", "build_cpu_library", "cpu_helper", "reset"]
 
 log = logging.getLogger("kvtrio.transfer")
 
 SOURCE = Path(__file__).with_name("cpu_ext") / "kvtrio_cpu.c"
-_ABI = 3
+_ABI = 4
+
+ISAS = ("scalar", "sse2", "avx2")
+"""The instruction sets the helper's copies can use, in the order of ``kvt_cpu_isa``'s levels."""
 
 Array = npt.NDArray[Any]
 
@@ -93,6 +99,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvt_cpu_vllm_cpu_copy.restype = ctypes.c_int
     lib.kvt_cpu_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
     lib.kvt_cpu_rows.restype = ctypes.c_int
+    lib.kvt_cpu_isa.argtypes = [ctypes.c_int]
+    lib.kvt_cpu_isa.restype = ctypes.c_int
     return lib
 
 
@@ -119,13 +127,39 @@ def _library() -> ctypes.CDLL | None:
 
 
 def reset() -> None:
-    """Forget the loaded helper (tests: the next call decides again)."""
+    """Forget the loaded helper (tests: the next call decides again), and lift any cap on its
+    instruction set (the library stays loaded in the process, with its state)."""
     with _lock:
+        lib = _state.get("lib")
+        if lib is not None:
+            lib.kvt_cpu_isa(len(ISAS) - 1)
         _state.clear()
 
 
+_BASES: dict[tuple[int, ...], tuple[tuple[weakref.ref[Array], ...], npt.NDArray[np.uint64]]] = {}
+"""Recent lists of layers (by the ids of their arrays): weak references to the arrays, and
+their base addresses."""
+
+
 def _bases(layers: Sequence[Array]) -> npt.NDArray[np.uint64]:
-    return np.fromiter((layer.ctypes.data for layer in layers), np.uint64, len(layers))
+    """The base addresses of ``layers``, as ``uint64``.
+
+    ``layer.ctypes.data`` costs ~3 µs an array here, a tenth of a 30-layer copy of 11 MiB, and an
+    engine hands over the same arrays every time: so the addresses are kept while those arrays
+    live (weak references tell), since an array's data never moves (a resize in place changes
+    its shape, which :mod:`._cpu` checks first; NumPy 2 cannot assign ``.data``).
+    """
+    key = tuple(map(id, layers))
+    known = _BASES.get(key)
+    if known is not None and all(
+        ref() is layer for ref, layer in zip(known[0], layers, strict=True)
+    ):  # same length: the key has an id per layer
+        return known[1]
+    bases = np.fromiter((layer.ctypes.data for layer in layers), np.uint64, len(layers))
+    if len(_BASES) >= 16:  # a few engines' caches at most; forget the old ones
+        _BASES.clear()
+    _BASES[key] = (tuple(weakref.ref(layer) for layer in layers), bases)
+    return bases
 
 
 class CpuHelper:
@@ -134,6 +168,15 @@ class CpuHelper:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
+
+    def isa(self, limit: str | None = None) -> str:
+        """The instruction set the copies use (one of :data:`ISAS`): the best the CPU has. With
+        ``limit``, first cap it there for the rest of the process (tests and benches compare the
+        paths; ``ValueError`` for a name not in :data:`ISAS`)."""
+        if limit is not None and limit not in ISAS:
+            raise ValueError(f"unknown instruction set {limit!r}: expected one of {ISAS}")
+        level = -1 if limit is None else ISAS.index(limit)
+        return ISAS[self._lib.kvt_cpu_isa(level)]
 
     def rows(
         self, layers: Sequence[Array], rows: npt.NDArray[np.intp], row_bytes: int, chunk: Array,

@@ -4,8 +4,9 @@
 :class:`SchedulerAdapter` / :class:`WorkerAdapter` built on it.
 """
 
+from ..protocol import chunk_hashes
 from ._async import AsyncClient, open_client
-from ._scheduler import SchedulerAdapter, chunk_hashes
+from ._scheduler import SchedulerAdapter
 from ._sync import Client
 from ._worker import LoadStoreOp, WorkerAdapter
 

@@ -40,6 +40,7 @@ from ._failures import Failures
 __all__ = [
     "BATCH_BYTES",
     "CopyPath",
+    "Retrieved",
     "Span",
     "count_failed_slots",
     "failure_cause",
@@ -147,6 +148,15 @@ class Span:
         return tuple(self.hashes[s.chunk - self.first] for s in slots if s.status == status)
 
 
+@attrs.define
+class Retrieved:
+    """What a retrieve loaded: chunk indices (in the prompt), and the causes of the chunks
+    whose batch the server refused (the others not loaded are ``missing``)."""
+
+    loaded: set[int] = attrs.field(factory=set)
+    causes: dict[int, str] = attrs.field(factory=dict)
+
+
 class CopyPath(Protocol):
     """How one worker adapter's operations move bytes (see the module docstring).
 
@@ -182,19 +192,11 @@ class CopyPath(Protocol):
         which the caller does not wait for in the transfer thread."""
         ...
 
-    def retrieve(
-        self,
-        span: Span,
-        keep_before: int,
-        event: bytes,
-        loaded: set[int],
-        causes: dict[int, str],
-        copied: Callable[[], None],
-    ) -> None:
+    def retrieve(self, span: Span, keep_before: int, event: bytes) -> Retrieved:
         """Copy the chunks the server has into the engine's blocks, leaving the tokens before
-        ``keep_before`` alone; add each chunk in place to ``loaded``, give chunks the server
-        did not answer a cause in ``causes``, call ``copied`` when that is all (before any
-        clean-up request is sent)."""
+        ``keep_before`` alone; which chunks were loaded, and why the others were not (the
+        chunks the server did not answer). Raises for a failure of the whole operation: then
+        none counts as loaded."""
         ...
 
 

@@ -23,14 +23,11 @@ from ..protocol import (
     LookupReply,
     PromptChunks,
     Reply,
-    as_block_hashes,
-    block_chunk_hashes,
     prompt_chunks,
-    token_chunk_hashes,
 )
 from ._sync import Client
 
-__all__ = ["SchedulerAdapter", "as_block_hashes", "chunk_hashes"]
+__all__ = ["SchedulerAdapter"]
 
 log = logging.getLogger("kvtrio.client")
 
@@ -56,28 +53,6 @@ def _batches(queue: list[tuple[str, _Queued]], world_size: int) -> list[list[tup
         batches[-1].append(entry)
         keys += size
     return batches
-
-
-def chunk_hashes(
-    chunk_size: int,
-    block_size: int,
-    *,
-    token_ids: Sequence[int] | None = None,
-    block_hashes: Sequence[bytes | int] | None = None,
-    end: int | None = None,
-) -> list[bytes]:
-    """The chunk hashes of the full chunks of the prompt's first ``end`` tokens (all of it by
-    default), from its engine block hashes (hash mode, preferred when given) or its token ids.
-
-    Raises ``ValueError`` when neither is given, ``TypeError``/``OverflowError`` for token ids
-    that are not integers in ``[0, 2**32)``.
-    """
-    if block_hashes is not None:
-        blocks = as_block_hashes(block_hashes if end is None else block_hashes[: end // block_size])
-        return block_chunk_hashes(blocks, max(1, chunk_size // block_size))
-    if token_ids is not None:
-        return token_chunk_hashes(token_ids if end is None else token_ids[:end], chunk_size)
-    raise ValueError("the prompt's token ids or block hashes are needed")
 
 
 class _Queued:

@@ -53,7 +53,7 @@ from ..protocol import (
 from ..transfer import KVLayout
 from ..transfer.cuda import CudaRuntime, torch_runtime
 from ._arena_worker import ArenaCopies
-from ._copies import CopyPath, Span, when_all
+from ._copies import CopyPath, Retrieved, Span, when_all
 from ._cuda_worker import CudaCopies, is_cuda_cache
 from ._failures import Failures
 from ._registration import Current, Registration
@@ -383,14 +383,12 @@ class WorkerAdapter:
         self, request_id: str, op: LoadStoreOp, engine_event: bytes, done: Future[None]
     ) -> None:
         first, last = op.start // self.chunk_size, self._chunks_to(op.end)
-        loaded: set[int] = set()
-        causes: dict[int, str] = {}  # chunks of batches the server refused
+        result = Retrieved()  # (nothing loaded, if the whole retrieve fails)
         cause = ""
 
         def finished() -> None:
-            """Report the retrieve (once): which blocks failed, and that it is done."""
-            if done.done():
-                return
+            """Report the retrieve: which blocks failed, and that it is done."""
+            loaded, causes = result.loaded, result.causes
             kept = set(op.block_ids[: (op.start + op.skip_first_n_tokens) // self.block_size])
             missing = [c for c in range(first, last) if c not in loaded]
             failed = {b for c in missing for b in self._blocks_of(op, c) if b not in kept}
@@ -414,8 +412,7 @@ class WorkerAdapter:
                 assert self._path is not None
                 span = self._span(current, request_id, op, store=False)
                 keep_before = op.start + op.skip_first_n_tokens  # the engine has these tokens
-                # (reported before any release is sent: the engine need not wait for that)
-                self._path.retrieve(span, keep_before, engine_event, loaded, causes, finished)
+                result = self._path.retrieve(span, keep_before, engine_event)
         except NotRegistered:
             cause = "not_registered"
             self._lost()

@@ -54,6 +54,7 @@ from ._hashes import (
     as_block_hashes,
     block_chunk_hashes,
     block_hash_scheme,
+    chunk_hashes,
     prompt_chunks,
     token_chunk_hashes,
 )
@@ -138,6 +139,7 @@ __all__ = [
     "as_int_array",
     "block_chunk_hashes",
     "block_hash_scheme",
+    "chunk_hashes",
     "converter",
     "decode_header",
     "decode_reply",

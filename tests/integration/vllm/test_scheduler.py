@@ -175,13 +175,13 @@ def test_auto_computes_a_hit_that_loading_would_slow_down(
     measured = CostModel(explore_every=1000)
     measured.observe_step(1000, 0.001)
     measured.observe_load(5 * CHUNK, 0.050)
-    engine.connector._policy.model = measured
+    engine.connector.scheduler_side.policy.model = measured
     engine.add("computed", PROMPT)
     engine.run()
     result = engine.results["computed"]
     assert result.external_cached == 0
     assert result.output == engine.results["loaded"].output
-    assert engine.connector._policy.stats["skipped"] == 1
+    assert engine.connector.scheduler_side.policy.stats["skipped"] == 1
     assert_no_pins(kvtrio)
 
 

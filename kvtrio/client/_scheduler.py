@@ -12,6 +12,7 @@ from concurrent.futures import Future
 
 from ..errors import ErrorCode, KvtrioError, ServerError
 from ..protocol import (
+    DEFAULT_CHUNK_SIZE,
     MAX_HASHES,
     MAX_LOOKUP_BATCH,
     MAX_LOOKUP_KEYS,
@@ -30,8 +31,6 @@ from ._sync import Client
 __all__ = ["SchedulerAdapter"]
 
 log = logging.getLogger("kvtrio.client")
-
-_DEFAULT_CHUNK_SIZE = 256
 
 
 def lookup_limit(world_size: int) -> int:
@@ -132,7 +131,7 @@ class SchedulerAdapter:
     @property
     def chunk_size(self) -> int:
         info = self.client.server_info
-        return info.chunk_size if info is not None else _DEFAULT_CHUNK_SIZE
+        return info.chunk_size if info is not None else DEFAULT_CHUNK_SIZE
 
     def num_blocks_per_chunk(self) -> int:
         """Engine blocks per cached chunk (a method, as in vLLM's adapter)."""

@@ -41,6 +41,7 @@ import attrs
 
 from ..errors import KvtrioError, NotRegistered
 from ..protocol import (
+    DEFAULT_CHUNK_SIZE,
     HASH_SCHEME_TOKENS,
     HelloReply,
     LayoutSpec,
@@ -231,7 +232,7 @@ class WorkerAdapter:
     @property
     def chunk_size(self) -> int:
         current = self._registration.current()
-        return current.registered.chunk_size if current is not None else 256
+        return current.registered.chunk_size if current is not None else DEFAULT_CHUNK_SIZE
 
     # ----------------------------------------------------------------- submitting
 

@@ -49,6 +49,7 @@ from ._codec import (
     read_request_header,
 )
 from ._hashes import (
+    DEFAULT_CHUNK_SIZE,
     HASH_SCHEME_TOKENS,
     PromptChunks,
     as_block_hashes,
@@ -83,6 +84,7 @@ from ._messages import (
 from ._operations import OPERATIONS, REQUEST_TYPES
 
 __all__ = [
+    "DEFAULT_CHUNK_SIZE",
     "ERROR_KIND",
     "HASH_SCHEME_TOKENS",
     "MAX_HASHES",

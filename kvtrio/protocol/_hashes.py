@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import attrs
 
 __all__ = [
+    "DEFAULT_CHUNK_SIZE",
     "HASH_SCHEME_TOKENS",
     "PromptChunks",
     "as_block_hashes",
@@ -45,6 +46,9 @@ __all__ = [
     "prompt_chunks",
     "token_chunk_hashes",
 ]
+
+DEFAULT_CHUNK_SIZE = 256
+"""Tokens per chunk of a server not told otherwise (``hello`` says what a server uses)."""
 
 HASH_SCHEME_TOKENS = "tokens/sha256-128/v1"
 """The hash scheme of token mode."""

@@ -2,17 +2,19 @@
 
     python bench/_ttft_engine.py CONFIG_JSON
 
-``CONFIG_JSON``: ``{"model": DIR, "kvtrio": URL or null, "max_model_len": int, "name": str}``.
-Its stdout is the protocol channel (vLLM's own output goes to stderr); one JSON object a line
-each way. Once the engine is up it writes ``{"ready": {...}}``; then, for each command read on
-stdin:
+``CONFIG_JSON``: ``{"model": DIR, "kvtrio": URL or null, "max_model_len": int}``. Its stdout
+is the protocol channel (vLLM's own output goes to stderr); one JSON object a line each way.
+Once the engine is up it writes ``{"ready": INFO}`` (start-up seconds, attention kernels, PID);
+then, for each command read on stdin:
 
 * ``{"op": "run", "id": str, "tokens": [int], "max_tokens": int}`` → ``{"id": str, "ttft_s":
-  float, "total_s": float, "token_ids": [int], "num_cached_tokens": int, "margins": [float]}``:
-  the request is added to the engine (``LLMEngine.add_request``) and the engine stepped until
-  the request's first output token (``ttft_s``, from just before ``add_request``), then until it
-  finishes (``total_s``). ``margins``: per generated token, its logprob minus the runner-up's
-  (how far greedy decoding was from a tie there);
+  float, "total_s": float, "token_times_s": [float], "token_ids": [int], "num_cached_tokens":
+  int, "margins": [float]}``: the request is added to the engine (``LLMEngine.add_request``)
+  and the engine stepped until the request finishes; ``token_times_s``: when each output token
+  arrived, in seconds from just before ``add_request`` (``ttft_s`` is the first, ``total_s``
+  the last). ``margins``: per output token, its logprob minus the runner-up's (how far greedy
+  decoding was from a tie there);
+* ``{"op": "report"}`` → ``{"report": INFO}`` with ``"requests"``, the requests run so far;
 * ``{"op": "exit"}`` → ``{"bye": true}``, then the engine is shut down and the process exits.
 
 Any failure is answered with ``{"error": str}`` (and the process exits on a broken pipe).
@@ -76,18 +78,18 @@ def _run(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
     assert not engine.has_unfinished_requests(), "one request at a time"
     start = time.perf_counter()
     engine.add_request(command["id"], TokensPrompt(prompt_token_ids=command["tokens"]), params)
-    ttft = None
+    token_times: list[float] = []  # seconds from the start to each output token's arrival
     final = None
     # The only request in flight: every output is its (vLLM may suffix the request id).
     while engine.has_unfinished_requests():
         for output in engine.step():
-            if ttft is None and output.outputs and output.outputs[0].token_ids:
-                ttft = time.perf_counter() - start
+            now = time.perf_counter() - start
+            produced = len(output.outputs[0].token_ids) if output.outputs else 0
+            token_times += [now] * (produced - len(token_times))
             if output.finished:
                 final = output
-    if final is None:
+    if final is None or not token_times:
         raise RuntimeError(f"request {command['id']} ended without a final output")
-    total = time.perf_counter() - start
     completion = final.outputs[0]
     margins = []
     for token, logprobs in zip(completion.token_ids, completion.logprobs or [], strict=False):
@@ -96,8 +98,9 @@ def _run(llm: Any, command: dict[str, Any]) -> dict[str, Any]:
         margins.append(chosen - max(others) if others else float("inf"))
     return {
         "id": command["id"],
-        "ttft_s": ttft if ttft is not None else total,
-        "total_s": total,
+        "ttft_s": token_times[0],
+        "total_s": token_times[-1],
+        "token_times_s": token_times,
         "token_ids": list(completion.token_ids),
         "num_cached_tokens": int(final.num_cached_tokens or 0),
         "margins": margins,
@@ -133,22 +136,23 @@ def main() -> None:
         dtype="float32",
         **options,
     )
-    _send(
-        channel,
-        {
-            "ready": {
-                "startup_s": time.perf_counter() - started,
-                "attention_kernel": _attention_kernel(llm),
-                "pid": os.getpid(),
-            }
-        },
-    )
+    info: dict[str, Any] = {
+        "startup_s": time.perf_counter() - started,
+        "attention_kernel": _attention_kernel(llm),
+        "pid": os.getpid(),
+        "requests": 0,
+    }
+    _send(channel, {"ready": info})
     for line in sys.stdin:
         command = json.loads(line)
         try:
             if command["op"] == "exit":
                 _send(channel, {"bye": True})
                 break
+            if command["op"] == "report":
+                _send(channel, {"report": info})
+                continue
+            info["requests"] += 1
             _send(channel, _run(llm, command))
         except Exception:
             _send(channel, {"error": traceback.format_exc()})

@@ -46,10 +46,11 @@ float rounding may flip a greedy choice).
 
 Output, in ``--out`` (default ``ttft-results/<time>``): the table (``table.txt``, also
 printed: per length and case the median TTFT, its min–max, the ratio to ``vllm``'s median, the
-cached tokens and the median full time), ``ttft.json`` (every run, the environment and
-settings) and ``ttft.png`` (TTFT against prompt length, one line per case; needs matplotlib,
-kvtrio's ``plot`` extra), and the logs of the server and of each engine. Timing is never judged:
-this machine may be shared and noisy; compare rows of one run.
+cached tokens, the median full time and the median time per output token after the first),
+``ttft.json`` (every run with its token arrival times, the environment and settings, the
+server's counters) and ``ttft.png`` (TTFT against prompt length, one line per case; needs
+matplotlib, kvtrio's ``plot`` extra), and the logs of the server and of each engine. Timing is
+never judged: this machine may be shared and noisy; compare rows of one run.
 """
 
 from __future__ import annotations
@@ -370,16 +371,23 @@ def summarize(runs: list[dict[str, Any]], lengths: Sequence[int]) -> list[dict[s
                     "ratio_to_vllm": median / base if base else None,
                     "cached_tokens": sorted({r["num_cached_tokens"] for r in mine}),
                     "total_median_s": statistics.median(r["total_s"] for r in mine),
+                    "decode_median_s": statistics.median(decode_per_token(r) for r in mine),
                     "mismatches": sum(1 for r in mine if not r["match"]),
                 }
             )
     return rows
 
 
+def decode_per_token(run: dict[str, Any]) -> float:
+    """Seconds per output token after the first (the decode steps)."""
+    steps = len(run["token_ids"]) - 1
+    return (run["total_s"] - run["ttft_s"]) / steps if steps > 0 else 0.0
+
+
 def table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         f"{'tokens':>7} {'case':6} {'runs':>4} {'TTFT ms':>9} {'min–max ms':>17} "
-        f"{'× vllm':>7} {'cached':>11} {'full ms':>9}"
+        f"{'× vllm':>7} {'cached':>11} {'full ms':>9} {'ms/token':>8}"
     ]
     for row in rows:
         cached = row["cached_tokens"]
@@ -390,7 +398,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"{row['length']:>7} {row['case']:6} {row['runs']:>4} "
             f"{row['ttft_median_s'] * 1e3:>9.0f} {spread:>17} {ratio:>7} {cached_text:>11} "
-            f"{row['total_median_s'] * 1e3:>9.0f}{flag}"
+            f"{row['total_median_s'] * 1e3:>9.0f} {row['decode_median_s'] * 1e3:>8.0f}{flag}"
         )
     return lines
 
@@ -556,7 +564,8 @@ class Bench:
             "phase": phase, "case": case, "engine": engine.name, "round": rnd, "length": length,
             "ttft_s": result["ttft_s"], "total_s": result["total_s"],
             "num_cached_tokens": result["num_cached_tokens"], "token_ids": result["token_ids"],
-            "margins": result["margins"], "match": True, "load_average": os.getloadavg()[0],
+            "margins": result["margins"], "token_times_s": result.get("token_times_s"),
+            "match": True, "load_average": os.getloadavg()[0],
         }  # fmt: skip
         if case == "vllm":
             self.references[prompt_id] = run

@@ -31,7 +31,8 @@ which every case runs (nothing is shared by accident; the server and its L2 are 
 1. ``vllm``: an engine without connector (its tokens are the reference);
 2. ``miss``: engine E1 with kvtrio computes the prompt: lookup, compute, store;
 3. ``other``: engine E2, alive beside E1 on the same server, runs it once the server holds
-   E1's chunks (stores finish after the request does);
+   E1's chunks in L1 (stores finish after the request does; the write-behind to disk may
+   still run meanwhile);
 4. ``l1``: after E1 and E2 have exited, a new engine E3 runs every prompt again (L1 hits);
 5. ``l2``: once the write-behind has written every chunk to disk (the server's stats), kvtrio
    is stopped (SIGTERM: it drains) and started again on the same disk, and a new engine E4

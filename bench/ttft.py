@@ -20,7 +20,10 @@ token is kvtrio's), eager mode, seed 0, each a long-lived child process
 from ``add_request`` until the request's first output token (**TTFT**), then until its last
 (**full** time; ``--max-tokens`` greedy tokens, EOS ignored). Every run records the tokens and
 vLLM's ``num_cached_tokens`` (the tokens loaded from kvtrio). Each engine first runs two short
-warm-up prompts (less than a chunk, so kvtrio stores none of them).
+warm-up prompts (less than a chunk: kvtrio stores only their partial chunks, which no measured
+prompt shares). Before every run the bench waits until the engines and the server are idle
+(vLLM's idle workers spin for a second after a request, kvtrio's write-behind runs after a
+store), so that no case pays for the one before it.
 
 **kvtrio.** ``kvtrio serve`` on an ipc:// socket in a temporary directory, chunks of 256
 tokens, an L1 that holds every prompt of the run and a disk L2 in the same directory.
@@ -209,6 +212,35 @@ def start_engines(
 
 
 # --------------------------------------------------------------------------- server
+
+
+def settle(pids: Sequence[int | None], quiet: float = 0.05, timeout: float = 15.0) -> float:
+    """Wait until the processes ``pids`` and their children use less than ``quiet`` of a core
+    over 0.2 s, at most ``timeout`` s; the seconds waited. vLLM's idle workers spin for a
+    second after each request and kvtrio's write-behind runs after a store: every case starts
+    with its neighbours quiet, so that no case pays for the one before it."""
+    import psutil  # a vLLM dependency: in the environment that runs this bench
+
+    def cpu_seconds() -> float:
+        total = 0.0
+        for pid in pids:
+            if pid is None:
+                continue
+            try:
+                proc = psutil.Process(pid)
+                for p in (proc, *proc.children(recursive=True)):
+                    times = p.cpu_times()
+                    total += times.user + times.system
+            except psutil.Error:
+                continue
+        return total
+
+    started = time.monotonic()
+    while True:
+        before = cpu_seconds()
+        time.sleep(0.2)  # (the window the CPU time is measured over)
+        if cpu_seconds() - before < quiet * 0.2 or time.monotonic() - started > timeout:
+            return time.monotonic() - started
 
 
 def stats(url: str) -> StatsReply:
@@ -521,6 +553,7 @@ class Bench:
         self.rng = random.Random(args.seed)
         self.elapsed = 0.0
         self.runs: list[dict[str, Any]] = []
+        self.live: list[Engine] = []  # the engines up now (each case waits for them to idle)
         self.problems: list[str] = []
         self.references: dict[str, dict[str, Any]] = {}
         self.prompts: list[tuple[int, int, list[int]]] = []  # (round, length, tokens)
@@ -558,6 +591,7 @@ class Bench:
             log(f"  ✗ {self.problems[-1]}")
 
     def record(self, engine: Engine, case: str, phase: str, rnd: int, tokens: list[int]) -> None:
+        settle([*(e.proc.pid for e in self.live), self.server.pid])
         length = len(tokens)
         prompt_id = f"r{rnd}-{length}"
         result = engine.run(f"{case}-{prompt_id}", tokens, self.args.max_tokens)
@@ -583,6 +617,7 @@ class Bench:
             ["vllm", "E1", "E2"], self.model, self.url, self.settings(), self.env
         )
         alone, e1, e2 = engines
+        self.live = engines
         try:
             self.check_context(alone)
             for engine in engines:
@@ -602,6 +637,7 @@ class Bench:
 
     def phase_again(self, name: str, case: str, phase: str) -> None:
         (engine,) = start_engines([name], self.model, self.url, self.settings(), self.env)
+        self.live = [engine]
         try:
             self.warm_up(engine)
             for rnd, _, tokens in self.prompts:

@@ -76,7 +76,7 @@ def _some_blocks(
 
 
 class ArenaCopies:
-    """The :class:`~._copies.CopyPath` of CPU tensors (see the module docstring).
+    """The :class:`~._copies.WorkerCopies` of CPU tensors (see the module docstring).
 
     ``arrays`` are numpy views of the engine's layers; ``on_not_registered`` is called (in any
     thread) when the server says this connection has no registration.

@@ -1,6 +1,6 @@
 """How a worker adapter's stores and retrieves move bytes: the copy path and what it works on.
 
-A :class:`CopyPath` is chosen once, when the engine registers its KV tensors
+A :class:`WorkerCopies` is chosen once, when the engine registers its KV tensors
 (:meth:`~kvtrio.client.WorkerAdapter.register_kv_caches`), and every store and retrieve of
 the adapter runs on it, in the adapter's transfer thread:
 
@@ -39,9 +39,9 @@ from ._failures import Failures
 
 __all__ = [
     "BATCH_BYTES",
-    "CopyPath",
     "Retrieved",
     "Span",
+    "WorkerCopies",
     "count_failed_slots",
     "failure_cause",
     "reply_of",
@@ -157,7 +157,7 @@ class Retrieved:
     causes: dict[int, str] = attrs.field(factory=dict)
 
 
-class CopyPath(Protocol):
+class WorkerCopies(Protocol):
     """How one worker adapter's operations move bytes (see the module docstring).
 
     Every method but :meth:`engine_event` runs in the adapter's transfer thread, one call at

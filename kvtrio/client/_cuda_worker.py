@@ -1,6 +1,6 @@
 """The copy path of CUDA tensors: the server copies over CUDA IPC; the worker hands it events.
 
-With CUDA tensors the server copies (``docs/gpu.md``): this :class:`~._copies.CopyPath`
+With CUDA tensors the server copies (``docs/gpu.md``): this :class:`~._copies.WorkerCopies`
 describes the layers (IPC handles, shape/stride/offset/dtype, the GPU's UUID) for the
 ``register`` message, records an interprocess event on the engine's current stream when an
 operation is submitted (after the forward step the engine queued), sends the operation's engine

@@ -54,10 +54,10 @@ from ..protocol import (
 from ..transfer import KVLayout
 from ..transfer.cuda import CudaRuntime, torch_runtime
 from ._arena_worker import ArenaCopies
-from ._copies import CopyPath, Retrieved, Span, when_all
+from ._copies import Retrieved, Span, WorkerCopies, when_all
 from ._cuda_worker import CudaCopies, is_cuda_cache
 from ._failures import Failures
-from ._registration import Current, Registration
+from ._registration import Current, Registrar
 from ._sync import Client
 from ._tensors import describe_kv_caches
 
@@ -121,7 +121,7 @@ class WorkerAdapter:
         self.engine_id = engine_id
         self.timeout = timeout
         self._cuda_runtime = cuda_runtime
-        self._path: CopyPath | None = None
+        self._path: WorkerCopies | None = None
         """How this rank's bytes move: chosen by :meth:`register_kv_caches`."""
         self._lock = threading.Lock()
         self.failures = Failures()
@@ -141,7 +141,7 @@ class WorkerAdapter:
             server_key=server_key,
             client_key=client_key,
         )
-        self._registration = Registration(
+        self._registration = Registrar(
             self.client, self._register_request, self._attach, self._transfers, self.failures,
             kv_rank, timeout,
         )  # fmt: skip
@@ -163,7 +163,7 @@ class WorkerAdapter:
         self._registration.register()
         self._registration.wait(time.monotonic() + self.timeout, attach=False)
 
-    def _copy_path(self, kv_caches: Mapping[str, Any], layout: str | None) -> CopyPath:
+    def _copy_path(self, kv_caches: Mapping[str, Any], layout: str | None) -> WorkerCopies:
         """The copy path of these tensors: the server's CUDA copies for CUDA tensors, the
         arena's host copies for CPU tensors (``ValueError`` for tensors it cannot serve)."""
         lost = self._lost

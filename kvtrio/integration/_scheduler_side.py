@@ -18,8 +18,8 @@ from ..client import SchedulerAdapter
 from ._costs import CostModel, LoadPolicy
 from ._options import ConnectorOptions, opted_out, request_switches
 from ._planner import (
+    PlannedTransfer,
     RequestPlan,
-    Transfer,
     held_after_lookup,
     plan_load,
     plan_store,
@@ -38,7 +38,7 @@ class StepPlan:
     __slots__ = ("preempted", "step_tokens", "transfers")
 
     def __init__(
-        self, transfers: list[Transfer], preempted: frozenset[str], step_tokens: int
+        self, transfers: list[PlannedTransfer], preempted: frozenset[str], step_tokens: int
     ) -> None:
         self.transfers = transfers
         self.preempted = preempted
@@ -57,7 +57,7 @@ class SchedulerSide:
         self._plans: dict[str, RequestPlan] = {}
         self._requests: dict[str, Any] = {}
         self._step_waited = False  # a lookup was waited for in this scheduler step
-        self._ready: list[Transfer] = []
+        self._ready: list[PlannedTransfer] = []
         self._warned_chunk = False
         self.costs = CostModel(min_step_tokens=max(64, 2 * block_size))
         self.policy = LoadPolicy(options.load_policy, self.costs)

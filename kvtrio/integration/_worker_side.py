@@ -16,7 +16,7 @@ from typing import Any
 from ..client import WorkerAdapter
 from ._costs import Measurements
 from ._cpu_kernels import check_cpu_kernels
-from ._planner import Transfer
+from ._planner import PlannedTransfer
 from ._scheduler_side import StepPlan
 
 __all__ = ["WorkerSide"]
@@ -85,7 +85,7 @@ class WorkerSide:
             pending = [f for f in self._stores.get(transfer.request_id, ()) if not f.done()]
             self._stores[transfer.request_id] = [*pending, future]
 
-    def _transfers(self, kind: str) -> list[Transfer]:
+    def _transfers(self, kind: str) -> list[PlannedTransfer]:
         step = self._step
         return [] if step is None else [t for t in step.transfers if t.kind == kind]
 

@@ -39,7 +39,7 @@ from vllm.v1.request import RequestStatus
 
 from ..client import SchedulerAdapter, WorkerAdapter
 from ._options import parse_options
-from ._planner import Transfer
+from ._planner import PlannedTransfer
 from ._scheduler_side import SchedulerSide, StepPlan
 from ._worker_side import WorkerSide
 
@@ -72,7 +72,7 @@ class KvtrioConnectorMetadata(KVConnectorMetadata, StepPlan):  # type: ignore[mi
 
     def __init__(
         self,
-        transfers: list[Transfer],
+        transfers: list[PlannedTransfer],
         preempted: frozenset[str] = frozenset(),
         step_tokens: int = 0,
     ) -> None:

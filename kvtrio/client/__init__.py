@@ -6,13 +6,16 @@
 
 from ..protocol import chunk_hashes
 from ._async import AsyncClient, open_client
+from ._copies import LoadStoreOp
+from ._identity import EngineIdentity
 from ._scheduler import SchedulerAdapter
 from ._sync import Client
-from ._worker import LoadStoreOp, WorkerAdapter
+from ._worker import WorkerAdapter
 
 __all__ = [
     "AsyncClient",
     "Client",
+    "EngineIdentity",
     "LoadStoreOp",
     "SchedulerAdapter",
     "WorkerAdapter",

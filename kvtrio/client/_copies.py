@@ -18,7 +18,7 @@ helpers below are shared by both paths.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
@@ -39,6 +39,7 @@ from ._failures import Failures
 
 __all__ = [
     "BATCH_BYTES",
+    "LoadStoreOp",
     "Retrieved",
     "Span",
     "WorkerCopies",
@@ -52,6 +53,33 @@ BATCH_BYTES = 32 << 20
 """Chunk bytes per request of a split store or retrieve (at least one chunk)."""
 
 _R = TypeVar("_R", bound=Reply)
+
+
+def _ints(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+@attrs.frozen
+class LoadStoreOp:
+    """One store or retrieve of a request (vLLM's LMCache adapter ``LoadStoreOp``).
+
+    ``block_ids`` are the request's engine blocks from its first token on; ``[start, end)`` is
+    the token range to move, in whole blocks (``start`` a multiple of the chunk size). Give the
+    prompt as ``token_ids`` or ``block_hashes`` (hash mode). A store moves the full chunks of
+    the prompt's first ``end`` tokens and then, as its *partial chunk*, the whole blocks after
+    them. A retrieve names the chunks from the whole prompt, as its lookup did (the partial
+    chunk of the prompt's whole blocks after its full chunks), writes only the blocks before
+    ``end`` (the last chunk may be loaded in part), and leaves the first
+    ``skip_first_n_tokens`` tokens of the range alone (a whole number of blocks): the engine
+    has them already, in blocks other requests may be reading.
+    """
+
+    block_ids: tuple[int, ...] = attrs.field(converter=_ints)
+    token_ids: Sequence[int] | None = None
+    block_hashes: Sequence[bytes | int] | None = None
+    start: int = 0
+    end: int = 0
+    skip_first_n_tokens: int = 0
 
 
 @attrs.frozen

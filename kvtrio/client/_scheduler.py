@@ -26,6 +26,7 @@ from ..protocol import (
     Reply,
     prompt_chunks,
 )
+from ._identity import EngineIdentity
 from ._sync import Client
 
 __all__ = ["SchedulerAdapter"]
@@ -127,6 +128,14 @@ class SchedulerAdapter:
         )
         """Fire-and-forget requests not known to be answered yet (checked for failures later)."""
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_identity(cls, identity: EngineIdentity) -> SchedulerAdapter:
+        """The scheduler adapter of the engine ``identity`` names."""
+        i = identity
+        return cls(i.server_url, i.model_name, i.world_size, i.kv_rank, i.block_size,
+                   tenant=i.tenant, engine_id=i.engine_id, timeout=i.timeout,
+                   server_key=i.server_key, client_key=i.client_key)  # fmt: skip
 
     @property
     def chunk_size(self) -> int:

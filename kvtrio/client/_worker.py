@@ -37,8 +37,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import attrs
-
 from ..errors import KvtrioError, NotRegistered
 from ..protocol import (
     DEFAULT_CHUNK_SIZE,
@@ -54,9 +52,10 @@ from ..protocol import (
 from ..transfer import KVLayout
 from ..transfer.cuda import CudaRuntime, torch_runtime
 from ._arena_worker import ArenaCopies
-from ._copies import Retrieved, Span, WorkerCopies, when_all
+from ._copies import LoadStoreOp, Retrieved, Span, WorkerCopies, when_all
 from ._cuda_worker import CudaCopies, is_cuda_cache
 from ._failures import Failures
+from ._identity import EngineIdentity
 from ._registration import Current, Registrar
 from ._sync import Client
 from ._tensors import describe_kv_caches
@@ -64,33 +63,6 @@ from ._tensors import describe_kv_caches
 __all__ = ["LoadStoreOp", "WorkerAdapter"]
 
 log = logging.getLogger("kvtrio.client")
-
-
-def _ints(values: Iterable[int]) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
-
-
-@attrs.frozen
-class LoadStoreOp:
-    """One store or retrieve of a request (vLLM's LMCache adapter ``LoadStoreOp``).
-
-    ``block_ids`` are the request's engine blocks from its first token on; ``[start, end)`` is
-    the token range to move, in whole blocks (``start`` a multiple of the chunk size). Give the
-    prompt as ``token_ids`` or ``block_hashes`` (hash mode). A store moves the full chunks of
-    the prompt's first ``end`` tokens and then, as its *partial chunk*, the whole blocks after
-    them. A retrieve names the chunks from the whole prompt, as its lookup did (the partial
-    chunk of the prompt's whole blocks after its full chunks), writes only the blocks before
-    ``end`` (the last chunk may be loaded in part), and leaves the first
-    ``skip_first_n_tokens`` tokens of the range alone (a whole number of blocks): the engine
-    has them already, in blocks other requests may be reading.
-    """
-
-    block_ids: tuple[int, ...] = attrs.field(converter=_ints)
-    token_ids: Sequence[int] | None = None
-    block_hashes: Sequence[bytes | int] | None = None
-    start: int = 0
-    end: int = 0
-    skip_first_n_tokens: int = 0
 
 
 class WorkerAdapter:
@@ -145,6 +117,17 @@ class WorkerAdapter:
             self.client, self._register_request, self._attach, self._transfers, self.failures,
             kv_rank, timeout,
         )  # fmt: skip
+
+    @classmethod
+    def from_identity(
+        cls, identity: EngineIdentity, *, cuda_runtime: CudaRuntime | None = None
+    ) -> WorkerAdapter:
+        """The worker adapter of rank ``identity.kv_rank`` of the engine ``identity`` names."""
+        i = identity
+        return cls(i.server_url, i.model_name, i.world_size, i.kv_rank, i.block_size,
+                   tenant=i.tenant, engine_id=i.engine_id, timeout=i.timeout,
+                   cuda_runtime=cuda_runtime, server_key=i.server_key,
+                   client_key=i.client_key)  # fmt: skip
 
     # ----------------------------------------------------------------- registration
 

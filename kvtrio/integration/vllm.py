@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - older vLLM: `load_policy=auto` never l
     KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
 from vllm.v1.request import RequestStatus
 
-from ..client import SchedulerAdapter, WorkerAdapter
+from ..client import EngineIdentity, SchedulerAdapter, WorkerAdapter
 from ._options import parse_options
 from ._planner import PlannedTransfer
 from ._scheduler_side import SchedulerSide, StepPlan
@@ -113,26 +113,26 @@ class KvtrioConnector(KVConnectorBase_V1):
         self.block_size: int = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
         model = options.model or vllm_config.model_config.model
-        common: dict[str, Any] = {
-            "model_name": model,
-            "world_size": parallel.world_size,
-            "kv_rank": parallel.rank,
-            "block_size": self.block_size,
-            "tenant": options.tenant,
-            "timeout": options.timeout,
-            "server_key": "none" if options.insecure else options.server_key or None,
-            "client_key": options.client_key or None,
-            # Shared by this engine's scheduler and workers (vLLM hands them one config):
-            # the server scopes request ids by it, so engines never touch each other's requests.
-            "engine_id": str(getattr(transfer_config, "engine_id", None) or ""),
-        }
+        identity = EngineIdentity(
+            options.url,
+            model,
+            parallel.world_size,
+            parallel.rank,
+            self.block_size,
+            tenant=options.tenant,
+            # (vLLM hands this engine's scheduler and workers one config, so one engine id)
+            engine_id=str(getattr(transfer_config, "engine_id", None) or ""),
+            timeout=options.timeout,
+            server_key="none" if options.insecure else options.server_key or None,
+            client_key=options.client_key or None,
+        )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            adapter = SchedulerAdapter(options.url, **common)
+            adapter = SchedulerAdapter.from_identity(identity)
             self._scheduler = SchedulerSide(options, self.block_size, adapter)
         else:
-            self._worker = WorkerSide(WorkerAdapter(options.url, **common), vllm_config)
+            self._worker = WorkerSide(WorkerAdapter.from_identity(identity), vllm_config)
         log.info("kvtrio connector (%s) for %s at %s", role.name, model, options.url)
 
     @property

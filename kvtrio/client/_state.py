@@ -194,12 +194,16 @@ class ReplyFuture(Future[Reply]):
         pending and whoever receives next settles it."""
         if self._shared is not None and not self.finished:
             self._shared.wait(self, timeout)
+            if not self.finished:  # ``timeout`` has passed: the base class must not wait anew
+                timeout = 0
         return super().result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """As :meth:`result`, returning the error instead of raising it."""
         if self._shared is not None and not self.finished:
             self._shared.wait(self, timeout)
+            if not self.finished:
+                timeout = 0
         return super().exception(timeout)
 
     # ``finished`` is set first: done callbacks run inside ``set_result`` and may call

@@ -135,3 +135,18 @@ def test_a_waiting_caller_takes_over_when_the_receiving_one_leaves(endpoint: str
         server.answer(second_request, Pong("raw"))
         assert isinstance(second.result(timeout=5), Pong)
         assert time.monotonic() - start < 0.5
+
+
+def test_result_with_a_timeout_waits_that_long_once(endpoint: str) -> None:
+    # Was: the caller received until ``timeout`` passed, then Future.result waited ``timeout``
+    # again, without receiving (TimeoutError after 2.0 s for 1.0 s).
+    with client_of_raw_server(endpoint) as (client, server):
+        future = client.submit(Ping(), timeout=30)
+        taken = server.take()
+        for wait in (future.result, future.exception):
+            start = time.monotonic()
+            with pytest.raises(concurrent.futures.TimeoutError):
+                wait(1.0)
+            assert 0.99 <= time.monotonic() - start < 1.8
+        server.answer(taken, Pong("raw"))  # the request stayed pending
+        assert isinstance(future.result(timeout=5), Pong)

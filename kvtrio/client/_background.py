@@ -100,6 +100,7 @@ class Background:
         return max(0, int((wake_at - now) * 1000) + 1)
 
     def heartbeat_interval(self) -> float:
+        """A quarter of the server's heartbeat timeout (a default until its hello)."""
         info = self.state.server_info
         return info.heartbeat_timeout / 4 if info is not None else DEFAULT_HEARTBEAT_INTERVAL
 

@@ -160,9 +160,11 @@ class ClientState:
     # ------------------------------------------------------------------ what callers are told
 
     def log_warning(self, failure: str) -> None:
+        """Log why a handshake failed (as the monitor tells it)."""
         log.warning("%s: %s", self.endpoint, failure)
 
     def log_lost(self) -> None:
+        """Log that a connection that was up dropped."""
         log.info("lost connection to %s", self.endpoint)
 
     def unreachable(self, *, with_handshake: bool = True) -> str:

@@ -84,11 +84,11 @@ class Client:
         client_key: str | None = None,
         insecure: bool | None = None,
     ) -> None:
-        endpoint = check_endpoint(endpoint)
-        curve = curve_options(endpoint, server_key, client_key, insecure)
+        checked = check_endpoint(endpoint)
+        curve = curve_options(checked, server_key, client_key, insecure)
         self._options = {**dealer_options(), **curve}
         self._shared = ClientState(
-            endpoint=endpoint,
+            endpoint=checked,
             timeout=timeout,
             client_name=client_name,
             heartbeat=heartbeat,
@@ -192,7 +192,8 @@ class Client:
         """Make progress without waiting: send what is queued, receive and settle what arrived.
 
         Does nothing when another thread holds the socket (it does the same work). Done
-        callbacks of what settles run here, in this thread."""
+        callbacks of what settles run here, in this thread. Never blocks, so no timeout; a
+        KeyboardInterrupt while it holds the lock can lose a call (see ``Connection``)."""
         shared = self._shared
         lock = shared.socket_lock
         while True:

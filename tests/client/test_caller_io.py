@@ -14,9 +14,10 @@ import pytest
 
 from kvtrio.client import Client, _state
 from kvtrio.errors import RequestTimeout
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import Ping, Pong, Probe, ProbeReply, Reply
 
-from ..conftest import ServerProcess, wait_for
+from .._support.waiting import wait_for
 from .raw_server import client_of_raw_server
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from kvtrio.client import Client, SchedulerAdapter
 from kvtrio.errors import BadRequest, Incompatible, NotRegistered
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import (
     Commit,
     CommitReply,
@@ -34,7 +35,7 @@ from kvtrio.protocol import (
 )
 from kvtrio.storage import token_chunk_hashes
 
-from ..conftest import ServerProcess, wait_for
+from .._support.waiting import wait_for
 
 WORKER = Path(__file__).with_name("engine_worker.py")
 CHUNK, BLOCK = 256, 16

@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvtrio.client import SchedulerAdapter
+from kvtrio.launch import ServerProcess
 
-from ..conftest import ServerProcess, wait_for
+from .._support.waiting import wait_for
 from .test_cache_e2e import (
     BLOCK,
     CHUNK,

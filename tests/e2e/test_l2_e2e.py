@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from kvtrio.client import SchedulerAdapter
+from kvtrio.launch import ServerProcess
 
-from ..conftest import ServerProcess, wait_for
+from .._support.waiting import wait_for
 from .test_cache_e2e import (
     BLOCK,
     CHUNK,

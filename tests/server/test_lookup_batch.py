@@ -32,7 +32,7 @@ from kvtrio.protocol import (
 from kvtrio.server import open_server
 from kvtrio.storage import token_chunk_hashes
 
-from ..conftest import await_condition
+from .._support.waiting import await_condition
 from .test_l2_tier import CHUNK, HASHES, LAYOUT, cache, running, store, written_to_l2
 
 

@@ -16,9 +16,10 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvtrio.client import Client
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import CacheStats, GetStats, StatsReply
 
-from ...conftest import ServerProcess, wait_for
+from ..._support.waiting import wait_for
 from ..tiny_model import write_tiny_model
 from .harness import Engine, make_config
 

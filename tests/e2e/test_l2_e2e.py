@@ -17,8 +17,7 @@ import pytest
 from kvtrio.client import SchedulerAdapter
 from kvtrio.launch import ServerProcess
 
-from .._support.waiting import wait_for
-from .test_cache_e2e import (
+from .._support.e2e import (
     BLOCK,
     CHUNK,
     PROMPT,
@@ -31,6 +30,7 @@ from .test_cache_e2e import (
     lookup,
     stats,
 )
+from .._support.waiting import wait_for
 
 
 def l2_stores(server: ServerProcess) -> float:

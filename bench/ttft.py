@@ -25,6 +25,11 @@ prompt shares). Before every run the bench waits until the engines and the serve
 (vLLM's idle workers spin for a second after a request, kvtrio's write-behind runs after a
 store), so that no case pays for the one before it.
 
+**Cores.** Every engine computes on the same cores (``VLLM_CPU_OMP_THREADS_BIND``: all CPUs
+but one, as vLLM picks for an engine without a connector; it reserves one more for an engine
+with one, so left alone the engines with kvtrio would compute on 2 cores of this 2-CPU machine
+and vLLM alone on 1, flattering kvtrio by up to 2×).
+
 **kvtrio.** ``kvtrio serve`` on an ipc:// socket in a temporary directory, chunks of 256
 tokens, an L1 that holds every prompt of the run and a disk L2 in the same directory.
 
@@ -526,6 +531,13 @@ class Bench:
         )
         self.l2_bytes = 2 * self.l1_bytes
         kv_space = max(1, -(-(2 * self.max_model_len * self.kv_token) // 2**30))
+        # The same OpenMP cores for every engine: left to itself, vLLM CPU reserves one more
+        # core for an engine with a KV connector (for NIXL), so on a small machine the engine
+        # without one and the engines with kvtrio would compute on different numbers of cores
+        # (on 2 CPUs: 1 and 2). Every engine gets what vLLM gives one without a connector:
+        # all CPUs but one (left to the engine's scheduler process, and here to kvtrio).
+        cpus = os.cpu_count() or 1
+        self.omp_cpus = "0" if cpus <= 2 else f"0-{cpus - 2}"
         self.env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -536,6 +548,7 @@ class Bench:
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_LOOPBACK_IP": "127.0.0.1",
+            "VLLM_CPU_OMP_THREADS_BIND": self.omp_cpus,
         }
         self.env_kv_space = kv_space
         self.server = ServerProcess(
@@ -694,7 +707,8 @@ class Bench:
             f"random weights; float32 (bfloat16 would get vLLM's amx kernels, whose KV packing "
             f"kvtrio refuses); KV {self.kv_token / 1024:g} KiB per token",
             f"vLLM: block {BLOCK}, prefix caching off, eager, max_model_len {self.max_model_len}, "
-            f"VLLM_CPU_KVCACHE_SPACE={self.env_kv_space} GiB, attention kernels "
+            f"VLLM_CPU_KVCACHE_SPACE={self.env_kv_space} GiB, OpenMP on CPUs {self.omp_cpus} "
+            f"(every engine), attention kernels "
             f"{sorted({e.get('attention_kernel') for e in self.engines.values()})}; kvtrio: chunk "
             f"{CHUNK} tokens, L1 {size_text(self.l1_bytes)}, disk L2 (temp dir), ipc://",
             f"machine: {env['cpu_model']}, {env['cpus']} CPUs{' (AMX)' if env['amx'] else ''}, "

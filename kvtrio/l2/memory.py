@@ -29,7 +29,8 @@ class MemoryBackend:
 
     name = "memory"
     Options = MemoryOptions
-    accepts_touches = True  # ``touch``: objects used from the server's L1 move to the LRU's end
+    accepts_touches = True
+    """``touch``: objects used from the server's L1 move to the LRU's end."""
 
     def __init__(self, options: MemoryOptions | None = None) -> None:
         self.options = options or MemoryOptions()

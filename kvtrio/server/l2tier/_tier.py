@@ -136,15 +136,13 @@ class L2Tier:
         first failed store on. The probe object is not a kvtrio frame: nothing loads it.
         Cancellation: the probe is abandoned (a probe object may stay, unreachable).
         """
-        backend = tier_backend.backend
         with trio.move_on_after(_PROBE_TIMEOUT):
             key = os.urandom(32)
-            try:
-                found = await backend.lookup_and_lock([key])
-            except Exception as exc:  # any failure of a backend: see _backends
-                tier_backend.failed(exc, trio.current_time())
+            calls = self._calls
+            with calls.call(tier_backend, "lookup_and_lock", heals=True, metered=False) as call:
+                found = await tier_backend.backend.lookup_and_lock([key])
+            if call.failed:
                 return
-            tier_backend.succeeded()
             if found:
                 await self._calls.unlock(tier_backend, [key])
             if "store" in tier_backend.problems:
@@ -153,17 +151,12 @@ class L2Tier:
 
     async def _probe_store(self, tier_backend: TierBackend) -> None:
         """Store one probe object and delete it (see :meth:`_probe_once`)."""
-        backend, key = tier_backend.backend, os.urandom(32)
-        buffers = [[memoryview(_PROBE_OBJECT)]]
-        try:
-            if getattr(backend, "accepts_parents", False):  # (optional: see Backend)
-                stored = await backend.store([key], buffers, parents=[None])  # type: ignore[call-arg]
-            else:
-                stored = await backend.store([key], buffers)
-        except Exception as exc:  # any failure of a backend: see _backends
-            tier_backend.failed(exc, trio.current_time(), "store")
+        key, buffers = os.urandom(32), [[memoryview(_PROBE_OBJECT)]]
+        calls = self._calls
+        with calls.call(tier_backend, "store", "store", heals=True, metered=False) as call:
+            stored = await tier_backend.store([key], buffers, parents=[None])
+        if call.failed:
             return
-        tier_backend.succeeded("store")
         if stored and stored[0]:
             await self._calls.delete(tier_backend, [key])
 

@@ -31,7 +31,7 @@ from .options import (
     positive,
     share,
 )
-from .storage._policies import DEFAULT_EVICTION, EVICTION_POLICIES
+from .storage import DEFAULT_EVICTION, EVICTION_POLICIES
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -1,5 +1,6 @@
-"""``memory``: objects in this process's memory. For tests, and as the inner backend of
-``fault``; it is not shared between processes and does not survive a restart."""
+"""``memory``: objects in this process's memory. For tests, and as the inner backend of the
+test backend ``fault`` (``kvtrio.testing.FaultBackend``); it is not shared between processes
+and does not survive a restart."""
 
 from __future__ import annotations
 

@@ -142,8 +142,8 @@ class L2Tier:
         """
         with trio.move_on_after(_PROBE_TIMEOUT):
             key = os.urandom(32)
-            calls = self._calls
-            with calls.call(tier_backend, "lookup_and_lock", heals=True, metered=False) as call:
+            probe = self._calls.call(tier_backend, "lookup_and_lock", heals=True, metered=False)
+            with probe as call:
                 found = await tier_backend.backend.lookup_and_lock([key])
             if call.failed:
                 return
@@ -156,8 +156,8 @@ class L2Tier:
     async def _probe_store(self, tier_backend: TierBackend) -> None:
         """Store one probe object and delete it (see :meth:`_probe_once`)."""
         key, buffers = os.urandom(32), [[memoryview(_PROBE_OBJECT)]]
-        calls = self._calls
-        with calls.call(tier_backend, "store", "store", heals=True, metered=False) as call:
+        probe = self._calls.call(tier_backend, "store", "store", heals=True, metered=False)
+        with probe as call:
             stored = await tier_backend.store([key], buffers, parents=[None])
         if call.failed:
             return

@@ -54,8 +54,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvtrio.shm import SharedArena
-from kvtrio.transfer import LAYOUT_KINDS, KVLayout, gather, scatter
-from kvtrio.transfer._cpu_native import cpu_helper
+from kvtrio.transfer import LAYOUT_KINDS, KVLayout, cpu_helper, gather, scatter
 
 # name: (layers, blocks, block size, heads, head dim, dtype, chunk tokens)
 SHAPES: dict[str, tuple[int, int, int, int, int, str, int]] = {

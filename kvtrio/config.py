@@ -31,6 +31,7 @@ from .options import (
     positive,
     share,
 )
+from .protocol import DEFAULT_CHUNK_SIZE
 from .storage import DEFAULT_EVICTION, EVICTION_POLICIES
 
 if sys.version_info >= (3, 11):
@@ -111,7 +112,7 @@ class ServerConfig:
         metadata={"help": "ZeroMQ endpoint to listen on (tcp://HOST:PORT or ipc://PATH)."},
     )
     chunk_size: int = field(
-        default=256,
+        default=DEFAULT_CHUNK_SIZE,
         validator=[
             positive,
             at_most(1 << 20),

@@ -226,6 +226,8 @@ def make_converter() -> cattrs.Converter:
     def boolean(value: Any, _: Any) -> bool:
         if isinstance(value, bool):
             return value
+        if type(value) is int and value in (0, 1):  # JSON's 0 and 1
+            return bool(value)
         if isinstance(value, str) and value.strip().lower() in _BOOLEANS:
             return _BOOLEANS[value.strip().lower()]
         raise ValueError(f"expected true or false, got {value!r}")

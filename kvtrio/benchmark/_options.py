@@ -9,6 +9,7 @@ import attrs
 
 from ..errors import KvtrioError
 from ..options import parse_byte_size
+from ..protocol import DEFAULT_CHUNK_SIZE
 from ..storage import EVICTION_POLICIES
 from ..transfer import LAYOUT_KINDS
 from ..transport import check_endpoint
@@ -43,7 +44,7 @@ class BenchOptions:
     blocks: int = 0
     """Engine blocks per rank; 0: enough for ``concurrency`` of the largest requests."""
     layout: str = "flash_attn"
-    chunk_size: int = 256
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     l1_size: str = "1GiB"
     l2: tuple[str, ...] = ("disk",)
     """Backends of our own server; ``disk`` without a path gets a temporary directory."""

@@ -26,6 +26,7 @@ from pathlib import Path
 import attrs
 from rich.console import Console
 
+from ..protocol import DEFAULT_CHUNK_SIZE
 from ..storage import EVICTION_POLICIES, Entry, EvictionPolicy, L1Cache
 from ._options import BenchError, BenchOptions
 from ._workload import TRACE_BLOCK_TOKENS, ChatWorkload
@@ -72,7 +73,7 @@ def trace_requests(path: Path, limit: int = 0) -> list[SimRequest]:
 
 
 def chat_requests(
-    options: BenchOptions, chunk_size: int = 256, interleave: int = 1
+    options: BenchOptions, chunk_size: int = DEFAULT_CHUNK_SIZE, interleave: int = 1
 ) -> list[SimRequest]:
     """The built-in chat workload's requests as chunks of ``chunk_size`` tokens; ``interleave``
     conversations at a time take turns (as with the bench's ``--concurrency``)."""

@@ -4,14 +4,18 @@
 :class:`SchedulerAdapter` / :class:`WorkerAdapter` built on it.
 """
 
+from ..protocol import chunk_hashes
 from ._async import AsyncClient, open_client
-from ._scheduler import SchedulerAdapter, chunk_hashes
+from ._copies import LoadStoreOp
+from ._identity import EngineIdentity
+from ._scheduler import SchedulerAdapter
 from ._sync import Client
-from ._worker import LoadStoreOp, WorkerAdapter
+from ._worker import WorkerAdapter
 
 __all__ = [
     "AsyncClient",
     "Client",
+    "EngineIdentity",
     "LoadStoreOp",
     "SchedulerAdapter",
     "WorkerAdapter",

@@ -47,7 +47,7 @@ from ..protocol import (
 )
 from ..shm import SharedArena
 from ..transfer import CPU_TRANSFER, KVLayout, Transfer
-from ._copies import Span, count_failed_slots, failure_cause, reply_of
+from ._copies import Retrieved, Span, count_failed_slots, failure_cause, reply_of
 from ._failures import Failures
 from ._sync import Client
 
@@ -76,7 +76,7 @@ def _some_blocks(
 
 
 class ArenaCopies:
-    """The :class:`~._copies.CopyPath` of CPU tensors (see the module docstring).
+    """The :class:`~._copies.WorkerCopies` of CPU tensors (see the module docstring).
 
     ``arrays`` are numpy views of the engine's layers; ``on_not_registered`` is called (in any
     thread) when the server says this connection has no registration.
@@ -253,26 +253,19 @@ class ArenaCopies:
 
     # ----------------------------------------------------------------- retrieve
 
-    def retrieve(
-        self,
-        span: Span,
-        keep_before: int,
-        event: bytes,
-        loaded: set[int],
-        causes: dict[int, str],
-        copied: Callable[[], None] = lambda: None,
-    ) -> None:
+    def retrieve(self, span: Span, keep_before: int, event: bytes = b"") -> Retrieved:
         """Copy the chunks the server has into the engine's blocks, leaving the tokens before
-        ``keep_before`` alone. Each chunk copied is added to ``loaded``; chunks the server did
-        not answer get the cause in ``causes``; ``copied`` is called when that is all
-        (unless a copy raised). The read pins are released then (not waited for), also when
-        a copy raised.
+        ``keep_before`` alone; which chunks were copied, and the causes of those the server
+        did not answer. The read pins are released then (not waited for), also when a copy
+        raised.
 
         Partial retrieves: the server answers at once what is in L1 (the whole range, when no
         L2 load is under way), else as soon as the first chunk's load is done; the chunks still
         loading are asked for again before the ready ones are copied."""
         layout, arena = self.layout, self._mapped()
         rid = span.request_id
+        result = Retrieved()
+        loaded, causes = result.loaded, result.causes
         start = 0
         future: Future[Reply] | None = self._send(span.retrieve(start))
         unregistered = False
@@ -307,7 +300,6 @@ class ArenaCopies:
                     if blocks:
                         self.transfer.scatter(layout, self.arrays, blocks, data)
                     loaded.add(slot.chunk)
-            copied()
         finally:
             if read:
                 self._send(Release(rid, tuple(read)))
@@ -315,3 +307,4 @@ class ArenaCopies:
                 future.add_done_callback(lambda f: self._abandon(span, f, "read"))
             if unregistered:
                 self._on_not_registered()
+        return result

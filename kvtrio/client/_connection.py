@@ -13,8 +13,6 @@ import collections
 import heapq
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -26,13 +24,10 @@ from ..errors import (
     RequestTimeout,
     ServerUnavailable,
 )
-from ..protocol import Reply, Request
 from ._common import read_reply_header, reply_or_error
+from ._state import Call, ClientState, Outcome
 
-if TYPE_CHECKING:
-    from ._sync import Client
-
-__all__ = ["Call", "Connection", "ReplyFuture", "unreachable"]
+__all__ = ["Connection"]
 
 # Plain ints: pyzmq's constants are enum flags, and flag arithmetic costs microseconds per call.
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -42,81 +37,27 @@ _POLLIN = int(zmq.POLLIN)
 _HANDSHAKE_SUCCEEDED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)
 _DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 
-Outcome = tuple["Call", "Reply | BaseException"]
-
-
-class ReplyFuture(Future[Reply]):
-    """A future whose ``result()``/``exception()`` drive the client's I/O in the calling thread
-    (so a waiting caller receives its own reply, no thread hand-off)."""
-
-    def __init__(self, client: Client | None, deadline: float) -> None:
-        super().__init__()
-        self._client = client
-        self.deadline = deadline
-        self.finished = False
-        """True once settled or cancelled: what the client's loops read, without taking the
-        future's lock (``done()`` takes it)."""
-
-    def result(self, timeout: float | None = None) -> Reply:
-        if self._client is not None and not self.finished:
-            self._client._wait(self, timeout)
-        return super().result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        if self._client is not None and not self.finished:
-            self._client._wait(self, timeout)
-        return super().exception(timeout)
-
-    # ``finished`` is set first: done callbacks run inside ``set_result`` and may call
-    # ``result()``, which must not wait then (the base class's ``result()`` waits for the
-    # state under the future's lock, so setting it early is safe).
-    def set_result(self, result: Reply) -> None:
-        self.finished = True
-        super().set_result(result)
-
-    def set_exception(self, exception: BaseException | None) -> None:
-        self.finished = True
-        super().set_exception(exception)
-
-    def cancel(self) -> bool:
-        cancelled = super().cancel()
-        if cancelled:
-            self.finished = True
-            if self._client is not None:
-                self._client._wake_waiters()  # a caller may be waiting for it
-        return cancelled
-
-    def add_done_callback(self, fn: Callable[[Future[Reply]], object]) -> None:
-        """As usual; a pending future with a callback has the background thread receive its
-        reply if no caller does."""
-        super().add_done_callback(fn)
-        if self._client is not None and not self.finished:
-            self._client._want_background()
-
-
-class Call:
-    __slots__ = ("deadline", "fail_fast", "frames", "future", "on_reply", "request_type", "sent")
-
-    def __init__(
-        self, request: Request, frames: list[bytes], future: ReplyFuture, fail_fast: bool
-    ) -> None:
-        self.request_type = type(request)
-        self.frames = frames
-        self.deadline = future.deadline
-        self.fail_fast = fail_fast
-        self.future = future
-        self.sent = False
-        self.on_reply: Callable[[Reply], None] | None = None
-        """For the client's own requests: run under the lock as the reply is received (so a
-        hello's answer is known before any reply that came after it is settled)."""
-
 
 class Connection:
-    """Calls, the queue of unsent requests, deadlines; the socket. Only under the socket lock."""
+    """Calls, the queue of unsent requests, deadlines; the socket. Only under the socket lock
+    (:attr:`ClientState.socket_lock`); it writes the ``state``'s ``status``, ``in_flight``,
+    ``handshake_error`` and takes from its ``outbox``.
 
-    def __init__(self, client: Client, dealer: zmq.Socket[bytes], monitor: zmq.Socket[bytes]):
-        self.client = client
+    None of its methods blocks (every send and receive is NOBLOCK) or waits for anything, so
+    none has a timeout. A KeyboardInterrupt (main thread only, when a caller holds the lock)
+    in the middle of one can lose the call it was handling between two steps (taken from the
+    outbox or the calls, not yet queued or settled): its future then never settles. Python
+    cannot make those steps atomic; the window is a few bytecodes.
+    """
+
+    def __init__(
+        self, state: ClientState, dealer: zmq.Socket[bytes], monitor: zmq.Socket[bytes]
+    ) -> None:
+        self.state = state
         self.dealer = dealer
+        self.dealer_fd = int(dealer.getsockopt(zmq.FD))
+        """The socket's file descriptor: readable (edge-triggered) when messages may have
+        arrived; re-armed by every drain (:meth:`read_replies`)."""
         self.monitor = monitor
         self.closed = False
         self.calls: dict[int, Call] = {}
@@ -135,18 +76,19 @@ class Connection:
         return settled
 
     def pop(self, request_id: int) -> Call | None:
-        """Forget a call (answered, expired or failed); keeps ``Client.in_flight`` exact."""
+        """Forget a call (answered, expired or failed); keeps ``in_flight`` exact."""
         call = self.calls.pop(request_id, None)
         if call is not None and call.sent:
-            self.client.in_flight -= 1
+            self.state.in_flight -= 1
         return call
 
     def fail(self, call: Call, error: BaseException) -> None:
+        """Settle ``call`` with ``error`` once the lock is released."""
         self.settled.append((call, error))
 
     def pump(self) -> None:
         """Send what is queued, receive what arrived, expire what is late."""
-        if self.client._outbox:
+        if self.state.outbox:
             self.take_outbox()
         if self.unsent:
             self.flush()
@@ -155,24 +97,27 @@ class Connection:
             self.expire(time.monotonic())
 
     def take_outbox(self) -> None:
-        client = self.client
-        outbox = client._outbox
+        """Take the callers' submitted requests into the calls, to be sent in order (a
+        cancelled one is dropped; a ``fail_fast`` one fails at once while disconnected)."""
+        state = self.state
+        outbox = state.outbox
         while outbox:
             request_id, call = outbox.popleft()
             if call.future.finished:  # cancelled before it was sent
                 continue
-            if call.fail_fast and client.state == "disconnected":
-                self.fail(call, ServerUnavailable(unreachable(client)))
+            if call.fail_fast and state.status == "disconnected":
+                self.fail(call, ServerUnavailable(state.unreachable()))
                 continue
             self.calls[request_id] = call
             heapq.heappush(self.deadlines, (call.deadline, request_id))
             self.unsent.append((request_id, call))
 
     def flush(self) -> None:
-        """Send queued requests while the connection is up (see ``dealer_options``)."""
-        client = self.client
+        """Send queued requests while the connection is up (see ``dealer_options``); at the
+        high-water mark the rest waits for the next flush."""
+        state = self.state
         send = self.dealer.send
-        while self.unsent and client.state == "connected":
+        while self.unsent and state.status == "connected":
             request_id, call = self.unsent[0]
             if request_id not in self.calls:  # expired while waiting to be sent
                 self.unsent.popleft()
@@ -185,12 +130,14 @@ class Connection:
                 return
             self.unsent.popleft()
             call.sent = True
-            client.in_flight += 1
+            state.in_flight += 1
             call.frames = []
             self.last_send = time.monotonic()
 
     def expire(self, now: float) -> None:
-        endpoint = self.client.endpoint
+        """Fail the calls whose deadline is ``now`` or past: ``RequestTimeout`` if sent,
+        ``ServerUnavailable`` if not (never processed)."""
+        endpoint = self.state.endpoint
         while self.deadlines and self.deadlines[0][0] <= now:
             _, request_id = heapq.heappop(self.deadlines)
             call = self.pop(request_id)
@@ -201,7 +148,7 @@ class Connection:
                     f"no reply to {call.request_type.op!r} from {endpoint} in time"
                 )
             else:
-                error = ServerUnavailable(unreachable(self.client, with_handshake=False))
+                error = ServerUnavailable(self.state.unreachable(with_handshake=False))
             self.fail(call, error)
 
     def read_replies(self) -> None:
@@ -235,39 +182,42 @@ class Connection:
             self.settled.append((call, outcome))
 
     def read_monitor(self) -> None:
-        client = self.client
+        """Follow the connection's monitor events: the handshake's verdict, ``status``; on a
+        disconnect, read what already arrived, then fail what is still in flight
+        (``ConnectionLost``) and the unsent ``fail_fast`` calls."""
+        state = self.state
         while True:
             try:
                 message = parse_monitor_message(self.monitor.recv_multipart(_NOBLOCK))
             except zmq.Again:
                 return
             event = int(message["event"])
-            failure = client.handshake.observe(event, int(message["value"]))
+            failure = state.handshake.observe(event, int(message["value"]))
             if failure is not None:
-                client._log_warning(failure)
-            client.handshake_error = client.handshake.error  # kept through disconnections
+                state.log_warning(failure)
+            state.handshake_error = state.handshake.error  # kept through disconnections
             if event == _HANDSHAKE_SUCCEEDED:
-                client.state = "connected"
+                state.status = "connected"
                 self.on_connected()
                 continue
-            if client.state == "connected":
-                client._log_lost()
-            client.state = "disconnected"
-            if not client.handshake.undecided:  # (the next event says why, in ~0.1 s)
+            if state.status == "connected":
+                state.log_lost()
+            state.status = "disconnected"
+            if not state.handshake.undecided:  # (the next event says why, in ~0.1 s)
                 self.fail_unsent_fail_fast()
             if event == _DISCONNECTED:
                 self.read_replies()  # replies that arrived before the close are still good
                 for request_id, call in list(self.calls.items()):
                     if call.sent:
                         self.pop(request_id)
-                        self.fail(call, ConnectionLost(f"connection to {client.endpoint} lost"))
+                        self.fail(call, ConnectionLost(f"connection to {state.endpoint} lost"))
 
     def fail_unsent_fail_fast(self) -> None:
         """Requests that may not wait for a connection fail once the server is known down."""
         for request_id, call in list(self.calls.items()):
             if call.fail_fast and not call.sent:
                 self.pop(request_id)
-                self.fail(call, ServerUnavailable(unreachable(self.client)))
+                self.fail(call, ServerUnavailable(self.state.unreachable()))
 
     def add(self, request_id: int, call: Call, *, first: bool = False) -> None:
         """Queue a call made by the client itself (hello, heartbeat), ahead of others if
@@ -281,21 +231,13 @@ class Connection:
         self.flush()
         self.read_replies()  # a send may have consumed the socket's edge: drain to re-arm it
 
-
-def settle(outcomes: Sequence[Outcome]) -> None:
-    """Settle futures (outside the socket lock: done callbacks may submit)."""
-    for call, outcome in outcomes:
-        future = call.future
-        if not future.set_running_or_notify_cancel():
-            continue
-        if isinstance(outcome, BaseException):
-            future.set_exception(outcome)
-        else:
-            future.set_result(outcome)
-
-
-def unreachable(client: Any, *, with_handshake: bool = True) -> str:
-    handshake_error = client.handshake_error if with_handshake else None
-    if handshake_error is not None:
-        return f"cannot reach {client.endpoint}: {handshake_error}"
-    return f"cannot reach {client.endpoint} (no connection; is the server running?)"
+    def close(self, error: BaseException) -> None:
+        """Fail every call, queued or in flight, with ``error`` and close the sockets (the
+        background thread, as it ends). Other threads see :attr:`closed` and leave it alone."""
+        self.take_outbox()
+        for call in self.calls.values():
+            self.fail(call, error)
+        self.closed = True
+        self.dealer.disable_monitor()  # before closing its reader: see transport.open_monitor
+        self.monitor.close(linger=0)
+        self.dealer.close(linger=0)

@@ -1,6 +1,6 @@
 """How a worker adapter's stores and retrieves move bytes: the copy path and what it works on.
 
-A :class:`CopyPath` is chosen once, when the engine registers its KV tensors
+A :class:`WorkerCopies` is chosen once, when the engine registers its KV tensors
 (:meth:`~kvtrio.client.WorkerAdapter.register_kv_caches`), and every store and retrieve of
 the adapter runs on it, in the adapter's transfer thread:
 
@@ -18,7 +18,7 @@ helpers below are shared by both paths.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
@@ -39,8 +39,10 @@ from ._failures import Failures
 
 __all__ = [
     "BATCH_BYTES",
-    "CopyPath",
+    "LoadStoreOp",
+    "Retrieved",
     "Span",
+    "WorkerCopies",
     "count_failed_slots",
     "failure_cause",
     "reply_of",
@@ -51,6 +53,33 @@ BATCH_BYTES = 32 << 20
 """Chunk bytes per request of a split store or retrieve (at least one chunk)."""
 
 _R = TypeVar("_R", bound=Reply)
+
+
+def _ints(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+@attrs.frozen
+class LoadStoreOp:
+    """One store or retrieve of a request (vLLM's LMCache adapter ``LoadStoreOp``).
+
+    ``block_ids`` are the request's engine blocks from its first token on; ``[start, end)`` is
+    the token range to move, in whole blocks (``start`` a multiple of the chunk size). Give the
+    prompt as ``token_ids`` or ``block_hashes`` (hash mode). A store moves the full chunks of
+    the prompt's first ``end`` tokens and then, as its *partial chunk*, the whole blocks after
+    them. A retrieve names the chunks from the whole prompt, as its lookup did (the partial
+    chunk of the prompt's whole blocks after its full chunks), writes only the blocks before
+    ``end`` (the last chunk may be loaded in part), and leaves the first
+    ``skip_first_n_tokens`` tokens of the range alone (a whole number of blocks): the engine
+    has them already, in blocks other requests may be reading.
+    """
+
+    block_ids: tuple[int, ...] = attrs.field(converter=_ints)
+    token_ids: Sequence[int] | None = None
+    block_hashes: Sequence[bytes | int] | None = None
+    start: int = 0
+    end: int = 0
+    skip_first_n_tokens: int = 0
 
 
 @attrs.frozen
@@ -147,7 +176,16 @@ class Span:
         return tuple(self.hashes[s.chunk - self.first] for s in slots if s.status == status)
 
 
-class CopyPath(Protocol):
+@attrs.define
+class Retrieved:
+    """What a retrieve loaded: chunk indices (in the prompt), and the causes of the chunks
+    whose batch the server refused (the others not loaded are ``missing``)."""
+
+    loaded: set[int] = attrs.field(factory=set)
+    causes: dict[int, str] = attrs.field(factory=dict)
+
+
+class WorkerCopies(Protocol):
     """How one worker adapter's operations move bytes (see the module docstring).
 
     Every method but :meth:`engine_event` runs in the adapter's transfer thread, one call at
@@ -182,19 +220,11 @@ class CopyPath(Protocol):
         which the caller does not wait for in the transfer thread."""
         ...
 
-    def retrieve(
-        self,
-        span: Span,
-        keep_before: int,
-        event: bytes,
-        loaded: set[int],
-        causes: dict[int, str],
-        copied: Callable[[], None],
-    ) -> None:
+    def retrieve(self, span: Span, keep_before: int, event: bytes) -> Retrieved:
         """Copy the chunks the server has into the engine's blocks, leaving the tokens before
-        ``keep_before`` alone; add each chunk in place to ``loaded``, give chunks the server
-        did not answer a cause in ``causes``, call ``copied`` when that is all (before any
-        clean-up request is sent)."""
+        ``keep_before`` alone; which chunks were loaded, and why the others were not (the
+        chunks the server did not answer). Raises for a failure of the whole operation: then
+        none counts as loaded."""
         ...
 
 

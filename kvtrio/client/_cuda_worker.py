@@ -1,6 +1,6 @@
 """The copy path of CUDA tensors: the server copies over CUDA IPC; the worker hands it events.
 
-With CUDA tensors the server copies (``docs/gpu.md``): this :class:`~._copies.CopyPath`
+With CUDA tensors the server copies (``docs/gpu.md``): this :class:`~._copies.WorkerCopies`
 describes the layers (IPC handles, shape/stride/offset/dtype, the GPU's UUID) for the
 ``register`` message, records an interprocess event on the engine's current stream when an
 operation is submitted (after the forward step the engine queued), sends the operation's engine
@@ -21,7 +21,7 @@ import attrs
 from ..errors import NotRegistered
 from ..protocol import CudaCache, CudaLayer, Registered, Reply, RetrieveReply, StoreReply
 from ..transfer.cuda import CudaRuntime, Event, IpcLayer
-from ._copies import Span, count_failed_slots, failure_cause, reply_of
+from ._copies import Retrieved, Span, count_failed_slots, failure_cause, reply_of
 from ._failures import Failures
 from ._sync import Client
 from ._tensors import describe_cuda_caches
@@ -134,15 +134,7 @@ class CudaCopies:
             self.wait(reply.done_event)
         return []
 
-    def retrieve(
-        self,
-        span: Span,
-        keep_before: int,
-        event: bytes,
-        loaded: set[int],
-        causes: dict[int, str],
-        copied: Callable[[], None] = lambda: None,
-    ) -> None:
+    def retrieve(self, span: Span, keep_before: int, event: bytes) -> Retrieved:
         """The server copies into the engine's blocks (-1: a block it leaves alone). In
         partial retrieves, as the arena path: the server queues the copies of the chunks in
         L1 while later ones still load; each part's chunks count as loaded once its event has
@@ -154,6 +146,7 @@ class CudaCopies:
             request = span.retrieve(start, block_ids=tuple(blocks[start * per :]), event=event)
             return self.client.submit(request, fail_fast=True)
 
+        result = Retrieved()
         start = 0
         future: Future[Reply] | None = part(0)
         while future is not None:
@@ -161,15 +154,15 @@ class CudaCopies:
                 reply = reply_of(future, RetrieveReply)
             except Exception as exc:
                 cause = failure_cause(exc)
-                causes.update((span.first + i, cause) for i in range(start, span.chunks))
+                result.causes.update((span.first + i, cause) for i in range(start, span.chunks))
                 if isinstance(exc, NotRegistered):
                     self._on_not_registered()
-                return
+                break
             future, rest = None, span.loading(reply)
             if rest is not None:  # asked for before waiting for this part's copies
                 start, future = rest, part(rest)
             read = {slot.chunk for slot in reply.slots if slot.status == "read"}
             if read and reply.done_event:
                 self.wait(reply.done_event)
-                loaded |= read
-        copied()
+                result.loaded |= read
+        return result

@@ -24,7 +24,7 @@ from ..protocol import HelloReply, Register, Registered, Reply
 from ._failures import Failures
 from ._sync import Client
 
-__all__ = ["Current", "Registration"]
+__all__ = ["Current", "Registrar"]
 
 log = logging.getLogger("kvtrio.client")
 
@@ -43,7 +43,7 @@ class Current:
     """The server instance the registration was made with."""
 
 
-class Registration:
+class Registrar:
     """One worker adapter's registration (see the module docstring). Thread-safe.
 
     ``request`` builds the ``register`` message; ``attach`` readies the copy path for a reply

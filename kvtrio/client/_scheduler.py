@@ -12,6 +12,7 @@ from concurrent.futures import Future
 
 from ..errors import ErrorCode, KvtrioError, ServerError
 from ..protocol import (
+    DEFAULT_CHUNK_SIZE,
     MAX_HASHES,
     MAX_LOOKUP_BATCH,
     MAX_LOOKUP_KEYS,
@@ -23,18 +24,14 @@ from ..protocol import (
     LookupReply,
     PromptChunks,
     Reply,
-    as_block_hashes,
-    block_chunk_hashes,
     prompt_chunks,
-    token_chunk_hashes,
 )
+from ._identity import EngineIdentity
 from ._sync import Client
 
-__all__ = ["SchedulerAdapter", "as_block_hashes", "chunk_hashes"]
+__all__ = ["SchedulerAdapter"]
 
 log = logging.getLogger("kvtrio.client")
-
-_DEFAULT_CHUNK_SIZE = 256
 
 
 def lookup_limit(world_size: int) -> int:
@@ -56,28 +53,6 @@ def _batches(queue: list[tuple[str, _Queued]], world_size: int) -> list[list[tup
         batches[-1].append(entry)
         keys += size
     return batches
-
-
-def chunk_hashes(
-    chunk_size: int,
-    block_size: int,
-    *,
-    token_ids: Sequence[int] | None = None,
-    block_hashes: Sequence[bytes | int] | None = None,
-    end: int | None = None,
-) -> list[bytes]:
-    """The chunk hashes of the full chunks of the prompt's first ``end`` tokens (all of it by
-    default), from its engine block hashes (hash mode, preferred when given) or its token ids.
-
-    Raises ``ValueError`` when neither is given, ``TypeError``/``OverflowError`` for token ids
-    that are not integers in ``[0, 2**32)``.
-    """
-    if block_hashes is not None:
-        blocks = as_block_hashes(block_hashes if end is None else block_hashes[: end // block_size])
-        return block_chunk_hashes(blocks, max(1, chunk_size // block_size))
-    if token_ids is not None:
-        return token_chunk_hashes(token_ids if end is None else token_ids[:end], chunk_size)
-    raise ValueError("the prompt's token ids or block hashes are needed")
 
 
 class _Queued:
@@ -154,10 +129,18 @@ class SchedulerAdapter:
         """Fire-and-forget requests not known to be answered yet (checked for failures later)."""
         self._lock = threading.Lock()
 
+    @classmethod
+    def from_identity(cls, identity: EngineIdentity) -> SchedulerAdapter:
+        """The scheduler adapter of the engine ``identity`` names."""
+        i = identity
+        return cls(i.server_url, i.model_name, i.world_size, i.kv_rank, i.block_size,
+                   tenant=i.tenant, engine_id=i.engine_id, timeout=i.timeout,
+                   server_key=i.server_key, client_key=i.client_key)  # fmt: skip
+
     @property
     def chunk_size(self) -> int:
         info = self.client.server_info
-        return info.chunk_size if info is not None else _DEFAULT_CHUNK_SIZE
+        return info.chunk_size if info is not None else DEFAULT_CHUNK_SIZE
 
     def num_blocks_per_chunk(self) -> int:
         """Engine blocks per cached chunk (a method, as in vLLM's adapter)."""

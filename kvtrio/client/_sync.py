@@ -11,20 +11,21 @@ receives replies only when no caller is waiting for the socket, so the request p
 for it. Every future settles: with the reply, a :class:`~kvtrio.errors.ServerError`, or a client
 error when its deadline passes, the connection drops, or the client closes — so
 ``future.result()`` never hangs.
+
+What the threads share is one :class:`~kvtrio.client._state.ClientState`; the socket and its
+calls are a :class:`~kvtrio.client._connection.Connection`; the background thread's loop is
+:class:`~kvtrio.client._background.Background`. This module is the callers' side.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import itertools
 import logging
-import os
 import select
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -47,15 +48,14 @@ from ._common import (
     curve_options,
     dealer_options,
 )
-from ._connection import Call, Connection, Outcome, ReplyFuture, settle
+from ._connection import Connection
+from ._state import Call, ClientState, Outcome, ReplyFuture, ServerChange
 
 __all__ = ["Client"]
 
 log = logging.getLogger("kvtrio.client")
 
 _Rep = TypeVar("_Rep", bound=Reply)
-
-ServerChange = Callable[[HelloReply], None]
 
 _POLLIN = select.POLLIN
 
@@ -84,51 +84,79 @@ class Client:
         client_key: str | None = None,
         insecure: bool | None = None,
     ) -> None:
-        self.endpoint = check_endpoint(endpoint)
-        curve = curve_options(self.endpoint, server_key, client_key, insecure)
+        checked = check_endpoint(endpoint)
+        curve = curve_options(checked, server_key, client_key, insecure)
         self._options = {**dealer_options(), **curve}
-        self.timeout = timeout
-        self.client_name = client_name
-        self.server_info: HelloReply | None = None
-        self.handshake = HandshakeWatch(curve=bool(curve))
-        self.handshake_error: str | None = None
-        """Why the last handshake failed, if it did (:class:`HandshakeWatch`)."""
-        self.state = "connecting"
-        """``connecting`` (never connected yet), ``connected`` or ``disconnected``."""
-        self.in_flight = 0
-        """Requests sent and not answered yet (maintained under the socket lock)."""
-        self._on_server_change = on_server_change
-        self._heartbeat = heartbeat
-        self._ids = itertools.count(1)
-        self._outbox: collections.deque[tuple[int, Call]] = collections.deque()
-        self._closing = False
+        self._shared = ClientState(
+            endpoint=checked,
+            timeout=timeout,
+            client_name=client_name,
+            heartbeat=heartbeat,
+            on_server_change=on_server_change,
+            handshake=HandshakeWatch(curve=bool(curve)),
+            wait=self._wait,
+        )
         self._lock = threading.Lock()  # orders submit() against close()
-        self._socket_lock = threading.Lock()  # the DEALER socket and self._conn
         self._lead_lock = threading.Lock()  # held by the one caller sleeping on the socket
-        self._leader: int | None = None  # that caller's thread id
-        self._handoff = threading.Condition(threading.Lock())  # followers wait on it
-        self._followers = 0  # callers waiting while another one leads (under _handoff)
         self._lead_poller: select.poll | None = None  # the leader's, made once
-        self._io_wake_at = 0.0  # when the background thread wakes next (monotonic)
-        self._io_thread_id: int | None = None
-        self._io_watching = False  # the background thread sleeps on the socket
-        self._io_wanted = False  # a pending future has callbacks: the background must watch
-        self._wake_r, self._wake_w = os.pipe()
-        self._lead_r, self._lead_w = os.pipe()
-        for fd in (self._wake_r, self._wake_w, self._lead_r, self._lead_w):
-            os.set_blocking(fd, False)
         self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._conn: Connection | None = None
-        self._dealer_fd = -1
         self._thread = threading.Thread(target=self._run, name="kvtrio-client-io", daemon=True)
         self._started = threading.Event()
         self._start_errors: list[zmq.ZMQError] = []
         self._thread.start()
         self._started.wait()
         if self._start_errors:  # the thread has ended; nothing left to clean up
-            self._close_pipes()
+            self._shared.close_pipes()
             error = self._start_errors[0].strerror
             raise TransportError(f"cannot connect to {endpoint}: {error}")
+
+    # ----------------------------------------------------------------- what the client knows
+
+    @property
+    def endpoint(self) -> str:
+        """The server's address, as checked at construction."""
+        return self._shared.endpoint
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a request waits for its reply unless told otherwise."""
+        return self._shared.timeout
+
+    @property
+    def client_name(self) -> str:
+        """The name this client gives the server in its ``hello``."""
+        return self._shared.client_name
+
+    @property
+    def server_info(self) -> HelloReply | None:
+        """The server's last ``hello`` answer (``None`` until the first one)."""
+        return self._shared.server_info
+
+    @property
+    def handshake(self) -> HandshakeWatch:
+        """What the connection's handshakes did so far (see :attr:`handshake_error`)."""
+        return self._shared.handshake
+
+    @property
+    def handshake_error(self) -> str | None:
+        """Why the last handshake failed, if it did (:class:`HandshakeWatch`)."""
+        return self._shared.handshake_error
+
+    @property
+    def state(self) -> str:
+        """``connecting`` (never connected yet), ``connected`` or ``disconnected``."""
+        return self._shared.status
+
+    @property
+    def in_flight(self) -> int:
+        """Requests sent and not answered yet (maintained under the socket lock)."""
+        return self._shared.in_flight
+
+    @property
+    def connected(self) -> bool:
+        """The connection is up (the handshake succeeded and it has not dropped since)."""
+        return self._shared.status == "connected"
 
     # ----------------------------------------------------------------- any thread
 
@@ -136,31 +164,38 @@ class Client:
         self, request: Request, *, timeout: float | None = None, fail_fast: bool = False
     ) -> Future[Reply]:
         """Send ``request`` (from this thread when the socket is free); the future settles with
-        its reply or an error within ``timeout``. Its ``result()`` receives in the calling
-        thread.
+        its reply or an error within ``timeout`` (``RequestTimeout`` if sent, else
+        ``ServerUnavailable``). Its ``result()`` receives in the calling thread. Never waits
+        for the reply, nor for the socket (when another thread holds it, that one sends).
 
         With ``fail_fast``, a request made while the client is known to be disconnected fails at
         once with :class:`ServerUnavailable` instead of waiting for the connection to come back.
+        Interrupted (KeyboardInterrupt) after queueing the request, it is still sent and
+        settled; the caller just has no future for it.
         """
-        timeout = self.timeout if timeout is None else timeout
-        request_id = next(self._ids)
-        future = ReplyFuture(self, time.monotonic() + timeout)
+        shared = self._shared
+        timeout = shared.timeout if timeout is None else timeout
+        request_id = next(shared.ids)
+        future = ReplyFuture(shared, time.monotonic() + timeout)
         call = Call(request, encode_request(request_id, request), future, fail_fast)
         with self._lock:
-            if self._closing:
+            if shared.closing:
                 future.set_exception(ClientClosed("the client is closed"))
                 return future
-            self._outbox.append((request_id, call))
+            shared.outbox.append((request_id, call))
         self.poll()
-        if call.deadline < self._io_wake_at:  # the background thread must expire it in time
-            self._wake()
+        if call.deadline < shared.background_wakes_at:  # the background must expire it in time
+            shared.wake()
         return future
 
     def poll(self) -> None:
         """Make progress without waiting: send what is queued, receive and settle what arrived.
 
-        Does nothing when another thread holds the socket (it does the same work)."""
-        lock = self._socket_lock
+        Does nothing when another thread holds the socket (it does the same work). Done
+        callbacks of what settles run here, in this thread. Never blocks, so no timeout; a
+        KeyboardInterrupt while it holds the lock can lose a call (see ``Connection``)."""
+        shared = self._shared
+        lock = shared.socket_lock
         while True:
             if not lock.acquire(blocking=False):
                 return  # the holder looks at the outbox again after releasing
@@ -173,14 +208,15 @@ class Client:
             finally:
                 lock.release()
             if settled:
-                self._settle(settled)
-            if not self._outbox:
+                shared.settle(settled)
+            if not shared.outbox:
                 return
 
     def request(
         self, request: Request, *, timeout: float | None = None, fail_fast: bool = False
     ) -> Reply:
-        """Send ``request`` and wait for its reply (see :meth:`submit` for the errors)."""
+        """Send ``request`` and wait for its reply (see :meth:`submit` for the errors).
+        Interrupted (KeyboardInterrupt), the request stays in flight and settles unseen."""
         return self.submit(request, timeout=timeout, fail_fast=fail_fast).result()
 
     def call(
@@ -203,22 +239,21 @@ class Client:
         :class:`ClientClosed`.
 
         Idempotent; must not be called from the background thread (an ``on_server_change``
-        callback).
+        callback). Interrupted during the goodbye, the client stays open (call it again);
+        during the join, the background thread still ends and settles everything, but the
+        wake pipes stay open.
         """
-        if self.state == "connected" and not self._closing:
+        shared = self._shared
+        if shared.status == "connected" and not shared.closing:
             with contextlib.suppress(KvtrioError):  # an older server: unknown_operation
                 self.request(Goodbye(), timeout=GOODBYE_TIMEOUT, fail_fast=True)
         with self._lock:
-            if self._closing:
+            if shared.closing:
                 return
-            self._closing = True
-        self._wake()
+            shared.closing = True
+        shared.wake()
         self._thread.join()
-        self._close_pipes()
-
-    @property
-    def connected(self) -> bool:
-        return self.state == "connected"
+        shared.close_pipes()
 
     def __enter__(self) -> Client:
         return self
@@ -226,42 +261,18 @@ class Client:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _close_pipes(self) -> None:
-        for fd in (self._wake_r, self._wake_w, self._lead_r, self._lead_w):
-            os.close(fd)
-
-    def _wake(self) -> None:
-        # A full pipe means the background thread has wakeups pending anyway.
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"\0")
-
-    def _want_background(self) -> None:
-        self._io_wanted = True
-        if not self._io_watching:
-            self._wake()
-
-    def _settle(self, settled: Sequence[Outcome]) -> None:
-        settle(settled)
-        self._wake_waiters()
-
-    def _wake_waiters(self) -> None:
-        """Futures were settled (or cancelled): the callers waiting for them look again."""
-        if self._followers:
-            with self._handoff:
-                self._handoff.notify_all()
-        leader = self._leader
-        if leader is not None and leader != threading.get_ident():
-            with contextlib.suppress(BlockingIOError, OSError):  # full: it wakes anyway
-                os.write(self._lead_w, b"\0")
+    # ----------------------------------------------------------------- a caller waiting
 
     def _wait(self, future: ReplyFuture, timeout: float | None) -> None:
-        """Receive until ``future`` settles or ``timeout`` passes, in this thread.
+        """Receive until ``future`` settles or ``timeout`` passes, in this thread (what
+        ``future.result()`` runs, as :attr:`ClientState.wait`).
 
         One waiting caller at a time, the leader, sleeps on the socket (its FD, edge-triggered,
         re-armed by every drain); the others, followers, wait until their future settles or
         the leader leaves, and then one of them leads. On cancellation (KeyboardInterrupt)
         leadership is handed on; nothing is lost (the reply is settled by whoever drains next).
         """
+        shared = self._shared
         end = None if timeout is None else time.monotonic() + timeout
         while not future.finished:
             now = time.monotonic()
@@ -273,68 +284,73 @@ class Client:
             try:
                 self._lead(future, end)
             finally:
-                self._leader = None
+                shared.leader = None
                 self._lead_lock.release()
-                if self._followers:
-                    with self._handoff:
-                        self._handoff.notify_all()  # one of them leads now
-                if self._io_wanted:
-                    self._wake()  # the background thread watches the socket again
+                if shared.followers:
+                    with shared.handoff:
+                        shared.handoff.notify_all()  # one of them leads now
+                if shared.background_wanted:
+                    shared.wake()  # the background thread watches the socket again
 
     def _follow(self, future: ReplyFuture, end: float | None, now: float) -> None:
         """Wait while another caller leads and ``future`` is pending (at most until ``end``,
         or until just past the future's deadline, when it must have expired)."""
+        shared = self._shared
         limit = future.deadline + 0.001 if end is None else min(end, future.deadline + 0.001)
-        with self._handoff:
-            self._followers += 1
+        with shared.handoff:
+            shared.followers += 1
             try:
                 # Checked under the condition's lock, which the leader takes to notify after
                 # leaving and the settler after settling: no wake-up can be missed.
                 if not future.finished and self._lead_lock.locked():
-                    self._handoff.wait(limit - now)
+                    shared.handoff.wait(limit - now)
             finally:
-                self._followers -= 1
+                shared.followers -= 1
 
     def _lead(self, future: ReplyFuture, end: float | None) -> None:
-        self._leader = threading.get_ident()
+        """Drive the socket until ``future`` settles, ``end`` passes or the client closes:
+        poll, and sleep on the socket's FD and the leader's pipe (settlers in other threads
+        write it); at the future's deadline expire it here, whoever holds the lock."""
+        shared = self._shared
+        shared.leader = threading.get_ident()
         poller = self._lead_poller
         if poller is None:  # (one leader at a time: it is used by one thread at a time)
+            assert self._conn is not None  # (set before the constructor returns)
             poller = self._lead_poller = select.poll()
-            poller.register(self._dealer_fd, _POLLIN)
-            poller.register(self._lead_r, _POLLIN)
+            poller.register(self._conn.dealer_fd, _POLLIN)
+            poller.register(shared.lead_r, _POLLIN)
         while True:
             self.poll()
-            if future.finished or self._closing:
+            if future.finished or shared.closing:
                 return
             now = time.monotonic()
             wake_at = future.deadline if end is None else min(end, future.deadline)
             if now >= wake_at:
                 if now >= future.deadline:  # expire it now, whoever holds the lock
-                    with self._socket_lock:
-                        if self._conn is not None and not self._conn.closed:
-                            self._conn.expire(now)
-                            settled = self._conn.take_settled()
-                        else:
-                            settled = ()
-                    self._settle(settled)
+                    self._settle_expired(now)
                     continue
                 return
             events = poller.poll(max(1, int((wake_at - now) * 1000) + 1))
             for fd, _ in events:
-                if fd == self._lead_r:
-                    with contextlib.suppress(BlockingIOError, OSError):
-                        os.read(self._lead_r, 4096)
+                if fd == shared.lead_r:
+                    shared.take_lead_wakeups()
+
+    def _settle_expired(self, now: float) -> None:
+        """Expire what is due (waiting for the socket lock) and settle it."""
+        settled: Sequence[Outcome] = ()
+        with self._shared.socket_lock:
+            conn = self._conn
+            if conn is not None and not conn.closed:
+                conn.expire(now)
+                settled = conn.take_settled()
+        self._shared.settle(settled)
 
     # ----------------------------------------------------------------- the background thread
 
-    def _log_warning(self, failure: str) -> None:
-        log.warning("%s: %s", self.endpoint, failure)
-
-    def _log_lost(self) -> None:
-        log.info("lost connection to %s", self.endpoint)
-
     def _run(self) -> None:
-        self._io_thread_id = threading.get_ident()
+        """The background thread: open the sockets, connect, run :class:`Background` until the
+        client closes; then fail what is still pending with ``ClientClosed``."""
+        shared = self._shared
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         for option, value in self._options.items():
@@ -344,30 +360,23 @@ class Client:
         monitor_endpoint = f"inproc://kvtrio-client-monitor-{uuid.uuid4().hex}"  # never reused
         dealer.monitor(monitor_endpoint, MONITOR_EVENTS)
         monitor.connect(monitor_endpoint)
-        conn = Connection(self, dealer, monitor)
+        conn = Connection(shared, dealer, monitor)
         try:
             try:
-                dealer.connect(self.endpoint)
+                dealer.connect(shared.endpoint)
             except zmq.ZMQError as exc:  # check_endpoint let through what libzmq refuses
                 self._start_errors.append(exc)
                 return
             finally:
-                self._dealer_fd = int(dealer.getsockopt(zmq.FD))
                 self._conn = conn
                 self._started.set()
-            Background(self, conn).run()
+            Background(shared, conn).run()
         except BaseException:  # pragma: no cover - a bug; never leave futures hanging
             log.exception("kvtrio client background thread failed")
             raise
         finally:
-            self._closing = True
-            with self._socket_lock:
-                conn.take_outbox()
-                for call in conn.calls.values():
-                    conn.fail(call, ClientClosed("the client was closed"))
-                conn.closed = True
+            shared.closing = True
+            with shared.socket_lock:
+                conn.close(ClientClosed("the client was closed"))
                 settled = conn.take_settled()
-                dealer.disable_monitor()  # before closing its reader: see transport.open_monitor
-                monitor.close(linger=0)
-                dealer.close(linger=0)
-            self._settle(settled)
+            shared.settle(settled)

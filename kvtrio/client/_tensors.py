@@ -7,8 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..transfer import KVLayout, layout_kind
-from ..transfer._cpu_native import cpu_helper
+from ..transfer import KVLayout, cpu_helper, layout_kind
 
 __all__ = ["describe_cuda_caches", "describe_kv_caches", "infer_layout_kind"]
 

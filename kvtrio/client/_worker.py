@@ -37,10 +37,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import attrs
-
 from ..errors import KvtrioError, NotRegistered
 from ..protocol import (
+    DEFAULT_CHUNK_SIZE,
     HASH_SCHEME_TOKENS,
     HelloReply,
     LayoutSpec,
@@ -53,43 +52,17 @@ from ..protocol import (
 from ..transfer import KVLayout
 from ..transfer.cuda import CudaRuntime, torch_runtime
 from ._arena_worker import ArenaCopies
-from ._copies import CopyPath, Span, when_all
+from ._copies import LoadStoreOp, Retrieved, Span, WorkerCopies, when_all
 from ._cuda_worker import CudaCopies, is_cuda_cache
 from ._failures import Failures
-from ._registration import Current, Registration
+from ._identity import EngineIdentity
+from ._registration import Current, Registrar
 from ._sync import Client
 from ._tensors import describe_kv_caches
 
 __all__ = ["LoadStoreOp", "WorkerAdapter"]
 
 log = logging.getLogger("kvtrio.client")
-
-
-def _ints(values: Iterable[int]) -> tuple[int, ...]:
-    return tuple(int(v) for v in values)
-
-
-@attrs.frozen
-class LoadStoreOp:
-    """One store or retrieve of a request (vLLM's LMCache adapter ``LoadStoreOp``).
-
-    ``block_ids`` are the request's engine blocks from its first token on; ``[start, end)`` is
-    the token range to move, in whole blocks (``start`` a multiple of the chunk size). Give the
-    prompt as ``token_ids`` or ``block_hashes`` (hash mode). A store moves the full chunks of
-    the prompt's first ``end`` tokens and then, as its *partial chunk*, the whole blocks after
-    them. A retrieve names the chunks from the whole prompt, as its lookup did (the partial
-    chunk of the prompt's whole blocks after its full chunks), writes only the blocks before
-    ``end`` (the last chunk may be loaded in part), and leaves the first
-    ``skip_first_n_tokens`` tokens of the range alone (a whole number of blocks): the engine
-    has them already, in blocks other requests may be reading.
-    """
-
-    block_ids: tuple[int, ...] = attrs.field(converter=_ints)
-    token_ids: Sequence[int] | None = None
-    block_hashes: Sequence[bytes | int] | None = None
-    start: int = 0
-    end: int = 0
-    skip_first_n_tokens: int = 0
 
 
 class WorkerAdapter:
@@ -120,7 +93,7 @@ class WorkerAdapter:
         self.engine_id = engine_id
         self.timeout = timeout
         self._cuda_runtime = cuda_runtime
-        self._path: CopyPath | None = None
+        self._path: WorkerCopies | None = None
         """How this rank's bytes move: chosen by :meth:`register_kv_caches`."""
         self._lock = threading.Lock()
         self.failures = Failures()
@@ -140,10 +113,21 @@ class WorkerAdapter:
             server_key=server_key,
             client_key=client_key,
         )
-        self._registration = Registration(
+        self._registration = Registrar(
             self.client, self._register_request, self._attach, self._transfers, self.failures,
             kv_rank, timeout,
         )  # fmt: skip
+
+    @classmethod
+    def from_identity(
+        cls, identity: EngineIdentity, *, cuda_runtime: CudaRuntime | None = None
+    ) -> WorkerAdapter:
+        """The worker adapter of rank ``identity.kv_rank`` of the engine ``identity`` names."""
+        i = identity
+        return cls(i.server_url, i.model_name, i.world_size, i.kv_rank, i.block_size,
+                   tenant=i.tenant, engine_id=i.engine_id, timeout=i.timeout,
+                   cuda_runtime=cuda_runtime, server_key=i.server_key,
+                   client_key=i.client_key)  # fmt: skip
 
     # ----------------------------------------------------------------- registration
 
@@ -162,7 +146,7 @@ class WorkerAdapter:
         self._registration.register()
         self._registration.wait(time.monotonic() + self.timeout, attach=False)
 
-    def _copy_path(self, kv_caches: Mapping[str, Any], layout: str | None) -> CopyPath:
+    def _copy_path(self, kv_caches: Mapping[str, Any], layout: str | None) -> WorkerCopies:
         """The copy path of these tensors: the server's CUDA copies for CUDA tensors, the
         arena's host copies for CPU tensors (``ValueError`` for tensors it cannot serve)."""
         lost = self._lost
@@ -231,7 +215,7 @@ class WorkerAdapter:
     @property
     def chunk_size(self) -> int:
         current = self._registration.current()
-        return current.registered.chunk_size if current is not None else 256
+        return current.registered.chunk_size if current is not None else DEFAULT_CHUNK_SIZE
 
     # ----------------------------------------------------------------- submitting
 
@@ -383,14 +367,12 @@ class WorkerAdapter:
         self, request_id: str, op: LoadStoreOp, engine_event: bytes, done: Future[None]
     ) -> None:
         first, last = op.start // self.chunk_size, self._chunks_to(op.end)
-        loaded: set[int] = set()
-        causes: dict[int, str] = {}  # chunks of batches the server refused
+        result = Retrieved()  # (nothing loaded, if the whole retrieve fails)
         cause = ""
 
         def finished() -> None:
-            """Report the retrieve (once): which blocks failed, and that it is done."""
-            if done.done():
-                return
+            """Report the retrieve: which blocks failed, and that it is done."""
+            loaded, causes = result.loaded, result.causes
             kept = set(op.block_ids[: (op.start + op.skip_first_n_tokens) // self.block_size])
             missing = [c for c in range(first, last) if c not in loaded]
             failed = {b for c in missing for b in self._blocks_of(op, c) if b not in kept}
@@ -414,8 +396,7 @@ class WorkerAdapter:
                 assert self._path is not None
                 span = self._span(current, request_id, op, store=False)
                 keep_before = op.start + op.skip_first_n_tokens  # the engine has these tokens
-                # (reported before any release is sent: the engine need not wait for that)
-                self._path.retrieve(span, keep_before, engine_event, loaded, causes, finished)
+                result = self._path.retrieve(span, keep_before, engine_event)
         except NotRegistered:
             cause = "not_registered"
             self._lost()

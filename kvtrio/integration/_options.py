@@ -11,53 +11,27 @@ from typing import Any
 
 import attrs
 
+from ..errors import TransportError
+from ..options import make_converter, one_of
+from ..transport import check_endpoint
+
 __all__ = ["OPTION_HELP", "ConnectorOptions", "opted_out", "parse_options", "request_switches"]
 
 PREFIX = "kvtrio."
 
-_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+_converter = make_converter()  # the server's: the same spellings of numbers and booleans
 
 
-def _to_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise ValueError(f"expected true or false, got {value!r}")
-
-
-def _to_seconds(value: Any) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"expected a number of seconds, got {value!r}")
+def _endpoint(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
     try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"expected a number of seconds, got {value!r}") from None
-    if not 0 <= seconds < 3600:
-        raise ValueError(f"expected 0 ≤ seconds < 3600, got {value!r}")
-    return seconds
+        check_endpoint(value)
+    except TransportError as exc:
+        raise ValueError(f"{attribute.name}: {exc}") from None
 
 
-def _to_str(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {value!r}")
-    return value
-
-
-def _policy(value: Any) -> str:
-    text = _to_str(value).strip().lower()
-    if text not in ("auto", "always"):
-        raise ValueError(f"expected auto or always, got {value!r}")
-    return text
-
-
-def _endpoint(value: Any) -> str:
-    text = _to_str(value)
-    if not text.startswith(("tcp://", "ipc://")) or text in ("tcp://", "ipc://"):
-        raise ValueError(f"expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
-    return text
+def _seconds(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not 0 <= value < 3600:
+        raise ValueError(f"{attribute.name}: expected 0 ≤ seconds < 3600, got {value!r}")
 
 
 @attrs.frozen
@@ -66,12 +40,11 @@ class ConnectorOptions:
 
     url: str = attrs.field(
         default="tcp://127.0.0.1:5577",
-        converter=_endpoint,
+        validator=_endpoint,
         metadata={"help": "the kvtrio server's endpoint (tcp://HOST:PORT or ipc://PATH)"},
     )
     model: str = attrs.field(
         default="",
-        converter=_to_str,
         metadata={
             "help": "the name chunks are kept under (default: the engine's model name); give "
             "engines that load one model from different paths the same name"
@@ -79,12 +52,10 @@ class ConnectorOptions:
     )
     tenant: str = attrs.field(
         default="",
-        converter=_to_str,
         metadata={"help": "a namespace: engines with different tenants never share chunks"},
     )
     server_key: str = attrs.field(
         default="",
-        converter=_to_str,
         metadata={
             "help": "the server's CURVE public key or key file, for tcp:// (default: "
             "KVTRIO_SERVER_KEY, then this user's default keys; docs/security.md)"
@@ -92,7 +63,6 @@ class ConnectorOptions:
     )
     client_key: str = attrs.field(
         default="",
-        converter=_to_str,
         metadata={
             "help": "this engine's CURVE .key_secret file (default: KVTRIO_CLIENT_KEY, then "
             "this user's default keys)"
@@ -100,21 +70,16 @@ class ConnectorOptions:
     )
     insecure: bool = attrs.field(
         default=False,
-        converter=_to_bool,
         metadata={
             "help": "connect without CURVE, to a server started with --insecure (default: "
             "KVTRIO_INSECURE)"
         },
     )
-    load: bool = attrs.field(
-        default=True, converter=_to_bool, metadata={"help": "load hits from kvtrio"}
-    )
-    save: bool = attrs.field(
-        default=True, converter=_to_bool, metadata={"help": "store computed chunks into kvtrio"}
-    )
+    load: bool = attrs.field(default=True, metadata={"help": "load hits from kvtrio"})
+    save: bool = attrs.field(default=True, metadata={"help": "store computed chunks into kvtrio"})
     load_policy: str = attrs.field(
         default="auto",
-        converter=_policy,
+        validator=one_of("auto", "always"),
         metadata={
             "help": "auto: load a hit only when this engine's own measurements say loading is "
             "faster than computing it; always: load every hit"
@@ -122,7 +87,6 @@ class ConnectorOptions:
     )
     async_load: bool = attrs.field(
         default=True,
-        converter=_to_bool,
         metadata={
             "help": "load between engine steps, the request waiting meanwhile (false: load "
             "inside the step, before its forward)"
@@ -130,18 +94,20 @@ class ConnectorOptions:
     )
     timeout: float = attrs.field(
         default=5.0,
-        converter=_to_seconds,
+        validator=_seconds,
         metadata={"help": "seconds any request to kvtrio may take before it counts as failed"},
     )
     lookup_wait: float = attrs.field(
         default=0.02,
-        converter=_to_seconds,
+        validator=_seconds,
         metadata={
             "help": "seconds the scheduler waits for a lookup's answer before moving on (the "
             "request is asked about again at the next step)"
         },
     )
 
+
+attrs.resolve_types(ConnectorOptions)  # field types as types, for the converter
 
 OPTION_HELP: dict[str, str] = {
     PREFIX + field.name: field.metadata["help"] for field in attrs.fields(ConnectorOptions)
@@ -150,27 +116,39 @@ OPTION_HELP: dict[str, str] = {
 
 
 def parse_options(extra_config: Mapping[str, Any]) -> ConnectorOptions:
-    """Read the ``kvtrio.*`` keys of ``extra_config`` (other keys belong to others).
+    """Read the ``kvtrio.*`` keys of ``extra_config`` (other keys belong to others), with the
+    server's converter (:func:`kvtrio.options.make_converter`): strings as from a command line
+    (``"false"``, ``"2.5"``), JSON values as they are.
 
     Raises ``ValueError`` naming every unknown ``kvtrio.*`` key (with the known ones) and every
     value that is wrong.
     """
-    known = {field.name for field in attrs.fields(ConnectorOptions)}
+    fields = {field.name: field for field in attrs.fields(ConnectorOptions)}
     given = {k[len(PREFIX) :]: v for k, v in extra_config.items() if k.startswith(PREFIX)}
     problems = [
         f"unknown option {PREFIX}{name} (known: {', '.join(sorted(OPTION_HELP))})"
-        for name in sorted(set(given) - known)
+        for name in sorted(set(given) - set(fields))
     ]
     values: dict[str, Any] = {}
-    for name in sorted(set(given) & known):
-        field = getattr(attrs.fields(ConnectorOptions), name)
+    for name in sorted(set(given) & set(fields)):
         try:
-            values[name] = field.converter(given[name])
+            values[name] = _read(fields[name], given[name])
         except ValueError as exc:
-            problems.append(f"{PREFIX}{name}: {exc}")
+            problems.append(f"{PREFIX}{exc}")
     if problems:
         raise ValueError("kvtrio connector options: " + "; ".join(problems))
     return ConnectorOptions(**values)
+
+
+def _read(field: attrs.Attribute[Any], value: Any) -> Any:
+    """One option's value, converted and validated; ``ValueError("NAME: problem")``."""
+    try:
+        converted = _converter.structure(value, field.type or str)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{field.name}: {exc}") from None
+    if field.validator is not None:
+        field.validator(None, field, converted)
+    return converted
 
 
 def request_switches(params: Mapping[str, Any] | None) -> tuple[bool | None, bool | None, str]:
@@ -183,8 +161,8 @@ def request_switches(params: Mapping[str, Any] | None) -> tuple[bool | None, boo
     for key in (PREFIX + "load", PREFIX + "save"):
         value = params.get(key)
         try:
-            switches.append(None if value is None else _to_bool(value))
-        except ValueError as exc:
+            switches.append(None if value is None else _converter.structure(value, bool))
+        except (ValueError, TypeError) as exc:
             switches.append(None)
             problems.append(f"{key}: {exc}")
     return switches[0], switches[1], "; ".join(problems)

@@ -25,8 +25,8 @@ import attrs
 from ..client import LoadStoreOp
 
 __all__ = [
+    "PlannedTransfer",
     "RequestPlan",
-    "Transfer",
     "held_after_lookup",
     "plan_load",
     "plan_store",
@@ -35,7 +35,7 @@ __all__ = [
 
 
 @attrs.frozen
-class Transfer:
+class PlannedTransfer:
     """One load or store the scheduler side hands to the workers for a step."""
 
     request_id: str
@@ -89,7 +89,7 @@ def plan_load(
     block_size: int,
     chunk_size: int,
     sync: bool,
-) -> Transfer | None:
+) -> PlannedTransfer | None:
     """The load of ``external_tokens`` tokens after the engine's ``plan.local_tokens``; None
     when there is nothing to load.
 
@@ -111,7 +111,7 @@ def plan_load(
         end=end,
         skip_first_n_tokens=plan.local_tokens - start,
     )
-    return Transfer(plan.request_id, "load", op, sync=sync)
+    return PlannedTransfer(plan.request_id, "load", op, sync=sync)
 
 
 def plan_store(
@@ -123,7 +123,7 @@ def plan_store(
     prompt_tokens: int,
     block_size: int,
     chunk_size: int,
-) -> list[Transfer]:
+) -> list[PlannedTransfer]:
     """The stores of what the engine will have computed (``computed_tokens``, this step
     included) and kvtrio does not hold: the prompt's partial chunk once the prompt is
     computed, and the whole chunks beyond ``plan.held_tokens``. Updates ``plan``."""
@@ -153,7 +153,7 @@ def _store(
     block_size: int,
     start: int,
     end: int,
-) -> Transfer:
+) -> PlannedTransfer:
     """The store of tokens ``[start, end)``: full chunks, then the partial chunk of the whole
     blocks after them if ``end`` is not at a chunk boundary."""
     op = LoadStoreOp(
@@ -163,4 +163,4 @@ def _store(
         end=end,
     )
     plan.stores += 1
-    return Transfer(plan.request_id, "store", op)
+    return PlannedTransfer(plan.request_id, "store", op)

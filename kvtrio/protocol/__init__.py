@@ -49,11 +49,13 @@ from ._codec import (
     read_request_header,
 )
 from ._hashes import (
+    DEFAULT_CHUNK_SIZE,
     HASH_SCHEME_TOKENS,
     PromptChunks,
     as_block_hashes,
     block_chunk_hashes,
     block_hash_scheme,
+    chunk_hashes,
     prompt_chunks,
     token_chunk_hashes,
 )
@@ -82,6 +84,7 @@ from ._messages import (
 from ._operations import OPERATIONS, REQUEST_TYPES
 
 __all__ = [
+    "DEFAULT_CHUNK_SIZE",
     "ERROR_KIND",
     "HASH_SCHEME_TOKENS",
     "MAX_HASHES",
@@ -138,6 +141,7 @@ __all__ = [
     "as_int_array",
     "block_chunk_hashes",
     "block_hash_scheme",
+    "chunk_hashes",
     "converter",
     "decode_header",
     "decode_reply",

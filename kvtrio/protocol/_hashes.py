@@ -36,14 +36,19 @@ from collections.abc import Sequence
 import attrs
 
 __all__ = [
+    "DEFAULT_CHUNK_SIZE",
     "HASH_SCHEME_TOKENS",
     "PromptChunks",
     "as_block_hashes",
     "block_chunk_hashes",
     "block_hash_scheme",
+    "chunk_hashes",
     "prompt_chunks",
     "token_chunk_hashes",
 ]
+
+DEFAULT_CHUNK_SIZE = 256
+"""Tokens per chunk of a server not told otherwise (``hello`` says what a server uses)."""
 
 HASH_SCHEME_TOKENS = "tokens/sha256-128/v1"
 """The hash scheme of token mode."""
@@ -182,3 +187,25 @@ def prompt_chunks(
         digest.update(array("I", token_ids[full_end : full_end + tail_blocks * block_size]))
         hashes.append(digest.digest()[:16])
     return PromptChunks(tuple(hashes), chunk_size, block_size, tail_blocks)
+
+
+def chunk_hashes(
+    chunk_size: int,
+    block_size: int,
+    *,
+    token_ids: Sequence[int] | None = None,
+    block_hashes: Sequence[bytes | int] | None = None,
+    end: int | None = None,
+) -> list[bytes]:
+    """The chunk hashes of the full chunks of the prompt's first ``end`` tokens (all of it by
+    default), from its engine block hashes (hash mode, preferred when given) or its token ids.
+
+    Raises ``ValueError`` when neither is given, ``TypeError``/``OverflowError`` for token ids
+    that are not integers in ``[0, 2**32)``.
+    """
+    if block_hashes is not None:
+        blocks = as_block_hashes(block_hashes if end is None else block_hashes[: end // block_size])
+        return block_chunk_hashes(blocks, max(1, chunk_size // block_size))
+    if token_ids is not None:
+        return token_chunk_hashes(token_ids if end is None else token_ids[:end], chunk_size)
+    raise ValueError("the prompt's token ids or block hashes are needed")

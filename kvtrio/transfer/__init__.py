@@ -7,6 +7,7 @@ the interface the CPU path and the CUDA engine (:mod:`kvtrio.transfer.cuda`) sha
 """
 
 from ._cpu import gather, scatter
+from ._cpu_native import cpu_helper
 from ._engines import CPU_TRANSFER, CpuTransfer, Transfer
 from ._kinds import LAYOUTS, LayoutKind, layout_kind
 from ._layouts import DTYPE_SIZES, LAYOUT_KINDS, ChunkFormat, KVLayout
@@ -21,6 +22,7 @@ __all__ = [
     "KVLayout",
     "LayoutKind",
     "Transfer",
+    "cpu_helper",
     "gather",
     "layout_kind",
     "scatter",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,8 @@ import pytest
 
 from kvtrio.benchmark import BenchError, BenchOptions, run_bench
 
-KVTRIO = str(Path(sys.executable).with_name("kvtrio"))
+from .._support.command import KVTRIO
+
 SMALL_ENGINE = ("--world-size", "2", "--layers", "2", "--heads", "2", "--head-dim", "16")
 
 

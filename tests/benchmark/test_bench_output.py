@@ -12,10 +12,11 @@ import pytest
 
 from kvtrio.benchmark import BenchError, BenchOptions, run_bench
 from kvtrio.client import Client
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import GetStats, StatsReply
 
-from ..conftest import ServerProcess, wait_for
-from .test_bench import KVTRIO
+from .._support.command import KVTRIO
+from .._support.waiting import wait_for
 
 SMALL = ("--world-size", "2", "--layers", "2", "--heads", "2", "--head-dim", "16")
 SHORT = ("--conversations", "2", "--turns", "2", "--system-tokens", "300", "--no-progress")

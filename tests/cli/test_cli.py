@@ -12,17 +12,11 @@ from pathlib import Path
 import pytest
 
 from kvtrio.client import Client
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import ChunkSize, GetChunkSize
 
-from ..conftest import ServerProcess, wait_for
-
-KVTRIO = str(Path(sys.executable).with_name("kvtrio"))
-
-
-def run(*args: str, timeout: float = 30, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(  # type: ignore[call-overload,no-any-return]
-        [KVTRIO, *args], capture_output=True, text=True, timeout=timeout, **kwargs
-    )
+from .._support.command import KVTRIO, run
+from .._support.waiting import wait_for
 
 
 def test_serve_on_the_defaults_answers_ping_and_stops_on_sigterm(short_dir: Path) -> None:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import ServerProcess
-from .test_cli import run
+from kvtrio.launch import ServerProcess
+
+from .._support.command import run
 
 BAD_ENDPOINTS = ["127.0.0.1:5577", "localhost:5577", "http://127.0.0.1:5577", "tcp://nonsense"]
 

@@ -17,10 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvtrio.client import Client
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import Ping
 
-from ..conftest import ServerProcess, wait_for
-from .test_cli import run
+from .._support.command import run
+from .._support.waiting import wait_for
 
 
 def _free_port() -> int:

@@ -8,10 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvtrio.client import Client
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import Ping
 
-from ..conftest import ServerProcess
-from .test_cli import run
+from .._support.command import run
 
 
 def test_status_prints_the_status_document_over_zeromq(

@@ -20,7 +20,7 @@ from kvtrio.protocol import (
     encode_reply,
 )
 
-from ..conftest import wait_for
+from .._support.waiting import wait_for
 
 
 class Taken:

@@ -21,7 +21,7 @@ from kvtrio.server import ServerHandle
 from kvtrio.storage import token_chunk_hashes
 from kvtrio.transfer import CpuTransfer
 
-from ..conftest import await_async, await_condition
+from .._support.waiting import await_async, await_condition
 
 LAYERS, BLOCKS, BLOCK, CHUNK = 2, 320, 16, 256
 PER_CHUNK = CHUNK // BLOCK

@@ -12,11 +12,12 @@ from concurrent.futures import Future
 
 import pytest
 
-from kvtrio.client import Client, _sync
+from kvtrio.client import Client, _state
 from kvtrio.errors import RequestTimeout
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import Ping, Pong, Probe, ProbeReply, Reply
 
-from ..conftest import ServerProcess, wait_for
+from .._support.waiting import wait_for
 from .raw_server import client_of_raw_server
 
 
@@ -27,13 +28,13 @@ def test_a_spinning_caller_receives_its_own_reply(
     # in a busy loop starved (6-33 ms per lookup). Now the spinning caller receives it.
     server = server_process()
     settled_in: list[int] = []
-    real_settle = _sync.settle
+    real_settle = _state.settle
 
-    def recording(outcomes: Sequence[_sync.Outcome]) -> None:
+    def recording(outcomes: Sequence[_state.Outcome]) -> None:
         settled_in.extend(threading.get_ident() for _ in outcomes)
         real_settle(outcomes)
 
-    monkeypatch.setattr(_sync, "settle", recording)
+    monkeypatch.setattr(_state, "settle", recording)
     with Client(server.endpoint, heartbeat=False) as client:
         wait_for(lambda: client.server_info is not None, what="hello")
         for _ in range(20):
@@ -125,13 +126,28 @@ def test_a_waiting_caller_takes_over_when_the_receiving_one_leaves(endpoint: str
     ):
         first = pool.submit(client.request, Ping())
         first_request = server.take()
-        wait_for(lambda: client._leader is not None, what="a caller on the socket")
+        wait_for(lambda: client._shared.leader is not None, what="a caller on the socket")
         second = pool.submit(client.request, Ping())
         second_request = server.take()
-        wait_for(lambda: client._followers == 1, what="the second caller to wait")
+        wait_for(lambda: client._shared.followers == 1, what="the second caller to wait")
         server.answer(first_request, Pong("raw"))
         assert isinstance(first.result(timeout=5), Pong)
         start = time.monotonic()
         server.answer(second_request, Pong("raw"))
         assert isinstance(second.result(timeout=5), Pong)
         assert time.monotonic() - start < 0.5
+
+
+def test_result_with_a_timeout_waits_that_long_once(endpoint: str) -> None:
+    # Was: the caller received until ``timeout`` passed, then Future.result waited ``timeout``
+    # again, without receiving (TimeoutError after 2.0 s for 1.0 s).
+    with client_of_raw_server(endpoint) as (client, server):
+        future = client.submit(Ping(), timeout=30)
+        taken = server.take()
+        for wait in (future.result, future.exception):
+            start = time.monotonic()
+            with pytest.raises(concurrent.futures.TimeoutError):
+                wait(1.0)
+            assert 0.99 <= time.monotonic() - start < 1.8
+        server.answer(taken, Pong("raw"))  # the request stayed pending
+        assert isinstance(future.result(timeout=5), Pong)

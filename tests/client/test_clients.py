@@ -20,6 +20,7 @@ from kvtrio.errors import (
     ServerUnavailable,
     UnknownOperation,
 )
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import (
     ChunkSize,
     GetChunkSize,
@@ -32,7 +33,7 @@ from kvtrio.protocol import (
 )
 from kvtrio.server import ServerHandle, Session
 
-from ..conftest import ServerProcess, await_condition, wait_for
+from .._support.waiting import await_condition, wait_for
 
 # --------------------------------------------------------------------------- trio client
 

@@ -20,7 +20,7 @@ from kvtrio.server import ServerHandle, serve
 from kvtrio.storage import token_chunk_hashes
 from kvtrio.testing import FakeCuda
 
-from ..conftest import await_condition
+from .._support.waiting import await_condition
 
 LAYERS, BLOCKS, BLOCK, CHUNK = 2, 96, 16, 256
 PER_CHUNK = CHUNK // BLOCK

@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvtrio.client import Client, open_client
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import GetStats, Ping, StatsReply
 from kvtrio.server import ServerHandle
 
-from ..conftest import ServerProcess, await_condition, wait_for
+from .._support.waiting import await_condition, wait_for
 
 
 async def test_the_trio_client_ends_its_session_on_close(server: ServerHandle) -> None:
@@ -24,7 +25,7 @@ async def test_the_trio_client_ends_its_session_on_close(server: ServerHandle) -
 def test_ping_and_status_leave_no_session_behind(
     server_process: Callable[..., ServerProcess],
 ) -> None:
-    from ..cli.test_cli import run
+    from .._support.command import run
 
     server = server_process("--heartbeat-timeout", "60")
     for command in ("ping", "status", "ping"):

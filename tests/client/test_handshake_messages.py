@@ -20,7 +20,7 @@ from kvtrio.errors import ServerUnavailable
 from kvtrio.protocol import Ping
 from kvtrio.transport import write_keypair
 
-from ..conftest import wait_for
+from .._support.waiting import wait_for
 
 
 @pytest.fixture
@@ -91,7 +91,7 @@ async def test_a_wrong_server_key_is_named_once_the_server_keeps_closing(
             client_key=str(short_dir / "other" / "client.key_secret"),
             heartbeat=False,
         ) as client:
-            from ..conftest import await_condition
+            from .._support.waiting import await_condition
 
             await await_condition(
                 lambda: (

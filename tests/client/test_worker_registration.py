@@ -9,9 +9,10 @@ from typing import Any
 import numpy as np
 
 from kvtrio.client import WorkerAdapter
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import Register, Reply, Request
 
-from ..conftest import ServerProcess, wait_for
+from .._support.waiting import wait_for
 
 BLOCK = 16
 

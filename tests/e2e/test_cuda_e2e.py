@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import ServerProcess
+from kvtrio.launch import ServerProcess
 
 WORKER = Path(__file__).with_name("cuda_engine_worker.py")
 

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvtrio.client import SchedulerAdapter
+from kvtrio.launch import ServerProcess
 
-from ..conftest import ServerProcess, wait_for
-from .test_cache_e2e import (
+from .._support.e2e import (
     BLOCK,
     CHUNK,
     PROMPT,
@@ -25,12 +25,8 @@ from .test_cache_e2e import (
     Worker,
     cache,
     lookup,
-    scheduler,
-    server,
-    workers,
 )
-
-__all__ = ["scheduler", "server", "workers"]  # fixtures, imported for pytest
+from .._support.waiting import wait_for
 
 OTHER = [t + 100_000 for t in PROMPT]  # another prompt of the same length
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from kvtrio.client import SchedulerAdapter
+from kvtrio.launch import ServerProcess
 
-from ..conftest import ServerProcess, wait_for
-from .test_cache_e2e import (
+from .._support.e2e import (
     BLOCK,
     CHUNK,
     PROMPT,
@@ -30,6 +30,7 @@ from .test_cache_e2e import (
     lookup,
     stats,
 )
+from .._support.waiting import wait_for
 
 
 def l2_stores(server: ServerProcess) -> float:

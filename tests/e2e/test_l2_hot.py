@@ -29,7 +29,7 @@ from kvtrio.protocol import (
 )
 from kvtrio.storage import token_chunk_hashes
 
-from ..conftest import wait_for
+from .._support.waiting import wait_for
 
 CHUNK = 256
 LAYOUT = LayoutSpec("flash_attn", 2, 64, 16, 2, 16, "float16")  # 64 KiB chunks

@@ -32,10 +32,11 @@ from pathlib import Path
 import pytest
 
 from kvtrio.client import SchedulerAdapter
+from kvtrio.launch import ServerProcess
 
-from ..conftest import ServerProcess, wait_for
+from .._support.e2e import Worker, cache
+from .._support.waiting import wait_for
 from .engine_worker import engine_kwargs
-from .test_cache_e2e import Worker, cache
 
 CHUNK, BLOCK = 64, 16
 PER_CHUNK = CHUNK // BLOCK

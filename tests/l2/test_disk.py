@@ -130,24 +130,6 @@ async def test_eviction_examines_only_the_objects_it_evicts(tmp_path: Path) -> N
     assert stats["objects"] == 2000
 
 
-@pytest.fixture
-def small_filesystem(tmp_path: Path) -> Iterator[Path]:
-    """A real 4 MiB tmpfs (needs root: mount). Skipped where mounting is not allowed."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-        capture_output=True,
-        check=False,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 async def test_a_full_filesystem_lowers_the_capacity_and_evicts(small_filesystem: Path) -> None:
     """Was: with the default 32 GiB capacity on a small filesystem, it stayed full for good."""
     backend = DiskBackend(DiskOptions(path=str(small_filesystem / "l2")))

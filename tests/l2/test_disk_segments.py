@@ -19,8 +19,6 @@ from kvtrio.l2._diskio import ALIGN, RECORD_HEADER, record_size, segment_name
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.options import ByteSize
 
-from .test_disk import small_filesystem  # noqa: F401 - a fixture
-
 SIZE = 20_000
 """Object size: 24 KiB records (six blocks)."""
 
@@ -173,7 +171,7 @@ async def test_without_holes_removed_records_are_unmade(
 
 
 async def test_a_filesystem_full_part_way_through_a_batch_stores_a_whole_prefix(
-    small_filesystem: Path,  # noqa: F811 - the fixture
+    small_filesystem: Path,
 ) -> None:
     root = small_filesystem / "l2"
     size = 200 * ALIGN - RECORD_HEADER  # 800 KiB records

@@ -6,12 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
-import attrs
 import pytest
 import trio
 import zmq
@@ -19,9 +15,8 @@ import zmq
 from kvtrio.client import AsyncClient, Client, open_client
 from kvtrio.config import ServerConfig
 from kvtrio.errors import Forbidden, KvtrioError, RequestTimeout, ServerBusy, ServerUnavailable
-from kvtrio.l2 import Backend
 from kvtrio.protocol import EndSession, GetStats, Lookup, Ping, Pong, Released, StatsReply
-from kvtrio.server import ServerHandle, open_server
+from kvtrio.server import open_server
 from kvtrio.server._auth import is_loopback
 from kvtrio.transport import (
     curve_client_options,
@@ -30,6 +25,8 @@ from kvtrio.transport import (
     resolve_client_credentials,
     write_keypair,
 )
+
+from .._support.tenants import tcp_config, tenant_clients
 
 
 @pytest.fixture
@@ -40,12 +37,6 @@ def key_dir(short_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.delenv("KVTRIO_SERVER_KEY", raising=False)
     monkeypatch.delenv("KVTRIO_CLIENT_KEY", raising=False)
     return directory
-
-
-def tcp_config(**overrides: Any) -> ServerConfig:
-    return ServerConfig(
-        **{"endpoint": "tcp://127.0.0.1:0", "l1_size": 16 << 20, "l2": (), **overrides}
-    )
 
 
 async def refused(client: AsyncClient) -> bool:
@@ -152,37 +143,6 @@ async def test_a_client_expecting_another_server_key_does_not_talk(
         ) as client:
             assert await refused(client)
         assert server.state.counters.requests == 0
-
-
-@asynccontextmanager
-async def tenant_clients(
-    short_dir: Path, config: ServerConfig, backends: Sequence[tuple[str, Backend]] | None = None
-) -> AsyncIterator[tuple[ServerHandle, AsyncClient, AsyncClient]]:
-    """A server allowing two keys, ``acme`` (tenant acme) and ``victim`` (tenant victim);
-    ``backends``, if given, instead of ``config.l2``'s."""
-    keys = short_dir / "tenants"
-    write_keypair(keys / "clients", "acme", "acme")
-    write_keypair(keys / "clients", "victim", "victim")
-    write_keypair(keys, "server")
-    for name in ("acme", "victim"):
-        (keys / "clients" / f"{name}.key_secret").rename(keys / f"{name}.key_secret")
-    config = attrs.evolve(
-        config,
-        curve_secret_key=str(keys / "server.key_secret"),
-        curve_allowed_keys=str(keys / "clients"),
-    )
-    server_key = str(keys / "server.key")
-    async with (
-        open_server(config, backends=backends) as server,
-        open_client(
-            server.endpoint, server_key=server_key, client_key=str(keys / "acme.key_secret")
-        ) as acme,
-    ):
-        await acme.wait_connected()  # acme's session first (the session-limit test needs it)
-        async with open_client(
-            server.endpoint, server_key=server_key, client_key=str(keys / "victim.key_secret")
-        ) as victim:
-            yield server, acme, victim
 
 
 async def test_tenant_spoofing_is_refused(short_dir: Path) -> None:

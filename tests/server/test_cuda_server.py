@@ -42,7 +42,7 @@ from kvtrio.storage import HASH_SCHEME_TOKENS, token_chunk_hashes
 from kvtrio.testing import FakeCuda
 from kvtrio.transfer import KVLayout, gather
 
-from ..conftest import await_async
+from .._support.waiting import await_async
 
 LAYERS, BLOCKS, BLOCK, HEADS, DIM = 3, 128, 16, 2, 8
 CHUNK = 256

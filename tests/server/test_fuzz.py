@@ -14,6 +14,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import (
     PROTOCOL_VERSION,
     REQUEST_TYPES,
@@ -23,8 +24,6 @@ from kvtrio.protocol import (
     decode_reply_header,
     encode_request,
 )
-
-from ..conftest import ServerProcess
 
 BARRIER_ID = 2**64 - 1
 OPS = [cls.op for cls in REQUEST_TYPES]

@@ -42,7 +42,7 @@ from kvtrio.storage import token_chunk_hashes
 from kvtrio.testing import FaultBackend
 from kvtrio.transport import open_socket
 
-from ..conftest import await_async, await_condition
+from .._support.waiting import await_async, await_condition
 
 METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 CHUNK = 256

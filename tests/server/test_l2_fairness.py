@@ -17,9 +17,16 @@ from kvtrio.l2.memory import MemoryBackend
 from kvtrio.protocol import GetStats, Lookup, LookupReply, StatsReply
 from kvtrio.shm import SharedArena
 
-from ..conftest import await_async
-from .test_auth import tcp_config, tenant_clients
-from .test_tenants import ARENA_CHUNKS, CHUNK_BYTES, hashes, register, store
+from .._support.tenants import (
+    ARENA_CHUNKS,
+    CHUNK_BYTES,
+    hashes,
+    register,
+    store,
+    tcp_config,
+    tenant_clients,
+)
+from .._support.waiting import await_async
 
 ACME_FILL, FLOOD_FILL = 0x3C, 0x11
 

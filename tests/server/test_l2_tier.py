@@ -46,7 +46,7 @@ from kvtrio.server import ServerHandle, open_server
 from kvtrio.storage import token_chunk_hashes
 from kvtrio.testing import FaultBackend
 
-from ..conftest import await_async, await_condition
+from .._support.waiting import await_async, await_condition
 
 _SERVERS = itertools.count()
 CHUNK = 256

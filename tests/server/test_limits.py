@@ -31,7 +31,7 @@ from kvtrio.protocol import (
 from kvtrio.server import open_server
 from kvtrio.testing import FaultBackend
 
-from ..conftest import await_condition
+from .._support.waiting import await_condition
 from .test_l2_tier import CHUNK, HASHES, LAYOUT, cache, lookup, running, store
 
 

@@ -28,7 +28,7 @@ from kvtrio.shm import SharedArena
 from kvtrio.storage import Entry, EntryState
 from kvtrio.storage.keys import token_chunk_hashes
 
-from .test_auth import tcp_config, tenant_clients
+from .._support.tenants import tcp_config, tenant_clients
 
 CHUNK = 256
 LAYOUT = LayoutSpec("flash_attn", 2, 64, 16, 2, 16, "float16")

@@ -36,7 +36,7 @@ from kvtrio.server import ServerHandle, Session, serve
 from kvtrio.server._state import Later
 from kvtrio.transport import Socket, open_socket
 
-from ..conftest import await_condition
+from .._support.waiting import await_condition
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from kvtrio.protocol import (
     StoreReply,
 )
 
-from ..conftest import await_async
+from .._support.waiting import await_async
 from .test_l2_tier import (
     CHUNK,
     HASHES,

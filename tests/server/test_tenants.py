@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from kvtrio.client import AsyncClient, Client, open_client
+from kvtrio.client import Client, open_client
 from kvtrio.config import BackendSpec, ServerConfig
 from kvtrio.errors import ErrorCode, QuotaExceeded, RequestError
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import (
-    Commit,
-    CommitReply,
     GetStats,
-    LayoutSpec,
     Lookup,
     LookupReply,
     Register,
@@ -28,52 +26,24 @@ from kvtrio.protocol import (
     Retrieve,
     RetrieveReply,
     StatsReply,
-    Store,
-    StoreReply,
 )
 from kvtrio.server import open_server
 from kvtrio.server._tenants import TenantArenas
 from kvtrio.shm import SharedArena
 from kvtrio.storage import Entry, L1Cache, Reservation
 
-from ..conftest import ServerProcess, await_async
-from .test_auth import tcp_config, tenant_clients
-
-CHUNK = 256
-LAYOUT = LayoutSpec("flash_attn", 2, 64, 16, 2, 16, "float16")
-CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 16 * 2  # 64 KiB
-ARENA_CHUNKS = 64
-
-
-def hashes(seed: int, count: int) -> tuple[bytes, ...]:
-    return tuple(seed.to_bytes(8, "little") + i.to_bytes(8, "little") for i in range(count))
-
-
-async def register(client: AsyncClient, tenant: str) -> Registered:
-    return await client.call(
-        Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant), Registered
-    )
-
-
-async def store(
-    client: AsyncClient,
-    arena: SharedArena,
-    request: str,
-    chunk_hashes: tuple[bytes, ...],
-    fill: int,
-) -> int:
-    """Store chunks the way a CPU worker does (write the slots, commit); returns the count."""
-    reply = await client.call(
-        Store(request, 0, len(chunk_hashes) * CHUNK, chunk_hashes=chunk_hashes), StoreReply
-    )
-    written = []
-    for slot in reply.slots:
-        if slot.status == "write":
-            arena.view(slot.offset, slot.nbytes).fill(fill)
-            written.append(chunk_hashes[slot.chunk])
-    committed = await client.call(Commit(request, written=tuple(written)), CommitReply)
-    assert not committed.rejected
-    return committed.committed
+from .._support.tenants import (
+    ARENA_CHUNKS,
+    CHUNK,
+    CHUNK_BYTES,
+    LAYOUT,
+    hashes,
+    register,
+    store,
+    tcp_config,
+    tenant_clients,
+)
+from .._support.waiting import await_async
 
 
 async def test_a_tenant_cannot_read_write_or_evict_another_tenants_l1(short_dir: Path) -> None:

@@ -17,7 +17,7 @@ import pytest
 from kvtrio.transfer import KVLayout, gather, scatter
 from kvtrio.transfer import _cpu_native as native
 
-from .test_cpu import DTYPES, as_bytes, reference_gather, reference_scatter
+from .._support.kv_layouts import DTYPES, as_bytes, reference_gather, reference_scatter
 
 Array = npt.NDArray[Any]
 

@@ -18,7 +18,7 @@ from kvtrio.transfer import KVLayout, gather
 from kvtrio.transfer._geometry import GPU_LAYOUT_KINDS, check_extent, geometry
 from kvtrio.transfer._hostlib import HostLibrary
 
-from .test_cpu import (
+from .._support.kv_layouts import (
     BLOCK_IDS,
     NUM_BLOCKS,
     as_bytes,

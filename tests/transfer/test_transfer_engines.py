@@ -26,7 +26,7 @@ from kvtrio.transfer.cuda import (
     torch_runtime,
 )
 
-from .test_cpu import (
+from .._support.kv_layouts import (
     BLOCK_IDS,
     DTYPES,
     empty_chunk,

@@ -16,9 +16,10 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvtrio.client import Client
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import CacheStats, GetStats, StatsReply
 
-from ...conftest import ServerProcess, wait_for
+from ..._support.waiting import wait_for
 from ..tiny_model import write_tiny_model
 from .harness import Engine, make_config
 
@@ -175,13 +176,13 @@ def test_auto_computes_a_hit_that_loading_would_slow_down(
     measured = CostModel(explore_every=1000)
     measured.observe_step(1000, 0.001)
     measured.observe_load(5 * CHUNK, 0.050)
-    engine.connector._policy.model = measured
+    engine.connector.scheduler_side.policy.model = measured
     engine.add("computed", PROMPT)
     engine.run()
     result = engine.results["computed"]
     assert result.external_cached == 0
     assert result.output == engine.results["loaded"].output
-    assert engine.connector._policy.stats["skipped"] == 1
+    assert engine.connector.scheduler_side.policy.stats["skipped"] == 1
     assert_no_pins(kvtrio)
 
 

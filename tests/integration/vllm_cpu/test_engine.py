@@ -16,14 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,21 +27,21 @@ from typing import Any
 import pytest
 
 from kvtrio.client import Client
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import CacheStats, GetStats, StatsReply
 
-from ...conftest import ServerProcess
+from ..._support.vllm_cpu import CONTROL, PREFIX, STARTUP
+from ..._support.web import free_port, http, prometheus
 from ..tiny_model import write_tiny_model
 from .engine import ENV
 
 ENGINE = Path(__file__).with_name("engine.py")
 CHUNK = 128  # kvtrio's chunk size: 4 of vLLM's 32-token blocks
-_random = random.Random(11)
-PREFIX = [_random.randrange(3, 1000) for _ in range(600)]  # 4 whole chunks and a bit
 PROMPTS = {
     "A": PREFIX,
     "B": [*PREFIX[:540], 11, 12, 13],
     "C": [*PREFIX[:530], 21, 22],
-    "control": [*(_random.randrange(3, 1000) for _ in range(540)), 11, 12, 13],
+    "control": [*CONTROL, 11, 12, 13],
 }
 HIT = 4 * CHUNK
 MAX_TOKENS = 8
@@ -53,7 +49,6 @@ WARMUP = {"id": "warmup", "tokens": PREFIX[::-1][:64], "max_tokens": MAX_TOKENS}
 """Run first by timed processes: less than a chunk, so kvtrio stores only its partial chunk (2
 whole blocks), which no other prompt shares."""
 REPEAT = 5  # timed runs of each prompt without kvtrio (with kvtrio, each runs once)
-STARTUP = 600.0  # seconds a vLLM process may take to come up (2 cores, shared)
 
 
 def kv_transfer_config(url: str) -> dict[str, Any]:
@@ -143,22 +138,6 @@ def with_kvtrio(model: Path, workdir: Path, kvtrio: ServerProcess) -> dict[str, 
     return run_llm(model, workdir, "with-kvtrio", {"kvtrio": kvtrio.endpoint, "prompts": prompts})
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def http(url: str, body: dict[str, Any] | None = None) -> tuple[int, bytes]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return int(response.status), bytes(response.read())
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), bytes(exc.read())
-
-
 @pytest.fixture(scope="module")
 def through_api(
     model: Path, workdir: Path, kvtrio: ServerProcess, with_kvtrio: dict[str, Any]
@@ -215,15 +194,6 @@ def through_api(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def prometheus(metrics: str, name: str) -> float:
-    """The sum of a metric's samples in Prometheus' text format."""
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith((f"{name}{{", f"{name} "))
-    )
 
 
 def test_the_reference_depends_on_the_prefix(reference: dict[str, Any]) -> None:

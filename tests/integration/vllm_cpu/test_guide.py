@@ -37,11 +37,12 @@ import pytest
 from kvtrio.client import Client
 from kvtrio.protocol import GetStats, StatsReply
 
-from ...conftest import wait_for
+from ..._support.vllm_cpu import PREFIX, STARTUP
+from ..._support.waiting import wait_for
+from ..._support.web import free_port, http, prometheus
 from ...docs.guide import blocks, script
 from ..tiny_model import write_tiny_model
 from .engine import ENV
-from .test_engine import PREFIX, STARTUP, free_port, http, prometheus
 
 CHUNK = 256  # the guide's --chunk-size
 PROMPT_A = PREFIX  # 600 tokens: 2 whole chunks and a bit

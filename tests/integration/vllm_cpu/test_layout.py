@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from kvtrio.client import LoadStoreOp, SchedulerAdapter, WorkerAdapter
+from kvtrio.launch import ServerProcess
 
-from ...conftest import ServerProcess, wait_for
+from ..._support.waiting import wait_for
 
 torch: Any = pytest.importorskip("torch")
 

@@ -1,0 +1,222 @@
+"""The connector's scheduler side: lookups, which chunks each step loads and stores, and
+whether a hit is worth loading. No vLLM import: vLLM's requests, blocks and scheduler output
+are read by their attributes (``request_id``, ``all_token_ids``, ``num_prompt_tokens``,
+``num_computed_tokens``, ``kv_transfer_params``, ``get_block_ids()``, …), so this runs, and is
+tested, without vLLM.
+
+Nothing here raises into the engine's step loop: a kvtrio server that is away means misses and
+skipped stores (the adapter fails fast and logs).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from ..client import SchedulerAdapter
+from ._costs import CostModel, LoadPolicy
+from ._options import ConnectorOptions, opted_out, request_switches
+from ._planner import (
+    PlannedTransfer,
+    RequestPlan,
+    held_after_lookup,
+    plan_load,
+    plan_store,
+    usable_hit,
+)
+
+__all__ = ["SchedulerSide", "StepPlan"]
+
+log = logging.getLogger("kvtrio.vllm")
+
+
+class StepPlan:
+    """What one step hands to the workers: its transfers, the requests vLLM preempted, and
+    the tokens it computes."""
+
+    __slots__ = ("preempted", "step_tokens", "transfers")
+
+    def __init__(
+        self, transfers: list[PlannedTransfer], preempted: frozenset[str], step_tokens: int
+    ) -> None:
+        self.transfers = transfers
+        self.preempted = preempted
+        self.step_tokens = step_tokens
+
+
+class SchedulerSide:
+    """The state and decisions of the connector in vLLM's scheduler (one per engine)."""
+
+    def __init__(
+        self, options: ConnectorOptions, block_size: int, adapter: SchedulerAdapter
+    ) -> None:
+        self.options = options
+        self.block_size = block_size
+        self.adapter = adapter
+        self._plans: dict[str, RequestPlan] = {}
+        self._requests: dict[str, Any] = {}
+        self._step_waited = False  # a lookup was waited for in this scheduler step
+        self._ready: list[PlannedTransfer] = []
+        self._warned_chunk = False
+        self.costs = CostModel(min_step_tokens=max(64, 2 * block_size))
+        self.policy = LoadPolicy(options.load_policy, self.costs)
+
+    def matched_tokens(
+        self, request: Any, num_computed_tokens: int, *, preempted: bool
+    ) -> tuple[int | None, bool]:
+        """Tokens kvtrio can add beyond the engine's ``num_computed_tokens``, and whether they
+        load asynchronously; ``(None, False)`` while the lookup is still on its way. A
+        preempted request (resumed) loads nothing."""
+        plan = self._plan(request)
+        if not plan.load or preempted:
+            return 0, False
+        tokens = request.all_token_ids
+        # Deferred: the step's lookups go out together, one message at the end of the step
+        # (build_step), or when one is waited for.
+        self.adapter.maybe_submit_lookup_request(request.request_id, token_ids=tokens, defer=True)
+        hit = self.adapter.check_lookup_result(request.request_id)
+        if hit is None and not self._step_waited:
+            # At most one wait per scheduler step: in a burst of new requests the others'
+            # lookups go out at the end of the step and are collected at the next one, not
+            # waited for one after another.
+            self._step_waited = True
+            hit = self.adapter.check_lookup_result(
+                request.request_id, wait=self.options.lookup_wait
+            )
+        if hit is None:
+            return None, False
+        plan.locked = hit > 0
+        chunk_size = self.adapter.chunk_size
+        if chunk_size % self.block_size:
+            self._refuse_chunk_size(chunk_size)
+            plan.load = plan.save = False
+            return 0, False
+        plan.hit_tokens = usable_hit(hit, len(tokens), self.block_size)
+        plan.local_tokens = num_computed_tokens
+        held_after_lookup(plan, hit, chunk_size)
+        need = max(0, plan.hit_tokens - num_computed_tokens)
+        if need > 0 and not self.policy.load(request.request_id, need):
+            plan.hit_tokens = 0
+            return 0, False
+        return need, need > 0 and self.options.async_load
+
+    def _refuse_chunk_size(self, chunk_size: int) -> None:
+        if not self._warned_chunk:
+            log.error(
+                "kvtrio's chunk size %d is not a multiple of vLLM's block size %d: nothing is "
+                "loaded or stored (start kvtrio with --chunk-size N*%d)",
+                chunk_size, self.block_size, self.block_size,
+            )  # fmt: skip
+            self._warned_chunk = True
+
+    def _plan(self, request: Any) -> RequestPlan:
+        """The request's plan (made, and the request kept, at its first sight)."""
+        plan = self._plans.get(request.request_id)
+        if plan is None:
+            plan = self._plans[request.request_id] = self._new_plan(request)
+            self._requests[request.request_id] = request
+        return plan
+
+    def _new_plan(self, request: Any) -> RequestPlan:
+        load, save, problem = request_switches(request.kv_transfer_params)
+        if problem:
+            log.warning("request %s: ignored kv_transfer_params %s", request.request_id, problem)
+        plan = RequestPlan(
+            request.request_id,
+            load=self.options.load if load is None else load,
+            save=self.options.save if save is None else save,
+        )
+        reason = opted_out(request)
+        if reason:
+            # kvtrio keys chunks by token ids alone: such a request's KV differs from another
+            # request's with the same tokens, so it must neither load nor store.
+            log.debug("request %s bypasses kvtrio: %s", request.request_id, reason)
+            plan.load = plan.save = False
+        return plan
+
+    def new_request(self, request: Any) -> None:
+        """A request arrived: keep it (stores read its tokens and progress at every step)."""
+        self._plan(request)
+
+    def allocated(self, request: Any, block_ids: Sequence[int], external_tokens: int) -> None:
+        """Blocks are allocated: plan the load of the ``external_tokens`` kvtrio tokens, or
+        release the lookup's pins at once when nothing will be loaded."""
+        plan = self._plans.get(request.request_id)
+        if plan is None or not plan.locked:
+            return
+        self.adapter.cleanup_lookup_result(request.request_id)
+        load = None
+        if plan.load:
+            load = plan_load(
+                plan,
+                tokens=request.all_token_ids,
+                block_ids=block_ids,
+                external_tokens=external_tokens,
+                block_size=self.block_size,
+                chunk_size=self.adapter.chunk_size,
+                sync=not self.options.async_load,
+            )
+        if load is not None:
+            self._ready.append(load)
+        else:
+            self.adapter.free_lookup_locks(request.request_id)
+        plan.locked = False  # the lookup is used up: a second call plans nothing
+        plan.hit_tokens = 0
+
+    def build_step(
+        self,
+        scheduled: Mapping[str, int],
+        preempted: Iterable[str],
+        step_tokens: int,
+        block_ids_of: Any,
+    ) -> StepPlan:
+        """This step's transfers: the loads planned at allocation, and the stores of what each
+        scheduled request (``scheduled``: id → new tokens) computes in this step.
+        ``block_ids_of(request_id)`` gives a request's blocks (None: no stores planned)."""
+        transfers, self._ready = self._ready, []
+        self._step_waited = False  # the step is scheduled: the next one may wait again
+        self.adapter.flush_lookups()  # this step's deferred lookups, in one message
+        step = StepPlan(transfers, frozenset(preempted), step_tokens)
+        if block_ids_of is None:
+            return step
+        for request_id, num_new in scheduled.items():
+            plan = self._plans.get(request_id)
+            request = self._requests.get(request_id)
+            if plan is None or request is None or not plan.save:
+                continue
+            transfers += plan_store(
+                plan,
+                tokens=request.all_token_ids,
+                block_ids=block_ids_of(request_id),
+                computed_tokens=request.num_computed_tokens + num_new,
+                prompt_tokens=request.num_prompt_tokens,
+                block_size=self.block_size,
+                chunk_size=self.adapter.chunk_size,
+            )
+        return step
+
+    def measured(
+        self, steps: Iterable[tuple[int, float]], loads: Iterable[tuple[int, float]]
+    ) -> None:
+        """What the workers measured: forward steps and loads, as ``(tokens, seconds)``."""
+        for tokens, seconds in steps:
+            self.costs.observe_step(tokens, seconds)
+        for tokens, seconds in loads:
+            log.debug("a load of %d tokens took %.1f ms", tokens, seconds * 1e3)
+            self.costs.observe_load(tokens, seconds)
+
+    def finished(self, request_id: str) -> bool:
+        """The request is done or aborted: release what it holds at kvtrio; True if it issued
+        stores (its blocks must stay until they are done)."""
+        plan = self._plans.pop(request_id, None)
+        self._requests.pop(request_id, None)
+        self._ready = [t for t in self._ready if t.request_id != request_id]
+        self.adapter.end_session(request_id)
+        return plan is not None and plan.stores > 0
+
+    def close(self) -> None:
+        """Say what the load policy skipped, if anything; close the adapter."""
+        if self.policy.stats["skipped"]:
+            log.info("kvtrio load policy: %s", dict(self.policy.stats))
+        self.adapter.close()

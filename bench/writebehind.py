@@ -75,24 +75,24 @@ async def run(
 
             started = time.perf_counter()
             for key in keys:  # drain: never skip
-                await until(lambda: tier.queued < QUEUE)
-                tier.write_behind(key, FINGERPRINT)
+                await until(lambda: tier.writes.queued < QUEUE)
+                tier.writes.write_behind(key, FINGERPRINT)
             await until(lambda: stored(tier) >= len(keys))
             drain = len(keys) / (time.perf_counter() - started)
 
-            before, offered = tier.skipped_stores, 0
+            before, offered = tier.writes.skipped_stores, 0
             per_burst = max(1, rate // 100)
             deadline = trio.current_time() + 1.0
             index = 0
             while trio.current_time() < deadline:
                 for _ in range(per_burst):
-                    tier.write_behind(keys[index % len(keys)], FINGERPRINT)
+                    tier.writes.write_behind(keys[index % len(keys)], FINGERPRINT)
                     index += 1
                     offered += 1
                 await trio.sleep(0.01)
-            skipped = tier.skipped_stores - before
+            skipped = tier.writes.skipped_stores - before
             drained = len(keys) + offered - skipped
-            await until(lambda: not tier.queued and stored(tier) >= drained)
+            await until(lambda: not tier.writes.queued and stored(tier) >= drained)
             nursery.cancel_scope.cancel()
     return drain, skipped, offered
 

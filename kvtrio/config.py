@@ -32,7 +32,7 @@ from .options import (
     share,
 )
 from .protocol import DEFAULT_CHUNK_SIZE
-from .storage._policies import DEFAULT_EVICTION, EVICTION_POLICIES
+from .storage import DEFAULT_EVICTION, EVICTION_POLICIES
 
 if sys.version_info >= (3, 11):
     import tomllib

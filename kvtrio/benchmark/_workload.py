@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -240,8 +239,3 @@ def load_workload(options: BenchOptions) -> Workload:
     if options.trace is not None:
         return TraceWorkload(options)
     return ChatWorkload(options)
-
-
-def chunks_of(tokens: int, chunk_size: int) -> int:
-    """Full chunks of a prompt of ``tokens`` tokens (only those are cached)."""
-    return math.floor(tokens / chunk_size)

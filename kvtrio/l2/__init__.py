@@ -1,7 +1,16 @@
 """The L2 tier: backends behind L1 (local disk, Redis, S3, plugins), found by entry points."""
 
 from ._framing import FORMAT_VERSION, HEADER_SIZE, Corrupt, check, header
-from ._interface import Backend, BackendError, BackendUnavailable, Buffers, UnreadableObjects
+from ._interface import (
+    Backend,
+    BackendError,
+    BackendUnavailable,
+    Buffers,
+    Capabilities,
+    Touching,
+    UnreadableObjects,
+    capabilities,
+)
 from ._locks import LocalLocks
 from ._registry import GROUP, BackendInfo, create_backend, describe_backends, load_backend_class
 
@@ -14,9 +23,12 @@ __all__ = [
     "BackendInfo",
     "BackendUnavailable",
     "Buffers",
+    "Capabilities",
     "Corrupt",
     "LocalLocks",
+    "Touching",
     "UnreadableObjects",
+    "capabilities",
     "check",
     "create_backend",
     "describe_backends",

@@ -38,8 +38,6 @@ class Scan:
     segments: list[tuple[int, list[ScannedRecord]]]
     """(sequence number, its records in file order), oldest first."""
     foreign: list[str]
-    legacy: int
-    """Object files of the earlier one-file-per-object layout (``objects/``), not used."""
     free: int
     total: int
     secret: bytes
@@ -77,14 +75,10 @@ def scan_tree(root: Path, segments_dir: Path) -> Scan:
             else:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
-    legacy = 0
-    with contextlib.suppress(OSError):
-        legacy = sum(len(files) for _, _, files in os.walk(root / "objects"))
     space = os.statvfs(segments_dir)
     return Scan(
         segments,
         foreign,
-        legacy,
         space.f_bavail * space.f_frsize,
         space.f_blocks * space.f_frsize,
         secret,
@@ -185,12 +179,4 @@ def report_scan(found: Scan, root: Path, counters: collections.Counter[str]) -> 
             root,
             len(found.foreign),
             found.foreign[0],
-        )
-    if found.legacy:
-        log.warning(
-            "disk L2 %s: %d object file(s) of an earlier layout in %s are not used; "
-            "remove that directory to free their space",
-            root,
-            found.legacy,
-            root / "objects",
         )

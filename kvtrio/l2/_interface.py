@@ -8,6 +8,23 @@ the same way for all of them.
 Every method is a trio coroutine; blocking I/O goes through ``trio.to_thread.run_sync`` with the
 backend's own ``CapacityLimiter``. Cancellation must leave nothing locked and no half-written
 object visible. Backends register under the entry-point group ``kvtrio.backends``.
+
+**Optional capabilities.** A backend's class may declare, each with a class attribute set to
+``True``, that it takes more than :class:`Backend`'s calls (:class:`Capabilities`): a backend
+without the attribute (or with it ``False``) is called without, so backends written before a
+capability keep working unchanged. :func:`capabilities` reads them; nothing else should.
+
+- ``accepts_parents``: ``store(keys, buffers, parents=…)``, ``parents`` index-aligned with
+  ``keys``: the key of the object before each one in its prompt (``None`` for a first chunk
+  or unknown), for a prefix-aware eviction policy;
+- ``accepts_owners``: ``store(keys, buffers, owners=…)``, ``owners`` index-aligned with
+  ``keys``: the 16-byte tag of the tenant each object was stored for (kept across restarts),
+  to share the backend's capacity fairly; with ``parents=`` too where both are declared;
+- ``accepts_touches``: ``async def touch(keys: Sequence[bytes]) -> None`` (:class:`Touching`):
+  the objects were used (hits served from the server's L1, which never reach
+  ``lookup_and_lock``), last given last used, to refresh them in its eviction policy as a
+  lookup hit would. Unknown keys are ignored; it changes nothing visible (no lock, no load).
+  The server calls it in batches, from a task, never once per hit.
 """
 
 from __future__ import annotations
@@ -15,9 +32,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import attrs
+
 from ..errors import KvtrioError
 
-__all__ = ["Backend", "BackendError", "BackendUnavailable", "Buffers", "UnreadableObjects"]
+__all__ = [
+    "Backend",
+    "BackendError",
+    "BackendUnavailable",
+    "Buffers",
+    "Capabilities",
+    "Touching",
+    "UnreadableObjects",
+    "capabilities",
+]
 
 Buffers = Sequence[memoryview]
 """An object's bytes as consecutive parts: the concatenation of the parts is the object."""
@@ -88,18 +116,8 @@ class Backend(Protocol):
 
         An object is visible to lookups only once completely written (no torn objects), and a
         failed or cancelled store leaves no object behind. Storing an existing key replaces it.
-
-        Optional capability: a backend whose class sets ``accepts_parents = True`` is called as
-        ``store(keys, buffers, parents=…)``, ``parents`` index-aligned with ``keys``: the key of
-        the object before each one in its prompt (``None`` for a first chunk or unknown), for a
-        prefix-aware eviction policy. Backends without the flag are called without it.
-
-        Optional capability: a backend whose class sets ``accepts_touches = True`` implements
-        ``async def touch(keys: Sequence[bytes]) -> None``: the objects were used (hits served
-        from the server's L1, which never reach ``lookup_and_lock``), last given last used, to
-        refresh them in its eviction policy as a lookup hit would. Unknown keys are ignored;
-        it changes nothing visible (no lock, no load). The server calls it in batches, from a
-        task, never once per hit.
+        A backend that declares ``accepts_parents`` or ``accepts_owners`` (see the module
+        docstring) is given those too, as keyword arguments.
         """
         ...
 
@@ -114,3 +132,33 @@ class Backend(Protocol):
     def statistics(self) -> Mapping[str, float]:
         """Counters and levels for ``stats`` and metrics (names are the backend's own)."""
         ...
+
+
+class Touching(Protocol):
+    """What a backend that declares ``accepts_touches`` has besides :class:`Backend`'s calls."""
+
+    async def touch(self, keys: Sequence[bytes]) -> None:
+        """The objects were used, the last key last (see the module docstring)."""
+        ...
+
+
+@attrs.frozen
+class Capabilities:
+    """The optional capabilities a backend's class declares (see the module docstring)."""
+
+    parents: bool = False
+    """``accepts_parents``: ``store`` takes ``parents=``."""
+    owners: bool = False
+    """``accepts_owners``: ``store`` takes ``owners=``."""
+    touches: bool = False
+    """``accepts_touches``: it has ``touch`` (:class:`Touching`)."""
+
+
+def capabilities(backend: Backend) -> Capabilities:
+    """The optional capabilities ``backend`` declares (its class attributes
+    ``accepts_parents``, ``accepts_owners``, ``accepts_touches``; absent ones are False)."""
+    return Capabilities(
+        parents=bool(getattr(backend, "accepts_parents", False)),
+        owners=bool(getattr(backend, "accepts_owners", False)),
+        touches=bool(getattr(backend, "accepts_touches", False)),
+    )

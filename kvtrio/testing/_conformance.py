@@ -31,12 +31,12 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import pytest
 import trio
 
-from ..l2 import HEADER_SIZE, Backend, BackendError, Corrupt, check, header
+from ..l2 import HEADER_SIZE, Backend, BackendError, Corrupt, Touching, capabilities, check, header
 
 __all__ = ["BackendConformance"]
 
@@ -124,18 +124,13 @@ class BackendConformance:
 
     async def test_a_store_with_parents_if_the_backend_takes_them(self, backend: Backend) -> None:
         """``accepts_parents`` (optional): ``store(..., parents=)`` stores like a plain store."""
-        if not getattr(backend, "accepts_parents", False):
+        if not capabilities(backend).parents:
             pytest.skip("the backend does not take parents (optional)")
         keys = [_key(f"parents{i}") for i in range(3)]
         objects = [_object(key, self.object_size) for key in keys]
-        parents = [None, keys[0], keys[1]]
-        store = backend.store
-        assert (
-            await store(  # type: ignore[call-arg]
-                keys, [_parts(h, p) for h, p in objects], parents=parents
-            )
-            == [True] * 3
-        )
+        extra: dict[str, Any] = {"parents": [None, keys[0], keys[1]]}
+        parts = [_parts(h, p) for h, p in objects]
+        assert await backend.store(keys, parts, **extra) == [True] * 3
         assert await backend.lookup_and_lock(keys) == 3
         await backend.unlock(keys)
         for key, (_, payload) in zip(keys, objects, strict=True):
@@ -144,12 +139,12 @@ class BackendConformance:
     async def test_a_store_with_owners_if_the_backend_takes_them(self, backend: Backend) -> None:
         """``accepts_owners`` (optional): ``store(..., owners=)`` stores like a plain store,
         with ``parents=`` too where the backend takes both."""
-        if not getattr(backend, "accepts_owners", False):
+        if not capabilities(backend).owners:
             pytest.skip("the backend does not take owners (optional)")
         keys = [_key(f"owners{i}") for i in range(3)]
         objects = [_object(key, self.object_size) for key in keys]
         extra: dict[str, Any] = {"owners": [b"a" * 16, b"b" * 16, b"a" * 16]}
-        if getattr(backend, "accepts_parents", False):
+        if capabilities(backend).parents:
             extra["parents"] = [None, keys[0], keys[1]]
         parts = [_parts(h, p) for h, p in objects]
         assert await backend.store(keys, parts, **extra) == [True] * 3
@@ -161,13 +156,13 @@ class BackendConformance:
     async def test_touch_if_the_backend_takes_touches(self, backend: Backend) -> None:
         """``accepts_touches`` (optional): ``touch`` of stored, locked, unknown and deleted keys
         changes nothing visible (no lock taken or dropped, no object made or lost)."""
-        if not getattr(backend, "accepts_touches", False):
+        if not capabilities(backend).touches:
             pytest.skip("the backend does not take touches (optional)")
         keys = [_key(f"touch{i}") for i in range(3)]
         payloads = [await self.put(backend, key) for key in keys]
         missing = _key("touch-missing")
         assert await backend.lookup_and_lock(keys[:1]) == 1
-        touch = backend.touch  # type: ignore[attr-defined]
+        touch = cast(Touching, backend).touch
         await touch([*reversed(keys), missing])
         await touch([])
         assert self.locks(backend) == 1

@@ -30,9 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..transfer import DTYPE_SIZES, KVLayout
-from ..transfer._cuda_engine import IpcLayer
-from ..transfer._geometry import geometry
-from ..transfer._hostlib import HostLibrary
+from ..transfer.cuda import HostLibrary, IpcLayer, geometry
 
 __all__ = ["FakeCuda", "FakeEvent", "FakeStream", "FakeTensor"]
 

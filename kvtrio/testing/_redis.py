@@ -1,6 +1,6 @@
 """Real Redis servers for tests and benchmarks: standalone or a small cluster, on loopback.
 
-    from kvtrio.testing._redis import redis_cluster, redis_server
+    from kvtrio.testing import redis_cluster, redis_server
 
     with redis_server() as server:          # redis-server on a free 127.0.0.1 port
         use(server.url)

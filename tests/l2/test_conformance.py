@@ -15,10 +15,9 @@ import pytest
 import kvtrio.l2._diskio
 from kvtrio.l2 import Backend
 from kvtrio.l2.disk import DiskBackend, DiskOptions
-from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.options import ByteSize
-from kvtrio.testing import BackendConformance
+from kvtrio.testing import BackendConformance, FaultBackend
 
 
 class TestMemory(BackendConformance):

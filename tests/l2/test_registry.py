@@ -7,12 +7,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
 import pytest
 
 from kvtrio.config import BackendSpec, load_config, parse_backend_spec
 from kvtrio.errors import ConfigError
 from kvtrio.l2 import GROUP, create_backend, describe_backends
 from kvtrio.l2.disk import DiskBackend
+from kvtrio.l2.memory import MemoryBackend
+from kvtrio.testing import FaultBackend
 
 
 @pytest.fixture
@@ -32,7 +39,7 @@ def broken_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_our_backends_are_registered_like_plugins() -> None:
     names = {info.name for info in describe_backends()}
-    assert {"disk", "memory", "fault"} <= names
+    assert {"disk", "memory"} <= names
     disk = next(info for info in describe_backends() if info.name == "disk")
     assert disk.error is None
     assert [option for option, _, _ in disk.options] == [
@@ -45,6 +52,33 @@ def test_our_backends_are_registered_like_plugins() -> None:
         "tenant_share",
     ]
     assert all(text for _, _, text in disk.options)
+
+
+def test_the_fault_backend_is_for_tests_only() -> None:
+    """kvtrio ships ``disk`` and ``memory``; ``fault`` injects failures, for tests."""
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    shipped = pyproject["project"]["entry-points"][GROUP]
+    assert shipped == {
+        "disk": "kvtrio.l2.disk:DiskBackend",
+        "memory": "kvtrio.l2.memory:MemoryBackend",
+    }
+
+
+def test_a_test_registers_the_fault_backend_like_a_plugin(fault_registered: None) -> None:
+    fault = next(info for info in describe_backends() if info.name == "fault")
+    assert (fault.target, fault.error) == ("kvtrio.testing:FaultBackend", None)
+    assert [option for option, _, _ in fault.options] == [
+        "inner",
+        "latency",
+        "error_rate",
+        "drop_rate",
+        "seed",
+    ]
+    spec = parse_backend_spec("fault:inner=memory,latency=0.5,error_rate=0.25,seed=1")
+    backend = create_backend(spec.name, spec.options)
+    assert isinstance(backend, FaultBackend)
+    assert isinstance(backend.inner, MemoryBackend)
+    assert (backend.latency, backend.error_rate, backend.drop_rate) == (0.5, 0.25, 0.0)
 
 
 def test_a_backend_that_fails_to_import_is_reported_not_raised(broken_plugin: None) -> None:

@@ -23,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import BackendSpec, ServerConfig, config_summary
 from kvtrio.errors import ConfigError
-from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.protocol import (
     PROTOCOL_VERSION,
@@ -40,6 +39,7 @@ from kvtrio.protocol import (
 from kvtrio.server import ServerHandle, ServerMetrics, ServerState, open_server, status_document
 from kvtrio.server._http import HttpApp
 from kvtrio.storage import token_chunk_hashes
+from kvtrio.testing import FaultBackend
 from kvtrio.transport import open_socket
 
 from .._support.waiting import await_async, await_condition

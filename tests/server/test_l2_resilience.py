@@ -14,10 +14,10 @@ import trio
 from kvtrio.config import ServerConfig
 from kvtrio.l2 import BackendUnavailable, Buffers
 from kvtrio.l2.disk import DiskBackend, DiskOptions
-from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.options import ByteSize
 from kvtrio.protocol import EndSession, LookupReply
+from kvtrio.testing import FaultBackend
 
 from .._support.waiting import await_async, await_condition
 from .test_l2_tier import CHUNK, cache, lookup, retrieve, running, stats, store, written_to_l2

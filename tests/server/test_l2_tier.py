@@ -24,7 +24,6 @@ from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import ServerConfig
 from kvtrio.l2 import Backend, BackendUnavailable, Buffers
 from kvtrio.l2.disk import DiskBackend, DiskOptions
-from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.protocol import (
     Commit,
@@ -45,6 +44,7 @@ from kvtrio.protocol import (
 )
 from kvtrio.server import ServerHandle, open_server
 from kvtrio.storage import token_chunk_hashes
+from kvtrio.testing import FaultBackend
 
 from .._support.waiting import await_async, await_condition
 

@@ -12,7 +12,6 @@ import trio
 from kvtrio.client import open_client
 from kvtrio.config import ServerConfig
 from kvtrio.errors import BadRequest, RequestError, ServerBusy
-from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.protocol import (
     MAX_HASHES,
@@ -30,6 +29,7 @@ from kvtrio.protocol import (
     Store,
 )
 from kvtrio.server import open_server
+from kvtrio.testing import FaultBackend
 
 from .._support.waiting import await_condition
 from .test_l2_tier import CHUNK, HASHES, LAYOUT, cache, lookup, running, store

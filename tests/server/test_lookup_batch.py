@@ -12,7 +12,6 @@ import trio.lowlevel
 from kvtrio.client import open_client
 from kvtrio.config import ServerConfig
 from kvtrio.errors import BadRequest
-from kvtrio.l2.fault import FaultBackend
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.protocol import (
     MAX_HASHES,
@@ -31,6 +30,7 @@ from kvtrio.protocol import (
 )
 from kvtrio.server import open_server
 from kvtrio.storage import token_chunk_hashes
+from kvtrio.testing import FaultBackend
 
 from .._support.waiting import await_condition
 from .test_l2_tier import CHUNK, HASHES, LAYOUT, cache, running, store, written_to_l2

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtrio.testing._redis import LocalRedis, LocalRedisCluster, redis_cluster, redis_server
+from kvtrio.testing import LocalRedis, LocalRedisCluster, redis_cluster, redis_server
 
 
 @pytest.fixture(scope="session")

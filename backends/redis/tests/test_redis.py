@@ -24,7 +24,7 @@ from kvtrio.l2 import (
     header,
     load_backend_class,
 )
-from kvtrio.testing._redis import LocalRedis, LocalRedisCluster, redis_server
+from kvtrio.testing import LocalRedis, LocalRedisCluster, redis_server
 
 FP = b"redis-tests-fp16"
 

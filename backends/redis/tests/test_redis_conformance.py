@@ -10,8 +10,7 @@ import trio
 from kvtrio_redis import RedisBackend, RedisOptions
 
 from kvtrio.l2 import Backend
-from kvtrio.testing import BackendConformance
-from kvtrio.testing._redis import LocalRedis, LocalRedisCluster
+from kvtrio.testing import BackendConformance, LocalRedis, LocalRedisCluster
 
 
 class TestRedis(BackendConformance):

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from kvtrio_s3 import S3Options
 
-from kvtrio.testing._seaweedfs import SeaweedFS, seaweedfs
+from kvtrio.testing import SeaweedFS, seaweedfs
 
 BUCKET = "kvtrio-tests"
 

@@ -11,8 +11,7 @@ from conftest import options_for
 from kvtrio_s3 import S3Backend
 
 from kvtrio.l2 import Backend
-from kvtrio.testing import BackendConformance
-from kvtrio.testing._seaweedfs import SeaweedFS, seaweedfs
+from kvtrio.testing import BackendConformance, SeaweedFS, seaweedfs
 
 
 class TestS3(BackendConformance):

@@ -147,7 +147,7 @@ class CacheCore:
             self.l1.commit(object_key)
             arena = self.arenas.of_key(object_key)
             tenant = "" if arena is None or arena.tenant is None else arena.tenant
-            self.l2.write_behind(object_key, fingerprint, tenant)
+            self.l2.writes.write_behind(object_key, fingerprint, tenant)
         elif how == "abort":
             self.l1.abort(object_key)
         else:

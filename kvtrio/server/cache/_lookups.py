@@ -132,7 +132,7 @@ class Lookups:
             for space in model.spaces:
                 core.pin_for_lookup(request, session.id, space + chunk_hash, readers, expires)
         if hit and core.l2.enabled:  # L1 hits are uses in L2's policies too (the head last)
-            core.l2.touch(space + h for h in reversed(hashes[:hit]) for space in model.spaces)
+            core.l2.touches.add(space + h for h in reversed(hashes[:hit]) for space in model.spaces)
         return hit
 
     async def _pin_rest(
@@ -184,13 +184,13 @@ class Lookups:
         core = self.core
         sources: list[list[TierBackend]] = []
         with trio.move_on_after(core.config.lookup_timeout) as scope:
-            sources = await core.l2.lookup(model.spaces, hashes[hit:])
+            sources = await core.l2.loads.lookup(model.spaces, hashes[hit:])
         if scope.cancelled_caught:
-            self.timeouts += 1  # (l2.lookup unlocked what it had locked)
+            self.timeouts += 1  # (l2.loads.lookup unlocked what it had locked)
         found = hashes[hit : hit + len(sources)]
         if core.registry.models.get(model.key) is None:
             # Every worker of the model left while the backends answered: nothing to load for.
-            await core.l2.release(sources, [[s + h for s in model.spaces] for h in found])
+            await core.l2.loads.release(sources, [[s + h for s in model.spaces] for h in found])
             raise RequestError(ErrorCode.INCOMPATIBLE, "no worker of this model is registered")
         loaded = await core.prefetch.start(
             session.id,

@@ -89,7 +89,7 @@ class Prefetcher:
         placed on, chunks are unlocked in L2 and not counted.
 
         The loads are started in batches, one per source backend (see
-        :meth:`L2Tier.start_loads`). Slots are reserved and loads started with no checkpoint in
+        :meth:`Loads.start_loads`). Slots are reserved and loads started with no checkpoint in
         between (a cancellation cannot strand a reservation); unlocking what will not be loaded
         comes last (shielded).
         """
@@ -119,14 +119,14 @@ class Prefetcher:
         owned = self._by_owner.setdefault(owner, set()) if by_source else set()
         loads = self._loads.setdefault(request, {}) if by_source else {}
         for source, items in by_source.values():
-            for load in self.l2.start_loads(items, source, fingerprint, done):
+            for load in self.l2.loads.start_loads(items, source, fingerprint, done):
                 if load.key not in loads:
                     self._count += 1
                 loads[load.key] = load
                 self._per_request[request] += 1
                 owned.add((request, load.key))
         if release[0]:
-            await self.l2.release(*release)
+            await self.l2.loads.release(*release)
         return placed
 
     def _done(self, request: RequestKey, owner: str, readers: int) -> Callable[[Load], None]:

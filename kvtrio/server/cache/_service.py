@@ -133,9 +133,9 @@ class CacheService:
             lookup_timeouts=lookups.timeouts,
             loads_pending=core.prefetch.pending_count,
             loads_failed=core.prefetch.failed,
-            write_behind_queued=core.l2.queued,
-            write_behind_skipped=core.l2.skipped_stores,
-            l2_corrupt=core.l2.corrupt,
+            write_behind_queued=core.l2.writes.queued,
+            write_behind_skipped=core.l2.writes.skipped_stores,
+            l2_corrupt=core.l2.loads.corrupt,
         )
 
     def l2_stats(self) -> tuple[L2Stats, ...]:

@@ -1,13 +1,16 @@
 """The L2 tier inside the server: write-behind, lookups across the backend cascade, L2→L1 loads.
 
-:class:`L2Tier` is what the cache operations use; its parts are write-behind (``_writes``),
-lookups and loads (``_loads``), L1 hits passed on to the backends' policies (``_touches``), and
-the backends' health with the one boundary for calls into them (``_backends``). The backends
-themselves (``kvtrio.l2``) only move bytes; framing and verification happen here.
+:class:`L2Tier` holds the backends and runs the tier's tasks; the cache operations use its parts
+directly: write-behind (:class:`WriteBehind`), lookups and loads (:class:`Loads`), L1 hits passed
+on to the backends' policies (:class:`Touches`). The backends' health and the one boundary for
+calls into them are in ``_backends``. The backends themselves (``kvtrio.l2``) only move bytes;
+framing and verification happen here.
 """
 
 from ._backends import Observe, TierBackend
-from ._loads import Load
+from ._loads import Load, Loads
 from ._tier import L2Tier
+from ._touches import Touches
+from ._writes import WriteBehind
 
-__all__ = ["L2Tier", "Load", "Observe", "TierBackend"]
+__all__ = ["L2Tier", "Load", "Loads", "Observe", "TierBackend", "Touches", "WriteBehind"]

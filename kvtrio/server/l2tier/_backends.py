@@ -8,17 +8,19 @@ Cancellation is not an ``Exception`` and passes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 import attrs
 import trio
 
 from ..._logging import event
-from ...l2 import Backend, BackendError
+from ...l2 import Backend, BackendError, Buffers, Capabilities, Touching, capabilities
 
-__all__ = ["Calls", "Observe", "TierBackend", "describe"]
+__all__ = ["Call", "Calls", "Observe", "TierBackend", "describe"]
 
 log = logging.getLogger("kvtrio.l2")
 
@@ -45,6 +47,10 @@ class TierBackend:
     name: str
     label: str = ""
     """The name, made unique within the cascade (``disk``, ``disk#2``): for metrics."""
+    capabilities: Capabilities = attrs.field(
+        default=attrs.Factory(lambda self: capabilities(self.backend), takes_self=True)
+    )
+    """What the backend's class declares it takes besides :class:`Backend`'s calls."""
     down_until: float = -math.inf
     backoff: float = 0.0
     known: bool = False
@@ -63,6 +69,30 @@ class TierBackend:
 
     def count(self, what: str, n: int = 1) -> None:
         self.counters[what] = self.counters.get(what, 0) + n
+
+    async def store(
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Buffers],
+        *,
+        parents: Sequence[bytes | None] | None = None,
+        owners: Sequence[bytes] | None = None,
+    ) -> list[bool]:
+        """The backend's ``store``, given ``parents`` and ``owners`` where its
+        :attr:`capabilities` say it takes them (and they are given). Cancellation: as the
+        backend's ``store`` (which leaves no object behind)."""
+        extra: dict[str, object] = {}
+        if parents is not None and self.capabilities.parents:
+            extra["parents"] = parents
+        if owners is not None and self.capabilities.owners:
+            extra["owners"] = owners
+        return await self.backend.store(keys, buffers, **extra)
+
+    async def touch(self, keys: Sequence[bytes]) -> None:
+        """The backend's ``touch``: only for one whose :attr:`capabilities` say it takes
+        touches. Cancellation: as the backend's ``touch``."""
+        assert self.capabilities.touches, f"{self.name} does not take touches"
+        await cast(Touching, self.backend).touch(keys)
 
     def usable(self, now: float) -> bool:
         return now >= self.down_until
@@ -160,16 +190,64 @@ class TierBackend:
         self.down_until = -math.inf  # (it answers: skipping it any longer loses writes)
 
 
+@attrs.define
+class Call:
+    """What became of one call into a backend (see :meth:`Calls.call`)."""
+
+    failed: bool = False
+    """The call raised: a failure of the backend (counted, logged, backed off); whatever it
+    was to answer is missing."""
+    complete: bool = True
+    """Cleared by the caller where the call answered for part of its work only (a load with
+    unreadable objects): observed as not succeeded, yet no failure of the backend."""
+
+
 class Calls:
-    """Observation of backend calls, and the calls shared by lookups, loads and the probe."""
+    """The one boundary for calls into backends (:meth:`call`), and the calls that lookups,
+    loads, touches and the probes share."""
 
     def __init__(self, observe: Observe | None = None) -> None:
         self.observe = observe
         """The metrics' observer (see :data:`Observe`), if any."""
 
-    def observed(self, backend: TierBackend, op: str, started: float, ok: bool) -> None:
+    @contextlib.contextmanager
+    def call(
+        self,
+        backend: TierBackend,
+        op: str,
+        role: str = "read",
+        *,
+        heals: bool = False,
+        metered: bool = True,
+    ) -> Iterator[Call]:
+        """Wrap one call into ``backend`` (the block): any ``Exception`` the block raises is a
+        failure of the backend's ``role`` (:meth:`TierBackend.failed`), swallowed here, and the
+        yielded :class:`Call` says ``failed``; a block that completes is, with ``heals``, proof
+        that the role works (:meth:`TierBackend.succeeded`). ``metered``: the call is reported
+        to the observer as ``op`` (with its time and whether it succeeded and was
+        :attr:`Call.complete`); the probes' are not.
+
+        Cancellation (any ``BaseException`` that is not an ``Exception``) passes through,
+        unobserved and not counted: the block's own cleanup applies.
+        """
+        outcome = Call()
+        started = trio.current_time()
+        try:
+            yield outcome
+        except Exception as exc:  # any failure of a backend: see the module docstring
+            outcome.failed = True
+            self._observed(metered, backend, op, started, False)
+            backend.failed(exc, trio.current_time(), role)
+        else:
+            self._observed(metered, backend, op, started, outcome.complete)
+            if heals:
+                backend.succeeded(role)
+
+    def _observed(
+        self, metered: bool, backend: TierBackend, op: str, started: float, ok: bool
+    ) -> None:
         """Report one call that started at ``started`` (``trio.current_time()``)."""
-        if self.observe is not None:
+        if metered and self.observe is not None:
             self.observe(backend.label, op, trio.current_time() - started, ok)
 
     async def unlock(self, backend: TierBackend, keys: list[bytes]) -> None:
@@ -177,38 +255,22 @@ class Calls:
         Cancellation: as the backend's ``unlock`` (callers shield it)."""
         if not keys:
             return
-        started = trio.current_time()
-        try:
+        with self.call(backend, "unlock"):
             await backend.backend.unlock(keys)
-        except Exception as exc:  # any failure of a backend: see the module docstring
-            self.observed(backend, "unlock", started, False)
-            backend.failed(exc, trio.current_time())
-        else:
-            self.observed(backend, "unlock", started, True)
 
     async def delete(self, backend: TierBackend, keys: list[bytes]) -> None:
-        """Delete ``keys`` from ``backend`` (objects found corrupt or unreadable).
-        Cancellation: as the backend's ``delete``."""
-        started = trio.current_time()
-        try:
+        """Delete ``keys`` from ``backend`` (objects found corrupt or unreadable); a failure is
+        one of its stores. Cancellation: as the backend's ``delete``."""
+        with self.call(backend, "delete", "store"):
             await backend.backend.delete(keys)
-        except Exception as exc:  # any failure of a backend: see the module docstring
-            self.observed(backend, "delete", started, False)
-            backend.failed(exc, trio.current_time(), "store")
-        else:
-            self.observed(backend, "delete", started, True)
 
     async def touch(self, backend: TierBackend, keys: list[bytes]) -> None:
-        """Send ``keys`` (used from L1) to the ``touch`` of a backend that declares
-        ``accepts_touches``; a failure is the backend's. Cancellation: as the backend's."""
-        started = trio.current_time()
-        try:
-            await backend.backend.touch(keys)  # type: ignore[attr-defined]  # (optional)
-        except Exception as exc:  # any failure of a backend: see the module docstring
-            self.observed(backend, "touch", started, False)
-            backend.failed(exc, trio.current_time())
-        else:
-            self.observed(backend, "touch", started, True)
+        """Send ``keys`` (used from L1) to the ``touch`` of a backend that takes touches (its
+        :attr:`~TierBackend.capabilities`); a failure is the backend's. Cancellation: as the
+        backend's ``touch``."""
+        with self.call(backend, "touch") as call:
+            await backend.touch(keys)
+        if not call.failed:
             backend.count("touches", len(keys))
 
 

@@ -87,16 +87,9 @@ class Loads:
 
         async def probe(b: int, s: int) -> None:
             tier_backend = usable[b]
-            started = trio.current_time()
-            try:
-                count = await tier_backend.backend.lookup_and_lock(keys[s])
-            except Exception as exc:  # any failure of a backend: see _backends
-                self._calls.observed(tier_backend, "lookup_and_lock", started, False)
-                tier_backend.failed(exc, trio.current_time())
-                return
-            self._calls.observed(tier_backend, "lookup_and_lock", started, True)
-            locked[(b, s)] = count  # recorded at once: a cancellation must unlock it
-            tier_backend.succeeded()
+            with self._calls.call(tier_backend, "lookup_and_lock", heals=True):
+                # (recorded at once: a cancellation must unlock it)
+                locked[(b, s)] = await tier_backend.backend.lookup_and_lock(keys[s])
 
         async def prober(b: int, left: Iterator[int]) -> None:
             for s in left:  # (the iterator is shared by the backend's probers)
@@ -211,33 +204,27 @@ class Loads:
                         [memoryview(head), payload]
                         for head, payload in zip(heads, payloads, strict=True)
                     ]
-                    started = trio.current_time()
-                    answered = False  # (an error proves nothing about the objects: they stay)
                     partial: UnreadableObjects | None = None  # (some objects' own errors)
-                    failed: set[bytes] = set()  # (those objects)
-                    read_keys: list[bytes] = []  # the objects the call did read (whole)
-                    try:
+                    with self._calls.call(source, "load") as call:
                         try:
                             results = await source.backend.load(keys, buffers)
                         except UnreadableObjects as exc:  # the others were read
                             results, partial = exc.results, exc
+                            call.complete = False
                         if len(results) != len(keys):
                             raise BackendError(
                                 f"load answered {len(results)} results for {len(keys)} keys"
                             )
-                    except Exception as exc:  # any failure of a backend: see _backends
-                        self._calls.observed(source, "load", started, False)
-                        source.failed(exc, trio.current_time())
-                        oks = [False] * len(batch)
-                    else:
-                        self._calls.observed(source, "load", started, partial is None)
-                        answered = True
+                    answered = not call.failed  # (an error proves nothing about the objects)
+                    oks = [False] * len(batch)
+                    failed: set[bytes] = set()  # (the objects of a partial answer)
+                    if answered:
                         failed = set() if partial is None else set(partial.unreadable)
                         oks = [
                             bool(ok) and key not in failed
                             for ok, key in zip(results, keys, strict=True)
                         ]
-                        read_keys = [key for key, ok in zip(keys, oks, strict=True) if ok]
+                    read_keys = [key for key, ok in zip(keys, oks, strict=True) if ok]  # (whole)
                     doomed: list[bytes] = []
                     read = [i for i, ok in enumerate(oks) if ok]
                     if read:

@@ -1,27 +1,28 @@
 """The L2 tier of one server: its backends in cascade order, its tasks, its stats.
 
-The work is in the parts: write-behind in :mod:`._writes`, lookups and loads in :mod:`._loads`,
-L1 hits passed on to the backends' eviction policies in :mod:`._touches`, the backends' health
-and the boundary for calls into them in :mod:`._backends`. Each backend is probed at start-up,
-before the server serves (a lookup, which builds a disk L2's index; a warning if it fails), and
-again while it has a problem (a lookup, and a store where stores failed); its health is unknown
-until something answered, false while lookups or stores fail.
+The work is in the parts, which the cache uses directly: write-behind (:attr:`L2Tier.writes`,
+:mod:`._writes`), lookups and loads (:attr:`L2Tier.loads`, :mod:`._loads`), L1 hits passed on to
+the backends' eviction policies (:attr:`L2Tier.touches`, :mod:`._touches`); the backends' health
+and the one boundary for calls into them are in :mod:`._backends`. Each backend is probed at
+start-up, before the server serves (a lookup, which builds a disk L2's index; a warning if it
+fails), and again while it has a problem (a lookup, and a store where stores failed); its health
+is unknown until something answered, false while lookups or stores fail.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
 from ...l2 import Backend
 from ...protocol import L2Stats
 from ...shm import SharedArena
-from ...storage import Entry, L1Cache
+from ...storage import L1Cache
 from ._backends import Calls, Observe, TierBackend
-from ._loads import Load, Loads
+from ._loads import Loads
 from ._touches import Touches
 from ._writes import WriteBehind
 
@@ -69,8 +70,11 @@ class L2Tier:
             flushers=flushers,
             tenants=tenants,
         )
+        """Committed chunks on their way to the backends."""
         self.loads = Loads(self.backends, arena, self._calls, loaders=loaders)
+        """Lookups across the cascade and L2 → L1 loads."""
         self.touches = Touches(self.backends, self._calls)
+        """L1 hits on their way to the backends that take touches."""
 
     @property
     def enabled(self) -> bool:
@@ -136,15 +140,13 @@ class L2Tier:
         first failed store on. The probe object is not a kvtrio frame: nothing loads it.
         Cancellation: the probe is abandoned (a probe object may stay, unreachable).
         """
-        backend = tier_backend.backend
         with trio.move_on_after(_PROBE_TIMEOUT):
             key = os.urandom(32)
-            try:
-                found = await backend.lookup_and_lock([key])
-            except Exception as exc:  # any failure of a backend: see _backends
-                tier_backend.failed(exc, trio.current_time())
+            probe = self._calls.call(tier_backend, "lookup_and_lock", heals=True, metered=False)
+            with probe as call:
+                found = await tier_backend.backend.lookup_and_lock([key])
+            if call.failed:
                 return
-            tier_backend.succeeded()
             if found:
                 await self._calls.unlock(tier_backend, [key])
             if "store" in tier_backend.problems:
@@ -153,65 +155,16 @@ class L2Tier:
 
     async def _probe_store(self, tier_backend: TierBackend) -> None:
         """Store one probe object and delete it (see :meth:`_probe_once`)."""
-        backend, key = tier_backend.backend, os.urandom(32)
-        buffers = [[memoryview(_PROBE_OBJECT)]]
-        try:
-            if getattr(backend, "accepts_parents", False):  # (optional: see Backend)
-                stored = await backend.store([key], buffers, parents=[None])  # type: ignore[call-arg]
-            else:
-                stored = await backend.store([key], buffers)
-        except Exception as exc:  # any failure of a backend: see _backends
-            tier_backend.failed(exc, trio.current_time(), "store")
+        key, buffers = os.urandom(32), [[memoryview(_PROBE_OBJECT)]]
+        probe = self._calls.call(tier_backend, "store", "store", heals=True, metered=False)
+        with probe as call:
+            stored = await tier_backend.store([key], buffers, parents=[None])
+        if call.failed:
             return
-        tier_backend.succeeded("store")
         if stored and stored[0]:
             await self._calls.delete(tier_backend, [key])
 
-    # ----------------------------------------------------------------- the parts' operations
-
-    def write_behind(self, key: bytes, fingerprint: bytes, tenant: str = "") -> None:
-        """See :meth:`WriteBehind.write_behind`."""
-        self.writes.write_behind(key, fingerprint, tenant)
-
-    def touch(self, keys: Iterable[bytes]) -> None:
-        """Chunks served from L1, last used last: see :meth:`Touches.add` (no I/O)."""
-        self.touches.add(keys)
-
-    async def lookup(
-        self, spaces: Sequence[bytes], hashes: Sequence[bytes]
-    ) -> list[list[TierBackend]]:
-        """See :meth:`Loads.lookup`."""
-        return await self.loads.lookup(spaces, hashes)
-
-    async def release(
-        self, sources: Sequence[Sequence[TierBackend]], keys: Sequence[Sequence[bytes]]
-    ) -> None:
-        """See :meth:`Loads.release`."""
-        await self.loads.release(sources, keys)
-
-    def start_loads(
-        self,
-        items: Sequence[tuple[bytes, Entry]],
-        source: TierBackend,
-        fingerprint: bytes,
-        on_done: Callable[[Load], None],
-    ) -> list[Load]:
-        """See :meth:`Loads.start_loads`."""
-        return self.loads.start_loads(items, source, fingerprint, on_done)
-
     # ----------------------------------------------------------------- stats
-
-    @property
-    def queued(self) -> int:
-        return self.writes.queued
-
-    @property
-    def skipped_stores(self) -> int:
-        return self.writes.skipped_stores
-
-    @property
-    def corrupt(self) -> int:
-        return self.loads.corrupt
 
     def stats(self) -> tuple[L2Stats, ...]:
         result = []

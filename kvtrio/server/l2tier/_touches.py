@@ -43,8 +43,8 @@ class Touches:
         pending: int = PENDING,
         interval: float = INTERVAL,
     ) -> None:
-        self.targets = [b for b in backends if getattr(b.backend, "accepts_touches", False)]
-        """The backends that take touches (an optional capability: see ``Backend.store``)."""
+        self.targets = [b for b in backends if b.capabilities.touches]
+        """The backends that take touches (an optional capability: see ``kvtrio.l2``)."""
         self._calls = calls
         self._batch, self._limit, self._interval = batch, pending, interval
         self._pending: dict[bytes, None] = {}  # (ordered: the last used last)

@@ -188,21 +188,10 @@ class WriteBehind:
             if not tier_backend.usable(trio.current_time()):
                 tier_backend.count("stores_skipped", len(keys))
                 continue
-            backend = tier_backend.backend
-            started = trio.current_time()
-            extra: dict[str, object] = {}  # the optional capabilities (see Backend)
-            if getattr(backend, "accepts_parents", False):
-                extra["parents"] = parents
-            if getattr(backend, "accepts_owners", False):
-                extra["owners"] = owners
-            try:
-                results = await backend.store(keys, buffers, **extra)
-            except Exception as exc:  # any failure of a backend: see _backends
-                self._calls.observed(tier_backend, "store", started, False)
-                tier_backend.failed(exc, trio.current_time(), "store")
+            with self._calls.call(tier_backend, "store", "store", heals=True) as call:
+                results = await tier_backend.store(keys, buffers, parents=parents, owners=owners)
+            if call.failed:
                 continue
-            self._calls.observed(tier_backend, "store", started, True)
-            tier_backend.succeeded("store")
             for ok, payload in zip(results, payloads, strict=True):
                 tier_backend.count("stores" if ok else "stores_refused")
                 tier_backend.count("store_bytes", payload.nbytes if ok else 0)

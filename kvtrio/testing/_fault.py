@@ -1,8 +1,10 @@
-"""``fault``: wraps another backend and injects latency, errors and dropped loads.
+"""``fault``: a test backend that wraps another and injects latency, errors and dropped loads.
 
-For kvtrio's own tests (and anyone testing how a deployment degrades): ``--l2
-fault:inner=memory,latency=0.5,error_rate=0.1,seed=1``. Deterministic for a given seed and call
-sequence. The knobs can be changed at run time with :meth:`FaultBackend.configure`.
+For kvtrio's own tests (and anyone testing how a deployment degrades). Not an installed backend:
+construct it (``FaultBackend(inner=MemoryBackend())``), or register it under the entry-point
+group ``kvtrio.backends`` in a test (kvtrio's suite: the ``fault_registered`` fixture) to use
+``--l2 fault:inner=memory,latency=0.5,error_rate=0.1,seed=1``. Deterministic for a given seed
+and call sequence. The knobs can be changed at run time with :meth:`FaultBackend.configure`.
 """
 
 from __future__ import annotations
@@ -13,9 +15,9 @@ from collections.abc import Mapping, Sequence
 import attrs
 import trio
 
-from ._interface import Backend, BackendUnavailable, Buffers
+from ..l2 import Backend, BackendUnavailable, Buffers, create_backend
 
-__all__ = ["FaultBackend"]
+__all__ = ["FaultBackend", "FaultOptions"]
 
 
 @attrs.frozen
@@ -44,8 +46,6 @@ class FaultBackend:
     ) -> None:
         options = options or FaultOptions()
         if inner is None:
-            from ._registry import create_backend
-
             inner = create_backend(options.inner, {})
         self.inner = inner
         self.latency = options.latency

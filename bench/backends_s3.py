@@ -31,7 +31,7 @@ from kvtrio_s3 import S3Backend, S3Options
 from obstore.store import S3Store
 
 from kvtrio.l2 import HEADER_SIZE, header
-from kvtrio.testing._seaweedfs import SeaweedFS, seaweedfs
+from kvtrio.testing import SeaweedFS, seaweedfs
 
 MiB = 1 << 20
 SIZES = {2 * MiB: 24, 32 * MiB: 6}  # object size → objects per batch

@@ -51,7 +51,7 @@ from _kvbench import (
 
 from kvtrio.client import Client, LoadStoreOp, SchedulerAdapter, WorkerAdapter
 from kvtrio.protocol import Ping
-from kvtrio.transfer._cpu_native import cpu_helper
+from kvtrio.transfer import cpu_helper
 
 LAYERS, CHUNKS = 32, 2
 TOKENS = CHUNK * CHUNKS

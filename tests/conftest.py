@@ -14,9 +14,12 @@ from typing import Any
 import pytest
 import trio
 
+import kvtrio.l2._diskio
 from kvtrio.config import ServerConfig
 from kvtrio.launch import ServerProcess
 from kvtrio.server import ServerHandle, serve
+
+from ._support.disk_faults import BadRecords
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -135,3 +138,15 @@ def fault_registered(monkeypatch: pytest.MonkeyPatch) -> None:
         return [*found, fault] if kwargs.get("group") == GROUP else found
 
     monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+
+
+@pytest.fixture
+def bad_records() -> Iterator[BadRecords]:
+    """The disk L2's reads fail where the test says (:class:`BadRecords`)."""
+    saved = kvtrio.l2._diskio.os
+    fake = BadRecords()
+    kvtrio.l2._diskio.os = fake  # type: ignore[assignment]
+    try:
+        yield fake
+    finally:
+        kvtrio.l2._diskio.os = saved

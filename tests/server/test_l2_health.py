@@ -19,8 +19,8 @@ from kvtrio.l2 import Buffers
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.server import status_document, status_summary
 
+from .._support.l2_tier import running, stats, store
 from .._support.waiting import await_async, await_condition
-from .test_l2_tier import running, stats, store
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ from kvtrio.options import ByteSize
 from kvtrio.protocol import EndSession, LookupReply
 from kvtrio.testing import FaultBackend
 
+from .._support.l2_tier import CHUNK, cache, lookup, retrieve, running, stats, store, written_to_l2
 from .._support.waiting import await_async, await_condition
-from .test_l2_tier import CHUNK, cache, lookup, retrieve, running, stats, store, written_to_l2
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ from kvtrio.protocol import EndSession, Lookup, LookupReply
 from kvtrio.server.l2tier._backends import Calls, TierBackend
 from kvtrio.server.l2tier._touches import BATCH, INTERVAL, PENDING, Touches
 
+from .._support.l2_tier import HASHES, running, store, written_to_l2
 from .._support.waiting import await_condition
-from .test_l2_tier import HASHES, running, store, written_to_l2
 
 
 class _Touched(MemoryBackend):

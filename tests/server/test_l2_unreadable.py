@@ -41,10 +41,8 @@ from kvtrio.server import open_server
 from kvtrio.server.l2tier import TierBackend
 from kvtrio.storage import token_chunk_hashes
 
+from .._support.disk_faults import BadRecords, fail_reads_of
 from .._support.waiting import await_async
-from ..l2.test_disk_unreadable import BadRecords, bad_records, fail_reads_of
-
-__all__ = ["bad_records"]  # (a fixture)
 
 _SERVERS = itertools.count()
 CHUNK = 256

@@ -31,8 +31,8 @@ from kvtrio.protocol import (
 from kvtrio.server import open_server
 from kvtrio.testing import FaultBackend
 
+from .._support.l2_tier import CHUNK, HASHES, LAYOUT, cache, lookup, running, store
 from .._support.waiting import await_condition
-from .test_l2_tier import CHUNK, HASHES, LAYOUT, cache, lookup, running, store
 
 
 @pytest.mark.parametrize(

@@ -32,8 +32,8 @@ from kvtrio.server import open_server
 from kvtrio.storage import token_chunk_hashes
 from kvtrio.testing import FaultBackend
 
+from .._support.l2_tier import CHUNK, HASHES, LAYOUT, cache, running, store, written_to_l2
 from .._support.waiting import await_condition
-from .test_l2_tier import CHUNK, HASHES, LAYOUT, cache, running, store, written_to_l2
 
 
 @pytest.fixture

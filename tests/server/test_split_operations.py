@@ -25,17 +25,17 @@ from kvtrio.protocol import (
     StoreReply,
 )
 
-from .._support.waiting import await_async
-from .test_l2_tier import (
+from .._support.l2_tier import (
     CHUNK,
     HASHES,
-    _ParentsBackend,
+    ParentsBackend,
     cache,
     lookup,
     running,
     store,
     written_to_l2,
 )
+from .._support.waiting import await_async
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def config(server_config: ServerConfig) -> ServerConfig:
 async def test_a_store_in_parts_links_each_parts_first_chunk_to_its_parent_hash(
     config: ServerConfig,
 ) -> None:
-    backend = _ParentsBackend()
+    backend = ParentsBackend()
     async with running(config, backend) as (_, worker, _scheduler):
         for start, end in [(0, 1), (1, 3), (3, 10)]:
             reply = await worker.call(

@@ -10,6 +10,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,15 @@ def make_cache(
     return {f"layer.{i}": t for i, t in enumerate(tensors)}, views
 
 
+class _FaultServerProcess(ServerProcess):
+    """``kvtrio serve`` through ``_serve_with_fault.py``: the test backend ``fault`` usable."""
+
+    @property
+    def command(self) -> list[str]:
+        script = str(Path(__file__).with_name("_serve_with_fault.py"))
+        return [self.python, script, "serve", "--endpoint", self.endpoint, *self.args]
+
+
 class Server:
     """A ``kvtrio serve`` process (:class:`kvtrio.launch.ServerProcess`) on an ipc endpoint
     of its own; :meth:`restart` keeps the endpoint (and the options, so a disk L2 keeps its
@@ -103,7 +113,9 @@ class Server:
         env = {**os.environ, "KVTRIO_LOG_LEVEL": "warning"}
         if home is not None:  # HOME of the server (where a backend's default paths go)
             env["HOME"] = home
-        self.process = ServerProcess(f"ipc://{self.directory}/kvtrio.sock", options, env)
+        # (a ``fault:`` L2, the test backend that adds latency, needs it registered)
+        kind = _FaultServerProcess if any("fault:" in o for o in options) else ServerProcess
+        self.process = kind(f"ipc://{self.directory}/kvtrio.sock", options, env)
         self.endpoint = self.process.endpoint
 
     def start(self) -> None:

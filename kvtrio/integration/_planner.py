@@ -62,6 +62,9 @@ class RequestPlan:
     """Prefix of full chunks known to be in kvtrio: lookup hits, then stores issued."""
     tail_held: bool = False
     """The prompt's partial chunk is in kvtrio (a lookup hit it, or a store was issued)."""
+    worth_loading: bool | None = None
+    """The load policy's decision on this request's hit, once made (vLLM asks again at every
+    step until it can allocate the blocks: the hit is judged, and counted, once)."""
     locked: bool = False
     """The lookup pinned chunks at kvtrio that no load has taken over yet."""
     stores: int = 0

@@ -96,7 +96,9 @@ class SchedulerSide:
         plan.local_tokens = num_computed_tokens
         held_after_lookup(plan, hit, chunk_size)
         need = max(0, plan.hit_tokens - num_computed_tokens)
-        if need > 0 and not self.policy.load(request.request_id, need):
+        if need > 0 and plan.worth_loading is None:
+            plan.worth_loading = self.policy.load(request.request_id, need)
+        if need > 0 and not plan.worth_loading:
             plan.hit_tokens = 0
             return 0, False
         return need, need > 0 and self.options.async_load

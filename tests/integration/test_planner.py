@@ -206,3 +206,37 @@ def test_request_switches() -> None:
         None,
         "kvtrio.load: expected true or false, got 'perhaps'",
     )
+
+
+def test_the_load_policy_judges_a_requests_hit_once() -> None:
+    """vLLM asks for a waiting request's hit at every step until it can allocate its blocks:
+    the policy decides (and counts, and counts towards exploring) once per request."""
+    from kvtrio.integration._costs import CostModel
+    from kvtrio.integration._options import ConnectorOptions
+    from kvtrio.integration._scheduler_side import SchedulerSide
+
+    class Adapter:
+        chunk_size = CHUNK
+
+        def maybe_submit_lookup_request(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def check_lookup_result(self, request_id: str, wait: float = 0.0) -> int:
+            return 4 * CHUNK
+
+    class Request:
+        request_id = "r"
+        all_token_ids = TOKENS
+        kv_transfer_params = None
+        cache_salt = None
+        lora_request = None
+        mm_features = None
+
+    side = SchedulerSide(ConnectorOptions(), BLOCK, Adapter())  # type: ignore[arg-type]
+    model = CostModel(explore_every=2)
+    model.observe_step(1000, 0.001)  # computing is cheap here: loading does not pay
+    model.observe_load(4 * CHUNK, 0.050)
+    side.policy.model = model
+    for _ in range(5):
+        assert side.matched_tokens(Request(), 0, preempted=False) == (0, False)
+    assert side.policy.stats == {"skipped": 1, "skipped_tokens": 4 * CHUNK}

@@ -7,14 +7,14 @@ the kernel reads (``kvt_segment`` of ``cuda_ext/kvtrio_batch.h``, :data:`SEGMENT
 chunk, the device address of its bytes (the mapped L1 arena: zero-copy), cut where two pinned
 pieces of the arena meet. :func:`staged_segments` gives the same for a device staging buffer.
 
-Everything is numpy over whole arrays: building an operation costs the same few microseconds
-for one chunk or thirty-two (no Python loop per chunk, except over chunks that straddle two
-pinned pieces, at most one per GiB).
+Everything is numpy over whole arrays: building an operation costs about the same for one chunk
+or thirty-two (no Python loop per chunk). Where the pinned pieces' device addresses form one
+range (UVA: the device address of page-locked memory is its host address) no chunk is cut;
+elsewhere chunks that straddle two pieces are cut in a Python loop (at most one per GiB).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -33,55 +33,78 @@ SEGMENT_DTYPE = np.dtype(
 """``kvt_segment``: 32 bytes, checked against the host library in the tests."""
 
 
+Chunk = tuple[int, int, int, int]
+"""One chunk of an operation: (host offset, bytes, first id, block count)."""
+
+
 @attrs.frozen
 class Operation:
-    """The chunks of one store or retrieve (see the module doc). Arrays are not copied."""
+    """The chunks of one store or retrieve (see the module doc).
+
+    Per-chunk facts are plain Python tuples: for the few to few dozen chunks of an operation,
+    a loop over tuples and one ``np.array`` costs less than a dozen numpy calls."""
 
     ids: npt.NDArray[np.int32]
     """Every chunk's block ids, in order (-1: a block the engine keeps, retrieves only)."""
-    counts: npt.NDArray[np.int64]
-    """Blocks per chunk."""
-    offsets: npt.NDArray[np.int64]
-    """Where each chunk's bytes start in the host memory."""
-    nbytes: npt.NDArray[np.int64]
-    """Bytes per chunk."""
+    rows: tuple[Chunk, ...]
+    """Per chunk: (host offset, bytes, where its ids start in :attr:`ids`, how many)."""
 
     @classmethod
     def of(cls, chunks: Sequence[tuple[Sequence[int], int, int]]) -> Operation:
         """From ``(block ids, host offset, bytes)`` per chunk (the server's slots)."""
-        ids = np.fromiter(itertools.chain.from_iterable(c[0] for c in chunks), np.int32)
-        counts = np.fromiter((len(c[0]) for c in chunks), np.int64, len(chunks))
-        offsets = np.fromiter((c[1] for c in chunks), np.int64, len(chunks))
-        nbytes = np.fromiter((c[2] for c in chunks), np.int64, len(chunks))
-        return cls(ids, counts, offsets, nbytes)
+        ids: list[int] = []
+        rows = []
+        for block_ids, offset, nbytes in chunks:
+            rows.append((offset, nbytes, len(ids), len(block_ids)))
+            ids += block_ids
+        return cls(np.array(ids, np.int32), tuple(rows))
 
     @property
     def chunks(self) -> int:
-        return len(self.counts)
+        return len(self.rows)
+
+    def column(self, index: int) -> npt.NDArray[np.int64]:
+        return np.array([row[index] for row in self.rows], np.int64)
+
+    @property
+    def offsets(self) -> npt.NDArray[np.int64]:
+        return self.column(0)
+
+    @property
+    def nbytes(self) -> npt.NDArray[np.int64]:
+        return self.column(1)
 
     @property
     def first_ids(self) -> npt.NDArray[np.int64]:
-        """Where each chunk's ids start in :attr:`ids`."""
-        return np.cumsum(self.counts) - self.counts
+        return self.column(2)
+
+    @property
+    def counts(self) -> npt.NDArray[np.int64]:
+        return self.column(3)
 
     def select(self, first: int, stop: int) -> Operation:
         """Chunks ``[first, stop)`` as an operation of their own."""
-        starts = self.first_ids
-        lo = int(starts[first]) if first < self.chunks else len(self.ids)
-        hi = int(starts[stop - 1] + self.counts[stop - 1]) if stop > first else lo
-        return Operation(self.ids[lo:hi], self.counts[first:stop], self.offsets[first:stop],
-                         self.nbytes[first:stop])  # fmt: skip
+        rows = self.rows[first:stop]
+        if not rows:
+            return Operation(self.ids[:0], ())
+        base = rows[0][2]
+        end = rows[-1][2] + rows[-1][3]
+        return Operation(self.ids[base:end],
+                         tuple((o, n, f - base, c) for o, n, f, c in rows))  # fmt: skip
+
+
+def _segments(rows: list[tuple[int, int, int, int]]) -> npt.NDArray[np.void]:
+    """:data:`SEGMENT_DTYPE` records from (address, start, length, first_id | n_ids << 32)."""
+    return np.array(rows, np.int64).reshape(-1, 4).view(SEGMENT_DTYPE).reshape(-1)
 
 
 def staged_segments(op: Operation, address: int) -> npt.NDArray[np.void]:
     """One segment per chunk, the chunks packed one after the other from device ``address``."""
-    segments = np.empty(op.chunks, SEGMENT_DTYPE)
-    segments["address"] = address + (np.cumsum(op.nbytes) - op.nbytes)
-    segments["start"] = 0
-    segments["length"] = op.nbytes
-    segments["first_id"] = op.first_ids
-    segments["n_ids"] = op.counts
-    return segments
+    rows = []
+    for _offset, nbytes, first, count in op.rows:
+        rows.append((address, 0, nbytes, first | count << 32))
+        address += nbytes
+    return _segments(rows)
 
 
 class Pinner(Protocol):
@@ -105,7 +128,10 @@ class PinnedHost:
         self.piece_bytes = piece_bytes
         self._pinner = pinner
         self._tokens: list[Any] = []
-        self._device_bases: dict[int, npt.NDArray[np.uint64]] = {}
+        self._deltas: dict[int, npt.NDArray[np.int64]] = {}
+        """Per GPU and pinned piece: device address minus offset in the memory."""
+        self._contiguous: dict[int, int] = {}
+        """Per GPU whose pieces' device addresses are one range: its single delta."""
         try:
             for start in range(0, memory.nbytes, piece_bytes):
                 self._tokens.append(pinner.pin(memory[start : start + piece_bytes]))
@@ -132,46 +158,41 @@ class PinnedHost:
     def map(self, ordinal: int, mapped_address: Any) -> None:
         """Record each piece's device address for GPU ``ordinal`` (``mapped_address(host)``;
         blocking: one driver call per piece). Done once, at the first mapped registration."""
-        if ordinal in self._device_bases:
+        if ordinal in self._deltas:
             return
         starts = range(0, self.memory.nbytes, self.piece_bytes)
-        self._device_bases[ordinal] = np.array(
-            [mapped_address(self.address + start) for start in starts], np.uint64
+        deltas = np.array(
+            [mapped_address(self.address + start) - start for start in starts], np.int64
         )
+        self._deltas[ordinal] = deltas
+        if len(set(deltas.tolist())) == 1:  # UVA: one address range, pieces need no cut
+            self._contiguous[ordinal] = int(deltas[0])
 
     def mapped(self, ordinal: int) -> bool:
-        return ordinal in self._device_bases
+        return ordinal in self._deltas
 
     def segments(self, op: Operation, ordinal: int) -> npt.NDArray[np.void]:
-        """The operation's segments in this memory as GPU ``ordinal`` addresses it (mapped)."""
-        end = op.offsets + op.nbytes
-        if len(op.offsets) and (op.offsets.min() < 0 or end.max() > self.memory.nbytes):
-            raise ValueError("a chunk lies outside the pinned memory")
-        bases = self._device_bases[ordinal]
-        piece = op.offsets // self.piece_bytes
-        inside = (end - 1) // self.piece_bytes == piece
-        first_ids = op.first_ids
-        if inside.all():  # the common case: no chunk straddles two pieces
-            segments = np.empty(op.chunks, SEGMENT_DTYPE)
-            segments["address"] = bases[piece] + (op.offsets - piece * self.piece_bytes).astype(
-                np.uint64
-            )
-            segments["start"] = 0
-            segments["length"] = op.nbytes
-            segments["first_id"] = first_ids
-            segments["n_ids"] = op.counts
-            return segments
+        """The operation's segments in this memory as GPU ``ordinal`` addresses it (mapped):
+        one per chunk, or more where the device addresses of two pinned pieces a chunk
+        straddles are not contiguous. ``ValueError`` for a chunk outside the memory."""
+        size, piece_bytes = self.memory.nbytes, self.piece_bytes
+        delta = self._contiguous.get(ordinal)
+        deltas = self._deltas[ordinal]
         rows = []
-        for i in range(op.chunks):
-            offset, stop = int(op.offsets[i]), int(end[i])
-            while offset < stop:
-                index = offset // self.piece_bytes
-                cut = min(stop, (index + 1) * self.piece_bytes)
-                address = int(bases[index]) + offset - index * self.piece_bytes
-                rows.append((address, offset - int(op.offsets[i]), cut - offset,
-                             int(first_ids[i]), int(op.counts[i])))  # fmt: skip
+        for offset, nbytes, first, count in op.rows:
+            if offset < 0 or offset + nbytes > size:
+                raise ValueError(f"[{offset}, {offset + nbytes}) is outside the pinned memory")
+            ids = first | count << 32  # first_id, n_ids: int32 each, little-endian
+            if delta is not None:
+                rows.append((offset + delta, 0, nbytes, ids))
+                continue
+            start = offset
+            while offset < start + nbytes:  # cut where pieces with separate mappings meet
+                index = offset // piece_bytes
+                cut = min(start + nbytes, (index + 1) * piece_bytes)
+                rows.append((int(deltas[index]) + offset, offset - start, cut - offset, ids))
                 offset = cut
-        return np.array(rows, SEGMENT_DTYPE)
+        return _segments(rows)
 
     def close(self) -> None:
         """Unpin every piece (blocking)."""

@@ -237,7 +237,7 @@ class CopyPipeline:
             self._next = 0
 
     def _check(self, op: Operation) -> None:
-        if op.chunks and int(op.nbytes.max()) > self.chunk_bytes:
+        if any(row[1] > self.chunk_bytes for row in op.rows):
             raise ValueError(f"a chunk is bigger than the pipeline's chunks ({self.chunk_bytes})")
 
     def store(
@@ -303,7 +303,7 @@ class CopyPipeline:
         self._ready[b].record(compute)
         copy.wait_event(self._ready[b])
         position = 0
-        for offset, nbytes in zip(part.offsets.tolist(), part.nbytes.tolist(), strict=True):
+        for offset, nbytes, _first, _count in part.rows:
             for piece in host.pieces(offset, nbytes):
                 device.to_host(piece, self._staging[b], position, copy)
                 position += piece.nbytes
@@ -317,7 +317,7 @@ class CopyPipeline:
         if self._used[b]:
             copy.wait_event(self._free[b])
         position = 0
-        for offset, nbytes in zip(part.offsets.tolist(), part.nbytes.tolist(), strict=True):
+        for offset, nbytes, _first, _count in part.rows:
             for piece in host.pieces(offset, nbytes):
                 device.to_device(self._staging[b], position, piece, copy)
                 position += piece.nbytes

@@ -158,12 +158,11 @@ class TorchDevice:
             )  # fmt: skip
             return
         with self.torch.cuda.stream(stream):
-            if len(set(op.counts.tolist())) == 1:
+            if len({row[3] for row in op.rows}) == 1:
                 self._fallback(layers, op.ids, op.chunks, staging, gather=gather, stream=stream)
                 return
             position = 0  # chunks of different sizes: one at a time
-            for first, count, nbytes in zip(op.first_ids.tolist(), op.counts.tolist(),
-                                            op.nbytes.tolist(), strict=True):  # fmt: skip
+            for _offset, nbytes, first, count in op.rows:
                 part = staging[position : position + nbytes]
                 ids = op.ids[first : first + count]
                 self._fallback(layers, ids, 1, part, gather=gather, stream=stream)

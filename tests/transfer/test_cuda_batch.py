@@ -106,18 +106,42 @@ def test_one_launch_gathers_and_scatters_every_chunk(
     assert [a.tobytes() for a in layers] == [a.tobytes() for a in expected]
 
 
+class Shadow:
+    """Device addresses of pinned pieces that are *not* one range: piece k is mapped to
+    ``gap`` bytes past the end of piece k - 1 in a separate buffer (the host library reads and
+    writes that buffer, as a GPU would its mapping)."""
+
+    def __init__(self, host: PinnedHost, gap: int = 32) -> None:
+        self.host, self.stride = host, host.piece_bytes + gap
+        pieces = -(-host.memory.nbytes // host.piece_bytes)
+        self.buffer = np.zeros(pieces * self.stride, np.uint8)
+
+    def mapped_address(self, address: int) -> int:
+        piece = (address - self.host.address) // self.host.piece_bytes
+        return int(self.buffer.ctypes.data) + piece * self.stride
+
+    def positions(self, offset: int, nbytes: int) -> Any:
+        at = np.arange(offset, offset + nbytes)
+        piece_bytes = self.host.piece_bytes
+        return at // piece_bytes * self.stride + at % piece_bytes
+
+
 @pytest.mark.parametrize("piece_bytes", [64, 96, 160, 1 << 20])
 @pytest.mark.parametrize("kind", GPU_LAYOUT_KINDS)
 def test_chunks_cut_where_pinned_pieces_meet(
     host_library: HostLibrary, kind: str, piece_bytes: int
 ) -> None:
-    """An L1 slot that straddles two pinned pieces is two segments (or more, with small
-    pieces); the bytes are the same as uncut, and units cut by a segment's end are split."""
+    """An L1 slot that straddles two pinned pieces whose device addresses are not contiguous is
+    two segments (or more, with small pieces); the bytes land where each piece's mapping says,
+    and units cut by a segment's end are split."""
     layout = make_layout(kind, 2, 4)
     layers, g, bases = layer_setup(layout)
     offsets = scattered_offsets(layout, CHUNKS, gap=16)
     op = operation(layout, CHUNKS, offsets)
-    host = arena_for(op, piece_bytes)
+    host = PinnedHost(Pinner(), np.zeros(int((op.offsets + op.nbytes).max()) + 64, np.uint8),
+                      piece_bytes)  # fmt: skip
+    shadow = Shadow(host)
+    host.map(0, shadow.mapped_address)
     segments = host.segments(op, 0)
     if piece_bytes < 1 << 20:
         assert len(segments) > op.chunks
@@ -127,16 +151,25 @@ def test_chunks_cut_where_pinned_pieces_meet(
 
     host_library.run(g, bases, op.ids, segments, gather=True)
     for ids, offset, nbytes in zip(CHUNKS, offsets, op.nbytes.tolist(), strict=True):
-        got = host.memory[offset : offset + nbytes].tobytes()
+        got = shadow.buffer[shadow.positions(offset, nbytes)].tobytes()
         assert got == reference_gather(layout, layers, ids).tobytes()
 
     expected = [layer.copy() for layer in layers]
     targets = [[6, 5, 4], [3], [2, 1, 0]]
     for ids, offset, nbytes in zip(targets, offsets, op.nbytes.tolist(), strict=True):
-        reference_scatter(layout, expected, ids, host.memory[offset : offset + nbytes])
+        reference_scatter(layout, expected, ids, shadow.buffer[shadow.positions(offset, nbytes)])
     back = operation(layout, targets, offsets)
     host_library.run(g, bases, back.ids, host.segments(back, 0), gather=False)
     assert [a.tobytes() for a in layers] == [a.tobytes() for a in expected]
+
+
+def test_one_address_range_needs_no_cut() -> None:
+    """With UVA (device address = host address) a chunk over two pieces stays one segment."""
+    host = arena(4096, 1024)
+    op = Operation.of([([1, 2], 1000, 100)])
+    segments = host.segments(op, 0)
+    assert len(segments) == 1
+    assert int(segments["address"][0]) == host.address + 1000
 
 
 @pytest.mark.parametrize("kind", GPU_LAYOUT_KINDS)

@@ -15,6 +15,7 @@ elsewhere chunks that straddle two pieces are cut in a Python loop (at most one 
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -22,7 +23,14 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SEGMENT_DTYPE", "Operation", "PinnedHost", "Pinner", "staged_segments"]
+__all__ = [
+    "SEGMENT_DTYPE",
+    "Operation",
+    "PinnedHost",
+    "Pinner",
+    "page_aligned",
+    "staged_segments",
+]
 
 Array = npt.NDArray[Any]
 
@@ -105,6 +113,12 @@ def staged_segments(op: Operation, address: int) -> npt.NDArray[np.void]:
         rows.append((address, 0, nbytes, first | count << 32))
         address += nbytes
     return _segments(rows)
+
+
+def page_aligned(nbytes: int) -> npt.NDArray[np.uint8]:
+    """``nbytes`` of zeroed host memory of its own pages (anonymous ``mmap``): pinning it never
+    touches a page another allocation pins too (CUDA refuses a second registration of a page)."""
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), np.uint8)[:nbytes]
 
 
 class Pinner(Protocol):

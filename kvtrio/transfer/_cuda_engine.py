@@ -31,6 +31,7 @@ caller's business.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -38,7 +39,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from ._batch import SEGMENT_DTYPE, Operation, PinnedHost, staged_segments
+from ._batch import SEGMENT_DTYPE, Operation, PinnedHost, page_aligned, staged_segments
 from ._cpu import _check_block_ids
 from ._layouts import KVLayout
 
@@ -342,7 +343,8 @@ class CudaTransfer:
         self.device = device
         self.pipeline = CopyPipeline(device, chunk_bytes, mode=mode)
         self.name = f"cuda-{device.kernels}-{self.pipeline.mode}"
-        self._host = PinnedHost(device, np.zeros(chunk_bytes, np.uint8))
+        self._host = PinnedHost(device, page_aligned(chunk_bytes))
+        weakref.finalize(self, self._host.close)  # unpinned before its memory goes
         self._done = device.new_event()
         self._prepared: dict[tuple[int, ...], Any] = {}
 

@@ -12,7 +12,7 @@ there is no usable GPU. Everything but :mod:`._cuda_torch` is written against th
 :class:`Device` / :class:`CudaRuntime` protocols and tested with a simulated device.
 """
 
-from ._batch import SEGMENT_DTYPE, Operation, PinnedHost, staged_segments
+from ._batch import SEGMENT_DTYPE, Operation, PinnedHost, page_aligned, staged_segments
 from ._cuda_build import (
     build_host_library,
     cache_root,
@@ -60,6 +60,7 @@ __all__ = [
     "geometry",
     "kernel_choice",
     "load_extension",
+    "page_aligned",
     "source_digest",
     "staged_segments",
     "torch_runtime",

@@ -345,7 +345,7 @@ def summary(state: Path, dry_run: bool) -> tuple[str, bool]:
     ]
     for step in steps:
         lines.append(
-            f"  {step['name']:<18} {step['status']:<7} {step['seconds']:6.1f} s"
+            f"  {step['name']:<26} {step['status']:<7} {step['seconds']:6.1f} s"
             + (f"  {step['detail']}" if step.get("detail") else "")
         )
     lines.append(f"  total {sum(s['seconds'] for s in steps):.0f} s")

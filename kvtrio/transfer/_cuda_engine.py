@@ -30,6 +30,8 @@ caller's business.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -53,9 +55,11 @@ __all__ = [
     "Event",
     "IpcLayer",
     "Stream",
+    "default_mode",
 ]
 
 Array = npt.NDArray[Any]
+log = logging.getLogger("kvtrio.cuda")
 
 
 @attrs.frozen
@@ -202,12 +206,24 @@ class CudaRuntime(Protocol):
     def unpin(self, token: Any) -> None: ...
 
 
+def default_mode(device: Device) -> str:
+    """``KVTRIO_CUDA_COPY`` (``mapped`` or ``staged``) if the device's kernels support it, else
+    the device's preferred mode; an unknown or unsupported value is logged and ignored."""
+    wanted = os.environ.get("KVTRIO_CUDA_COPY", "").strip()
+    if wanted in device.modes:
+        return wanted
+    if wanted:
+        log.warning("KVTRIO_CUDA_COPY=%s: the %s kernels copy %s; using %s", wanted,
+                    device.kernels, "/".join(device.modes), device.modes[0])  # fmt: skip
+    return device.modes[0]
+
+
 class CopyPipeline:
     """One device's copies between registered layers and pinned host memory (see module doc).
 
     One per device and chunk size. Methods may be called from any thread, one at a time (a lock
     serialises them); they return once the work is queued. ``mode`` is one of the device's
-    :attr:`Device.modes` (its preferred one by default).
+    :attr:`Device.modes` (by default :func:`default_mode`).
     """
 
     def __init__(
@@ -218,7 +234,7 @@ class CopyPipeline:
         mode: str | None = None,
         staging_bytes: int = 32 << 20,
     ) -> None:
-        mode = mode or device.modes[0]
+        mode = mode or default_mode(device)
         if mode not in device.modes:
             raise ValueError(f"{device.kernels} kernels copy {'/'.join(device.modes)}, not {mode}")
         self.device = device

@@ -157,7 +157,7 @@ class TorchDevice:
                 segments.ctypes.data, len(segments), gather, stream.cuda_stream,
             )  # fmt: skip
             return
-        with self.torch.cuda.stream(stream):
+        with self._on(stream):
             if len({row[3] for row in op.rows}) == 1:
                 self._fallback(layers, op.ids, op.chunks, staging, gather=gather, stream=stream)
                 return
@@ -167,6 +167,10 @@ class TorchDevice:
                 ids = op.ids[first : first + count]
                 self._fallback(layers, ids, 1, part, gather=gather, stream=stream)
                 position += nbytes
+
+    def _on(self, stream: Any) -> Any:
+        """The context that makes ``stream`` current for torch's operations."""
+        return self.torch.cuda.stream(stream)
 
     def _upload(self, ids: npt.NDArray[Any]) -> Any:
         torch = self.torch

@@ -22,6 +22,7 @@ from kvtrio.testing import FakeCuda
 from kvtrio.transfer import CPU_TRANSFER, LAYOUT_KINDS, KVLayout, Transfer
 from kvtrio.transfer.cuda import (
     GPU_LAYOUT_KINDS,
+    CopyPipeline,
     CudaTransfer,
     TorchDevice,
     kernel_choice,
@@ -199,3 +200,17 @@ def test_bad_block_ids_are_refused(engine: Engine) -> None:
     with pytest.raises(ValueError, match="distinct"):
         engine.transfer.scatter(layout, layers, [1, 1], random_chunk(layout, 2))
     assert same_bytes(engine.download(layers), arrays)
+
+
+def test_the_copy_mode_comes_from_the_environment(
+    host_library: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    device = FakeCuda(host_library).device(0)
+    assert CopyPipeline(device, MAX_CHUNK).mode == "mapped"
+    monkeypatch.setenv("KVTRIO_CUDA_COPY", "staged")
+    assert CopyPipeline(device, MAX_CHUNK).mode == "staged"
+    monkeypatch.setenv("KVTRIO_CUDA_COPY", "teleport")
+    assert CopyPipeline(device, MAX_CHUNK).mode == "mapped"
+    assert "KVTRIO_CUDA_COPY=teleport" in caplog.text
+    with pytest.raises(ValueError, match="copy mapped/staged, not teleport"):
+        CopyPipeline(device, MAX_CHUNK, mode="teleport")

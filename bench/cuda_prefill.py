@@ -17,6 +17,7 @@ server's default). The KV retrieved has the prompt's size and layout, not the mo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
@@ -57,10 +58,12 @@ def prefill_times(torch: Any, layers: int, lengths: list[int], repeats: int) -> 
     torch.manual_seed(0)
     start = time.perf_counter()
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    # Built in bfloat16 directly (16 GB, not 32); a torch that refuses builds float32, then casts.
+    with contextlib.suppress(TypeError, RuntimeError):
+        torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda:0"):
-            model = LlamaForCausalLM(config).eval()
+            model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     finally:
         torch.set_default_dtype(previous)
     params = sum(p.numel() for p in model.parameters())
@@ -86,6 +89,11 @@ def prefill_times(torch: Any, layers: int, lengths: list[int], repeats: int) -> 
     return times
 
 
+def l1_for(kv: int) -> int:
+    """L1 for one prompt's KV and headroom (each prompt is retrieved right after its store)."""
+    return kv + max(256 << 20, kv // 4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", default="1024,4096,16384")
@@ -97,13 +105,15 @@ def main() -> None:
         sys.exit("bench/cuda_prefill.py needs a CUDA GPU and torch built with CUDA; none here.")
     lengths = [int(t) for t in args.tokens.split(",")]
     kv_per_token = args.layers * 2 * CONFIG["num_key_value_heads"] * CONFIG["head_dim"] * 2
-    l1 = 2 * max(lengths) * kv_per_token + (256 << 20)
-    if shm_free() < l1 + (64 << 20):
-        fits = [n for n in lengths if 2 * n * kv_per_token + (320 << 20) <= shm_free()]
-        print(f"/dev/shm has {shm_free() >> 20} MiB: prompts of {sorted(set(lengths) - set(fits))} "
-              "tokens do not fit the L1 and are left out (docker: --shm-size)")  # fmt: skip
+    fits = [n for n in lengths if l1_for(n * kv_per_token) + (64 << 20) <= shm_free()]
+    if fits != lengths:
+        print(f"/dev/shm has {shm_free() >> 20} MiB: prompts of "
+              f"{sorted(set(lengths) - set(fits))} tokens do not fit an L1 there and are left "
+              "out (docker: --shm-size)")  # fmt: skip
         lengths = fits
-        l1 = 2 * max(lengths, default=1) * kv_per_token + (256 << 20)
+    if not lengths:
+        sys.exit("bench/cuda_prefill.py: no prompt's KV fits /dev/shm")
+    l1 = l1_for(max(lengths) * kv_per_token)
     print(torch.cuda.get_device_name(0))
     prefill = prefill_times(torch, args.layers, lengths, args.repeats)
     blocks = max(lengths) // 16

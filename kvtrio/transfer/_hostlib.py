@@ -69,6 +69,11 @@ class HostLibrary:
             ctypes.c_int64, ctypes.c_int, _I64P,
         ]  # fmt: skip
         lib.kvt_host_run.restype = ctypes.c_int
+        lib.kvt_host_run_launches.argtypes = [
+            _I64P, ctypes.c_int64, _U64P, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _I64P,
+        ]  # fmt: skip
+        lib.kvt_host_run_launches.restype = ctypes.c_int
         lib.kvt_host_segment_bytes.argtypes = []
         lib.kvt_host_segment_bytes.restype = ctypes.c_int64
         lib.kvt_host_error_message.argtypes = [ctypes.c_int]
@@ -178,6 +183,33 @@ class HostLibrary:
             )
         )  # fmt: skip
         return int(out[0]), int(out[1])
+
+    def run_launches(
+        self,
+        geometry: Sequence[int],
+        bases: Sequence[int],
+        ids: npt.NDArray[np.int32],
+        segments: npt.NDArray[np.void],
+        *,
+        gather: bool,
+        max_segments: int,
+        max_ids: int,
+    ) -> int:
+        """:meth:`run` cut into launches as the CUDA launcher cuts an operation bigger than one
+        launch's parameter (here with the limits given); returns the number of launches."""
+        g = self._geometry(geometry)
+        addresses = np.ascontiguousarray(bases, dtype=np.uint64)
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        segments = np.ascontiguousarray(segments, dtype=SEGMENT_DTYPE)
+        launches = ctypes.c_int64(0)
+        self._check(
+            self._lib.kvt_host_run_launches(
+                g.ctypes.data_as(_I64P), len(addresses), addresses.ctypes.data_as(_U64P),
+                ids.ctypes.data, len(ids), segments.ctypes.data, len(segments), int(gather),
+                max_segments, max_ids, ctypes.byref(launches),
+            )
+        )  # fmt: skip
+        return launches.value
 
     # ----------------------------------------------------------------- numpy arrays
 

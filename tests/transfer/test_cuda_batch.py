@@ -190,6 +190,41 @@ def test_a_partial_retrieve_leaves_the_engines_blocks_alone(
     assert [a.tobytes() for a in layers] == [a.tobytes() for a in expected]
 
 
+@pytest.mark.parametrize(
+    ("max_segments", "max_ids", "launches"), [(128, 2048, 1), (2, 2048, 3), (128, 4, 3), (1, 3, 5)]
+)
+def test_operations_bigger_than_a_launch_are_cut(
+    host_library: HostLibrary, max_segments: int, max_ids: int, launches: int
+) -> None:
+    """The launcher's cut (kvt_next_launch) of an operation into launches of at most so many
+    segments and ids, each launch's ids rebased: the bytes are the same as in one launch."""
+    layout = make_layout("flash_infer", 2, 4)
+    layers, g, bases = layer_setup(layout)
+    chunks = [[5, 0], [2], [6, 1, 3], [4], [0, 2]]
+    offsets = scattered_offsets(layout, chunks)
+    op = operation(layout, chunks, offsets)
+    host = arena_for(op, 1 << 30)
+    segments = host.segments(op, 0)
+    got = host_library.run_launches(g, bases, op.ids, segments, gather=True,
+                                    max_segments=max_segments, max_ids=max_ids)  # fmt: skip
+    assert got == launches
+    for ids, offset, nbytes in zip(chunks, offsets, op.nbytes.tolist(), strict=True):
+        got_bytes = host.memory[offset : offset + nbytes].tobytes()
+        assert got_bytes == reference_gather(layout, layers, ids).tobytes()
+
+    expected = [layer.copy() for layer in layers]
+    targets = [[-1, 6], [5], [4, -1, 3], [2], [1, 0]]
+    for ids, offset, nbytes in zip(targets, offsets, op.nbytes.tolist(), strict=True):
+        reference_scatter(layout, expected, ids, host.memory[offset : offset + nbytes])
+    back = operation(layout, targets, offsets)
+    host_library.run_launches(g, bases, back.ids, host.segments(back, 0), gather=False,
+                              max_segments=max_segments, max_ids=max_ids)  # fmt: skip
+    assert [a.tobytes() for a in layers] == [a.tobytes() for a in expected]
+    with pytest.raises(ValueError, match="segment"):  # a chunk of more ids than a launch holds
+        host_library.run_launches(g, bases, op.ids, segments, gather=True, max_segments=8,
+                                  max_ids=2)  # fmt: skip
+
+
 def test_staged_segments_pack_the_chunks(host_library: HostLibrary) -> None:
     layout = make_layout("flash_attn", 2, 16)
     layers, g, bases = layer_setup(layout)

@@ -78,6 +78,32 @@ KVT_HOST uint64_t kvt_segment_bits(const kvt_segment* segments, int64_t n_segmen
 }
 
 /*
+ * The launch that starts at segment i: how many segments it takes (*count: at most
+ * max_segments) and which ids ([*first_id, *end_id): at most max_ids), so that an operation
+ * bigger than one launch's parameter is cut into launches. Segments' ids must not go back
+ * (they do not: chunks follow each other). KVT_E_SEGMENT if segment i alone needs too many ids.
+ */
+KVT_HOST int kvt_next_launch(const kvt_segment* segments, int64_t n_segments, int64_t i,
+                             int64_t max_segments, int64_t max_ids, int64_t* count,
+                             int64_t* first_id, int64_t* end_id) {
+    const int64_t first = segments[i].first_id;
+    int64_t n = 0, end = first;
+    while (i + n < n_segments && n < max_segments) {
+        const kvt_segment& s = segments[i + n];
+        const int64_t stop = (int64_t)s.first_id + s.n_ids > end ? (int64_t)s.first_id + s.n_ids
+                                                                  : end;
+        if (s.first_id < first || stop - first > max_ids) break;
+        end = stop;
+        ++n;
+    }
+    if (n == 0) return KVT_E_SEGMENT;
+    *count = n;
+    *first_id = first;
+    *end_id = end;
+    return KVT_OK;
+}
+
+/*
  * Copy unit u of segment s: engine -> segment memory (Gather) or back. V is the vector type
  * (sizeof(V) == p.vec), K the vectors per unit (kvt_unit_vectors). `bases` are the layers'
  * addresses; `ids` the operation's block ids.

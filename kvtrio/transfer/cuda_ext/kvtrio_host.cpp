@@ -8,6 +8,9 @@
  * with the numpy reference; the simulated GPU of the tests runs kvt_host_run as its kernel.
  */
 #include <stdint.h>
+#include <string.h>
+
+#include <vector>
 
 #include "kvtrio_batch.h"
 #include "kvtrio_index.h"
@@ -152,6 +155,43 @@ int kvt_host_copy(const int64_t* geometry, int64_t n_layers, const uint64_t* bas
         dispatch<true>(p, n_layers, bases, ids, n_ids, chunk);
     else
         dispatch<false>(p, n_layers, bases, ids, n_ids, chunk);
+    return KVT_OK;
+}
+
+/* kvt_host_run as the launcher runs it: cut into launches of at most max_segments segments and
+ * max_ids ids (kvt_next_launch), each launch's segments and ids copied and rebased as into the
+ * kernel's parameter. `launches` (may be NULL) receives how many. Returns a KVT_ code. */
+int kvt_host_run_launches(const int64_t* geometry, int64_t n_layers, const uint64_t* bases,
+                          const int32_t* ids, int64_t n_ids, const kvt_segment* segments,
+                          int64_t n_segments, int gather, int64_t max_segments,
+                          int64_t max_ids, int64_t* launches) {
+    uint64_t bits = kvt_segment_bits(segments, n_segments);
+    for (int64_t layer = 0; layer < n_layers; ++layer) bits |= bases[layer];
+    kvt_plan p;
+    int rc = n_layers < 1 ? KVT_E_GEOMETRY : kvt_make_plan(geometry, bits, &p);
+    if (rc == KVT_OK)
+        rc = kvt_check_segments(&p, n_layers, ids, n_ids, segments, n_segments, !gather);
+    if (rc != KVT_OK) return rc;
+    std::vector<kvt_segment> part((size_t)max_segments);
+    std::vector<int32_t> part_ids((size_t)max_ids);
+    int64_t count = 0;
+    for (int64_t i = 0, n = 0; i < n_segments; i += n) {
+        int64_t first_id, end_id;
+        rc = kvt_next_launch(segments, n_segments, i, max_segments, max_ids, &n, &first_id,
+                             &end_id);
+        if (rc != KVT_OK) return rc;
+        for (int64_t j = 0; j < n; ++j) {
+            part[(size_t)j] = segments[i + j];
+            part[(size_t)j].first_id = (int32_t)(segments[i + j].first_id - first_id);
+        }
+        memcpy(part_ids.data(), ids + first_id, (size_t)(end_id - first_id) * sizeof(int32_t));
+        if (gather)
+            run_dispatch<true>(p, bases, part_ids.data(), part.data(), n);
+        else
+            run_dispatch<false>(p, bases, part_ids.data(), part.data(), n);
+        ++count;
+    }
+    if (launches) *launches = count;
     return KVT_OK;
 }
 

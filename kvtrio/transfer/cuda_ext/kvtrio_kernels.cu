@@ -78,27 +78,18 @@ int kvt_cuda_run(const int64_t* geometry, uint64_t layer_bits, int64_t n_layers,
     a.bases = bases;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int64_t unit = a.plan.vec * kvt_unit_vectors(a.plan);
-    int64_t i = 0;
-    while (i < n_segments) { /* as many segments per launch as the parameter holds */
-        const int64_t first_id = segments[i].first_id;
-        int64_t n = 0, last_id = first_id, max_units = 0;
-        while (i + n < n_segments && n < KVT_MAX_SEGMENTS) {
-            const kvt_segment& seg = segments[i + n];
-            const int64_t end = (int64_t)seg.first_id + seg.n_ids;
-            const int64_t lo = seg.first_id < first_id ? seg.first_id : first_id;
-            const int64_t hi = end > last_id ? end : last_id;
-            if (hi - lo > KVT_MAX_IDS || seg.first_id < first_id) {
-                if (n == 0) return KVT_E_SEGMENT; /* one chunk of more ids than a launch holds */
-                break;
-            }
-            last_id = hi;
-            a.segments[n] = seg;
-            a.segments[n].first_id = (int32_t)(seg.first_id - first_id);
-            const int64_t units = kvt_segment_units(seg, unit);
+    for (int64_t i = 0, n = 0; i < n_segments; i += n) { /* as many as a parameter holds */
+        int64_t first_id, end_id, max_units = 0;
+        rc = kvt_next_launch(segments, n_segments, i, KVT_MAX_SEGMENTS, KVT_MAX_IDS, &n,
+                             &first_id, &end_id);
+        if (rc != KVT_OK) return rc;
+        for (int64_t j = 0; j < n; ++j) {
+            a.segments[j] = segments[i + j];
+            a.segments[j].first_id = (int32_t)(segments[i + j].first_id - first_id);
+            const int64_t units = kvt_segment_units(segments[i + j], unit);
             if (units > max_units) max_units = units;
-            ++n;
         }
-        memcpy(a.ids, ids + first_id, (size_t)(last_id - first_id) * sizeof(int32_t));
+        memcpy(a.ids, ids + first_id, (size_t)(end_id - first_id) * sizeof(int32_t));
         if (gather)
             launch<true>(a, n, max_units, s);
         else
@@ -108,7 +99,6 @@ int kvt_cuda_run(const int64_t* geometry, uint64_t layer_bits, int64_t n_layers,
             *cuda_error = (int)err;
             return KVT_E_CUDA;
         }
-        i += n;
     }
     return KVT_OK;
 }

@@ -3,7 +3,9 @@
 Each bench is a script under ``bench/`` run with a time limit; its output is kept (log and
 JSON in the state directory) and its result lines go into the summary. In a dry run (no GPU)
 each must refuse with its "needs a CUDA GPU" message. ``bench/cuda_transfer.py``'s sweep rows
-are also parsed (GB/s, ratios to raw, enqueueing µs) so the summary can be checked by tests.
+are also parsed (GB/s, ratios to raw, enqueueing µs) so the summary can be checked by tests;
+with the compiled kernels it also writes torch profiler traces (``profiles/`` in the state
+directory, beside the summary when ``OUT`` is set).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHES: dict[str, tuple[list[str], float, str]] = {
     # name: (script and arguments, seconds allowed, what it measures)
     "transfer-extension": (
-        ["bench/cuda_transfer.py", "--kernels", "extension"], 150.0,
+        ["bench/cuda_transfer.py", "--kernels", "extension", "--profile", "{state}/profiles"],
+        150.0,
         "chunk-size sweep, compiled kernels (mapped and staged), next to raw cudaMemcpy",
     ),
     "transfer-torch": (
@@ -70,7 +73,8 @@ def _run_group(command: list[str], timeout: float) -> subprocess.CompletedProces
 def run_bench(state: Path, name: str, dry_run: bool) -> None:
     """Run bench ``name``; save ``bench-<name>.json`` (its lines, parsed rows) and a log."""
     script, timeout, _what = BENCHES[name]
-    command = [sys.executable, str(ROOT / script[0]), *script[1:]]
+    arguments = [argument.format(state=state) for argument in script[1:]]
+    command = [sys.executable, str(ROOT / script[0]), *arguments]
     try:
         result = _run_group(command, timeout)
     except subprocess.TimeoutExpired as exc:
@@ -112,7 +116,8 @@ def summary_lines(state: Path) -> list[str]:
         if not path.exists():
             continue
         result = json.loads(path.read_text())
-        lines += ["", f"{' '.join(script)} ({what}):"]
+        shown = [argument for argument in script if "{state}" not in argument]
+        lines += ["", f"{' '.join(shown).removesuffix(' --profile')} ({what}):"]
         if result.get("dry_run"):
             lines.append(f"  (dry run) {result['message']}")
         elif "timed_out" in result:

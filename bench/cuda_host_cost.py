@@ -7,8 +7,9 @@ What the server's CUDA path does per store, from the request's slots to the done
 queue it on a ``CopyPipeline`` whose device does nothing (launches, copies and events are
 no-ops), so what is measured is kvtrio's own Python work per operation and per extra chunk, in
 both modes (``mapped``: zero-copy, one launch; ``staged``: staging buffers and the copy
-engine). On a GPU the driver's share comes on top (one launch, one event record; the kit's
-``bench/cuda_transfer.py`` measures the whole enqueueing there).
+engine). On a GPU the driver's share comes on top: the table counts the device calls
+(launches, copies, event records and waits, each a driver call of several µs) per operation;
+the kit's ``bench/cuda_transfer.py`` measures the whole enqueueing there.
 
 ``--baseline REV`` also measures the pipeline of git revision REV (extracted to a temporary
 directory and run in a subprocess, same machine, same run) so the table shows before and after.
@@ -34,11 +35,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 CHUNK_BYTES = 2 << 20
 COUNTS = (1, 2, 8, 32)
+CALLS = [0]
+"""Device calls queued so far (launches, copies, event records and waits): each is a driver
+call on a GPU, several microseconds of host time that the null device does not cost."""
+
+
+def _call() -> None:
+    CALLS[0] += 1
 
 
 class _Event:
     def record(self, stream: Any = None) -> None:
-        pass
+        _call()
 
     def query(self) -> bool:
         return True
@@ -52,7 +60,7 @@ class _Event:
 
 class _Stream:
     def wait_event(self, event: Any) -> None:
-        pass
+        _call()
 
 
 class NullDevice:
@@ -90,23 +98,25 @@ class NullDevice:
         return None
 
     def run(self, *args: Any, **kwargs: Any) -> None:
-        pass
+        _call()
 
     def upload_ids(self, ids: Any, stream: Any) -> Any:  # the pipeline before issue 24
+        _call()
         return ids
 
     def kernel(self, *args: Any, **kwargs: Any) -> None:  # the pipeline before issue 24
-        pass
+        _call()
 
     def to_host(self, *args: Any) -> None:
-        pass
+        _call()
 
     def to_device(self, *args: Any) -> None:
-        pass
+        _call()
 
 
-def measure(mode: str, repeats: int, ops: int) -> dict[int, float]:
-    """Median µs per operation of ``count`` chunks, for each of :data:`COUNTS`."""
+def measure(mode: str, repeats: int, ops: int) -> dict[str, float]:
+    """Median µs per operation of ``count`` chunks, for each of :data:`COUNTS` (keys ``"1"``,
+    ...), and the device calls per operation of each (``"calls 1"``, ...)."""
     from kvtrio.transfer import cuda
 
     device = NullDevice()
@@ -138,17 +148,20 @@ def measure(mode: str, repeats: int, ops: int) -> dict[int, float]:
 
         for chunks in requests * 10:  # warm up
             one(chunks)
+        before = CALLS[0]
+        one(requests[0])
+        result[f"calls {count}"] = CALLS[0] - before
         rounds = []
         for _ in range(repeats):
             start = time.perf_counter()
             for i in range(ops):
                 one(requests[i % len(requests)])
             rounds.append((time.perf_counter() - start) / ops * 1e6)
-        result[count] = statistics.median(rounds)
+        result[str(count)] = statistics.median(rounds)
     return result
 
 
-def baseline(rev: str, mode: str, repeats: int, ops: int) -> dict[int, float]:
+def baseline(rev: str, mode: str, repeats: int, ops: int) -> dict[str, float]:
     """:func:`measure` on git revision ``rev``'s kvtrio, in a subprocess."""
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", rev, "kvtrio"], capture_output=True, check=True
@@ -158,14 +171,15 @@ def baseline(rev: str, mode: str, repeats: int, ops: int) -> dict[int, float]:
             tar.extractall(tree, filter="data")
         code = (
             f"import json, sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); "
-            "import cuda_host_cost as b; "
+            "import cuda_host_cost as b, kvtrio; "
+            f"assert kvtrio.__file__.startswith({tree!r}), kvtrio.__file__; "
             f"print(json.dumps(b.measure({mode!r}, {repeats}, {ops})))"
         )
         out = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, check=True,
-            env={"PYTHONPATH": tree, "PATH": "/usr/bin:/bin"},
+            env={"PYTHONPATH": tree, "PATH": "/usr/bin:/bin"}, cwd=tree,  # not this tree's kvtrio
         ).stdout  # fmt: skip
-    return {int(k): v for k, v in json.loads(out).items()}
+    return {str(k): float(v) for k, v in json.loads(out).items()}
 
 
 def main() -> None:
@@ -174,7 +188,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--ops", type=int, default=2000)
     args = parser.parse_args()
-    rows: dict[str, dict[int, float]] = {}
+    rows: dict[str, dict[str, float]] = {}
     if args.baseline:
         rows[f"{args.baseline} (per-chunk pipeline)"] = baseline(
             args.baseline, "staged", args.repeats, args.ops
@@ -184,11 +198,14 @@ def main() -> None:
     print(f"host µs per store operation (null device; chunks of {CHUNK_BYTES >> 20} MiB), "
           f"medians of {args.repeats} × {args.ops}")  # fmt: skip
     header = "".join(f"{f'{n} chunks':>11}" for n in COUNTS)
-    print(f"{'pipeline':<34}{header}{'per extra chunk':>17}")
+    calls = "".join(f"{n:>4}" for n in COUNTS)
+    print(f"{'pipeline':<34}{header}{'per extra chunk':>17}   device calls for{calls} chunks")
     for name, values in rows.items():
-        slope = (values[COUNTS[-1]] - values[COUNTS[0]]) / (COUNTS[-1] - COUNTS[0])
-        cells = "".join(f"{values[n]:>11.1f}" for n in COUNTS)
-        print(f"{name:<34}{cells}{slope:>17.2f}")
+        first, last = str(COUNTS[0]), str(COUNTS[-1])
+        slope = (values[last] - values[first]) / (COUNTS[-1] - COUNTS[0])
+        cells = "".join(f"{values[str(n)]:>11.1f}" for n in COUNTS)
+        counts = "".join(f"{values[f'calls {n}']:>4.0f}" for n in COUNTS)
+        print(f"{name:<34}{cells}{slope:>17.2f}   {'':16}{counts}")
 
 
 if __name__ == "__main__":

@@ -58,11 +58,14 @@ class CudaWorker:
 
     def __init__(
         self, torch: Any, endpoint: str, layers: int, blocks: int, heads: int, head_dim: int,
-        dtype: Any,
+        dtype: Any, device: str = "cuda:0",
     ) -> None:  # fmt: skip
+        """``device`` ``cpu`` makes it a CPU worker (copies through the arena): a smoke test of
+        this module where there is no GPU."""
         self.torch = torch
+        self.device = device
         self.tensors = [
-            torch.randn((2, blocks, BLOCK, heads, head_dim), device="cuda:0").to(dtype)
+            torch.randn((2, blocks, BLOCK, heads, head_dim), device=device).to(dtype)
             for _ in range(layers)
         ]
         self.block_bytes = layers * 2 * BLOCK * heads * head_dim * self.tensors[0].element_size()
@@ -81,9 +84,13 @@ class CudaWorker:
         self._prompt += 1
         return [self._prompt * 1_000_003 + i for i in range(tokens)]
 
+    def _synchronize(self) -> None:
+        if self.device != "cpu":
+            self.torch.cuda.synchronize()
+
     def store(self, prompt: list[int], blocks: list[int]) -> float:
         """Seconds until the store of ``prompt`` from ``blocks`` is done (committed)."""
-        self.torch.cuda.synchronize()
+        self._synchronize()
         start = time.perf_counter()
         op = LoadStoreOp(blocks, prompt, end=len(prompt))
         self.adapter.submit_store_request(f"s{self._prompt}", op).result(120)
@@ -91,7 +98,7 @@ class CudaWorker:
 
     def retrieve(self, prompt: list[int], blocks: list[int]) -> float:
         """Seconds until ``prompt``'s KV is in ``blocks`` (``RuntimeError`` if any failed)."""
-        self.torch.cuda.synchronize()
+        self._synchronize()
         start = time.perf_counter()
         op = LoadStoreOp(blocks, prompt, end=len(prompt))
         self.adapter.submit_retrieve_request(f"r{self._prompt}", op).result(120)

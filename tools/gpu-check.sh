@@ -14,10 +14,13 @@
 #   imports    everything the next steps import, and the ninja command
 #   build      the CUDA extension (torch.utils.cpp_extension; cached in ~/.cache/kvtrio)
 #   tests      every GPU test (the ones that skip without a GPU): see GPU_TESTS in gpu_check.py
-#   bench      bench/cuda_transfer.py with the compiled kernels, then with the torch fallback
+#   bench-*    the benches of tools/gpu_benches.py, each with its own time limit: the chunk-size
+#              sweep (compiled kernels, mapped and staged; torch fallback), the end-to-end bench
+#              through a real server, the prefill-vs-retrieve comparison
 # then one summary (tests passed/failed, bench rows with their ratio to raw cudaMemcpy, the GPU,
 # driver, torch and CUDA versions, each step's time) to $OUT/gpu-check-<time>.txt if OUT is set,
-# else to stdout. Exit status 0 only if every step passed and no test failed.
+# else to stdout. Exit status 0 only if every step passed and no test failed. A failed bench is
+# recorded and the next bench still runs (they measure independent things).
 #
 # --dry-run (for machines without a GPU, and CI): the same steps with the GPU hidden
 # (CUDA_VISIBLE_DEVICES=""): the install is checked in full, the GPU is not required, the build
@@ -100,6 +103,24 @@ run() {
     printf '%s\tok\t%s\t\n' "$name" "$seconds" >>"$state/steps.tsv"
 }
 
+# run_soft NAME COMMAND...: as run, but a failure is recorded and the run goes on.
+run_soft() {
+    local name=$1 start status=0
+    shift
+    echo "gpu-check: $name ..." >&2
+    start=$(date +%s.%N)
+    "$@" || status=$?
+    local seconds
+    seconds=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+    if [[ $status -ne 0 ]]; then
+        printf '%s\tFAILED\t%s\texit %s: see the message above\n' "$name" "$seconds" "$status" \
+            >>"$state/steps.tsv"
+        echo "gpu-check: step '$name' FAILED (exit $status); going on" >&2
+        return 0
+    fi
+    printf '%s\tok\t%s\t\n' "$name" "$seconds" >>"$state/steps.tsv"
+}
+
 # The summary needs some Python: the machine's until the venv exists.
 venv_python=$python
 
@@ -143,7 +164,8 @@ run imports "$venv_python" "$helper" imports --state "$state"
 cd "$root"
 run build timeout "$build_timeout" "$venv_python" "$helper" build --state "$state" "${dry_run[@]}"
 run tests "$venv_python" "$helper" tests --state "$state" "${dry_run[@]}"
-run bench-extension "$venv_python" "$helper" bench --kernels extension --state "$state" \
-    "${dry_run[@]}"
-run bench-torch "$venv_python" "$helper" bench --kernels torch --state "$state" "${dry_run[@]}"
+for bench in transfer-extension transfer-torch e2e prefill; do
+    run_soft "bench-$bench" "$venv_python" "$helper" bench --name "$bench" --state "$state" \
+        "${dry_run[@]}"
+done
 finish

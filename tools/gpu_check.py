@@ -13,8 +13,10 @@ what is missing or broken; ``summary`` reads them all. Steps:
   dry run: checks that torch sees no GPU (as the dry run hides it), so the tests must skip.
 * ``tests``: runs the GPU tests (``GPU_TESTS``) with pytest. For real, none may skip; in a dry
   run every one must skip, with a no-GPU reason: the selection and the skipping logic still hold.
-* ``bench --kernels K``: ``bench/cuda_transfer.py``, parsed into rows with their ratios to the
-  raw ``cudaMemcpy``; in a dry run it must exit with its no-GPU message.
+* ``bench --name N``: one bench of ``tools/gpu_benches.py`` (``transfer-extension``,
+  ``transfer-torch``: ``bench/cuda_transfer.py``'s chunk-size sweep next to raw ``cudaMemcpy``;
+  ``e2e``: ``bench/cuda_e2e.py``; ``prefill``: ``bench/cuda_prefill.py``), its result lines kept
+  for the summary; in a dry run it must exit with its no-GPU message.
 * ``summary``: the one report (text), to ``--out FILE`` or stdout.
 
 A timeout (seconds) bounds each child process, so a hung step fails instead of eating the GPU
@@ -35,6 +37,18 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_benches import (
+    BENCH_ROW,
+    BENCHES,
+    BenchFailed,
+    parse_bench,
+    run_bench,
+    summary_lines,
+)
+
+__all__ = ["BENCHES", "BENCH_ROW", "StepFailed", "main", "parse_bench", "summary"]
 
 ROOT = Path(__file__).resolve().parent.parent
 # The tests that skip on a machine without a GPU, and only those: the CUDA engine on a real
@@ -72,12 +86,7 @@ INSTALLED = [
     "setuptools",
     "torch.utils.cpp_extension",
 ]
-BENCH_ROW = re.compile(
-    r"^(?P<label>[^:]+): store (?P<store>[\d.]+) GB/s = (?P<store_ratio>[\d.]+) × raw d2h "
-    r"(?P<d2h>[\d.]+); retrieve (?P<retrieve>[\d.]+) GB/s = (?P<retrieve_ratio>[\d.]+) × raw h2d "
-    r"(?P<h2d>[\d.]+)$"
-)
-TIMEOUTS = {"tests": 420.0, "bench": 180.0, "command": 30.0}
+TIMEOUTS = {"tests": 240.0, "command": 30.0}
 
 
 class StepFailed(Exception):
@@ -295,43 +304,12 @@ def parse_junit(path: Path) -> dict[str, Any]:
     }
 
 
-def bench(state: Path, dry_run: bool, kernels: str) -> None:
-    """Run bench/cuda_transfer.py with ``kernels``; record its rows (ratios to raw copies)."""
-    command = [sys.executable, str(ROOT / "bench" / "cuda_transfer.py"), "--kernels", kernels]
+def bench(state: Path, dry_run: bool, name: str) -> None:
+    """Run the bench ``name`` of :data:`gpu_benches.BENCHES`; record its lines and rows."""
     try:
-        result = _run_group(
-            command,
-            TIMEOUTS["bench"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise StepFailed(f"bench/cuda_transfer.py did not finish in {exc.timeout:.0f} s") from exc
-    output = result.stdout + result.stderr
-    (state / f"bench-{kernels}.log").write_text(output)
-    if dry_run:
-        if result.returncode == 0 or "needs a CUDA GPU" not in output:
-            raise StepFailed(f"bench/cuda_transfer.py should refuse without a GPU, got: {output}")
-        _save(state, f"bench-{kernels}", {"dry_run": True, "message": output.strip()})
-        return
-    rows = parse_bench(result.stdout)
-    _save(state, f"bench-{kernels}", {"rows": rows, "output": result.stdout})
-    if result.returncode != 0 or not rows:
-        raise StepFailed(f"bench/cuda_transfer.py --kernels {kernels} failed: {output[-2000:]}")
-
-
-def parse_bench(stdout: str) -> list[dict[str, Any]]:
-    """The rows of bench/cuda_transfer.py's output (GB/s and ratios as floats)."""
-    rows = []
-    for line in stdout.splitlines():
-        found = BENCH_ROW.match(line.strip())
-        if found:
-            row: dict[str, Any] = {
-                k: float(v) for k, v in found.groupdict().items() if k != "label"
-            }
-            rows.append({"label": found["label"], **row})
-    return rows
+        run_bench(state, name, dry_run)
+    except BenchFailed as exc:
+        raise StepFailed(str(exc)) from exc
 
 
 def _steps(state: Path) -> list[dict[str, Any]]:
@@ -367,7 +345,7 @@ def summary(state: Path, dry_run: bool) -> tuple[str, bool]:
     ]
     for step in steps:
         lines.append(
-            f"  {step['name']:<18} {step['status']:<7} {step['seconds']:6.1f} s"
+            f"  {step['name']:<26} {step['status']:<7} {step['seconds']:6.1f} s"
             + (f"  {step['detail']}" if step.get("detail") else "")
         )
     lines.append(f"  total {sum(s['seconds'] for s in steps):.0f} s")
@@ -378,19 +356,7 @@ def summary(state: Path, dry_run: bool) -> tuple[str, bool]:
             f"{len(tests['skipped'])} skipped (of {tests['total']} GPU tests)",
         ]
         lines += [f"  FAILED {name}: {why}" for name, why in tests["failed"].items()]
-    for kernels in ("extension", "torch"):
-        result = _load(state, f"bench-{kernels}")
-        if result is None:
-            continue
-        lines += ["", f"bench/cuda_transfer.py --kernels {kernels}:"]
-        if result.get("dry_run"):
-            lines.append(f"  (dry run) {result['message']}")
-        for row in result.get("rows", []):
-            lines.append(
-                f"  {row['label']}: store {row['store']:.1f} GB/s = {row['store_ratio']:.2f} × "
-                f"raw cudaMemcpy d2h ({row['d2h']:.1f}); retrieve {row['retrieve']:.1f} GB/s = "
-                f"{row['retrieve_ratio']:.2f} × raw h2d ({row['h2d']:.1f})"
-            )
+    lines += summary_lines(state)
     lines += ["", f"logs: {state}"]
     return "\n".join(lines) + "\n", not bad
 
@@ -402,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--state", type=Path, required=True)
     parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--kernels", choices=["extension", "torch"], default="extension")
+    parser.add_argument("--name", choices=list(BENCHES), help="bench: which one")
     parser.add_argument("--out", type=Path, help="summary: write it here, not to stdout")
     args = parser.parse_args(argv)
     args.state.mkdir(parents=True, exist_ok=True)
@@ -416,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.step == "tests":
             run_tests(args.state, args.dry_run)
         elif args.step == "bench":
-            bench(args.state, args.dry_run, args.kernels)
+            if args.name is None:
+                parser.error("bench needs --name")
+            bench(args.state, args.dry_run, args.name)
         else:
             text, ok = summary(args.state, args.dry_run)
             if args.out:

@@ -186,7 +186,7 @@ async def open_server(
                             observe=metrics.observe_l2,
                             tenants=arenas.tenant_count,
                         )
-                        cache = CacheService(config, arenas, l2, CudaTransfers(arena, cuda_runtime))
+                        cache = CacheService(config, arenas, l2, CudaTransfers(cuda_runtime))
                         state = ServerState(
                             config,
                             endpoint,

@@ -11,8 +11,9 @@
   stream that waits for an event stalls until the event's latest record (at the time of the
   wait) has been reached; :meth:`FakeCuda.hold` stalls a stream (an engine busy with its forward
   step) until :meth:`FakeCuda.release`;
-* **kernels**: the host build of the real kernels' index arithmetic (:class:`HostLibrary`),
-  called with the very arguments the real launch gets.
+* **kernels**: the host build of the real operation kernel (:meth:`HostLibrary.run`), called
+  with the very descriptors the real launch gets; "device addresses" of pinned host memory are
+  its host addresses (as with UVA), and a mapped segment outside pinned memory is an error.
 
 Work runs in whichever thread unblocks it; ``synchronize`` waits on a condition (bounded).
 """
@@ -30,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..transfer import DTYPE_SIZES, KVLayout
-from ..transfer.cuda import HostLibrary, IpcLayer, geometry
+from ..transfer.cuda import HostLibrary, IpcLayer, Operation, geometry
 
 __all__ = ["FakeCuda", "FakeEvent", "FakeStream", "FakeTensor"]
 
@@ -66,6 +67,8 @@ class _Gpu:
         self.open_layers = 0
         self.opened_total = 0
         self.kernels = 0
+        self.pinned: dict[int, int] = {}
+        """Page-locked host ranges (address → bytes), by runtimes and devices alike."""
 
     def pump(self) -> None:
         """Run whatever work can run now (under the lock)."""
@@ -149,6 +152,7 @@ class FakeDevice:
     """One simulated GPU (see :class:`FakeCuda`); its kernels run the host library."""
 
     kernels = "host"
+    modes = ("mapped", "staged")
 
     def __init__(self, gpu: _Gpu, ordinal: int) -> None:
         self.gpu = gpu
@@ -175,6 +179,27 @@ class FakeDevice:
     def new_buffer(self, nbytes: int) -> Array:
         return np.zeros(nbytes, np.uint8)
 
+    def buffer_address(self, buffer: Array) -> int:
+        return int(buffer.ctypes.data)
+
+    def mapped_address(self, host_address: int) -> int:
+        """The "device address" of pinned host memory: the host address itself (as with UVA);
+        refused for memory that was not pinned, as cudaHostGetDevicePointer does."""
+        with self.gpu.cond:
+            if host_address not in self.gpu.pinned:
+                raise RuntimeError("cudaHostGetDevicePointer: invalid argument (not pinned)")
+        return host_address
+
+    def pin(self, memory: Array) -> Any:
+        token = memory.__array_interface__["data"][0]
+        with self.gpu.cond:
+            self.gpu.pinned[token] = memory.nbytes
+        return token
+
+    def unpin(self, token: Any) -> None:
+        with self.gpu.cond:
+            del self.gpu.pinned[token]
+
     def prepare_layers(self, layout: KVLayout, tensors: Sequence[Any]) -> Any:
         arrays = [t.array if isinstance(t, FakeTensor) else t for t in tensors]
         strides = {a.strides for a in arrays}
@@ -183,32 +208,30 @@ class FakeDevice:
         g = geometry(layout, [s // element for s in strides.pop()])
         return g, [a.__array_interface__["data"][0] for a in arrays], arrays
 
-    def upload_ids(self, ids: npt.NDArray[np.int64], stream: FakeStream) -> Any:
-        return ids.copy()
-
-    def kernel(
+    def run(
         self,
         layers: Any,
-        ids: Any,
-        host_ids: npt.NDArray[np.int64],
-        first: int,
-        buffer: Array,
-        nbytes: int,
+        op: Operation,
+        segments: npt.NDArray[np.void],
+        staging: Any,
         *,
         gather: bool,
         stream: FakeStream,
     ) -> None:
         g, bases, _arrays = layers
-        chunk_ids = np.array(ids[first : first + len(host_ids)])
-        assert chunk_ids.tolist() == host_ids.tolist()
-        expected = len(bases) * self.gpu.host_library.layer_bytes(g, len(chunk_ids))
-        assert nbytes == expected, (nbytes, expected)
+        ids, segments = op.ids.copy(), segments.copy()  # a launch copies its parameter
+        if staging is None:  # mapped: every segment must lie in pinned host memory
+            with self.gpu.cond:
+                pinned = list(self.gpu.pinned.items())
+            for address, length in zip(segments["address"].tolist(), segments["length"].tolist(),
+                                       strict=True):  # fmt: skip
+                assert any(a <= address and address + length <= a + n for a, n in pinned), (
+                    "a mapped segment outside pinned memory"
+                )
 
         def launch() -> None:
             self.gpu.kernels += 1
-            self.gpu.host_library.copy(
-                g, bases, chunk_ids.tolist(), buffer.ctypes.data, gather=gather
-            )
+            self.gpu.host_library.run(g, bases, ids, segments, gather=gather)
 
         stream.enqueue(launch)
 
@@ -234,7 +257,6 @@ class FakeCuda:
         self.gpu: _Gpu = _gpu if _gpu is not None else _Gpu(host_library)
         self.uuids = list(uuids)
         self._devices: dict[int, FakeDevice] = {}
-        self.pinned: dict[int, int] = {}
         self.fail_pin: str | None = None
 
     def process_view(self, uuids: Sequence[str]) -> FakeCuda:
@@ -308,12 +330,15 @@ class FakeCuda:
     def pin(self, memory: Array) -> Any:
         if self.fail_pin is not None:
             raise OSError(self.fail_pin)
-        token = memory.__array_interface__["data"][0]
-        self.pinned[token] = memory.nbytes
-        return token
+        return self.device(0).pin(memory)
 
     def unpin(self, token: Any) -> None:
-        del self.pinned[token]
+        self.device(0).unpin(token)
+
+    @property
+    def pinned(self) -> dict[int, int]:
+        """Page-locked host ranges (address → bytes)."""
+        return self.gpu.pinned
 
     # ----------------------------------------------------------------- test controls
 

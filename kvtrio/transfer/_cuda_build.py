@@ -40,7 +40,7 @@ __all__ = [
 log = logging.getLogger("kvtrio.cuda")
 
 SOURCE_DIR = Path(__file__).with_name("cuda_ext")
-HEADERS = ("kvtrio_index.h", "kvtrio_kernels.h")
+HEADERS = ("kvtrio_index.h", "kvtrio_batch.h", "kvtrio_kernels.h")
 EXTENSION_SOURCES = ("kvtrio_ext.cpp", "kvtrio_kernels.cu")
 HOST_SOURCES = ("kvtrio_host.cpp",)
 

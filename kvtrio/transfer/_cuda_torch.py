@@ -5,8 +5,9 @@ This is the code that cannot run without a GPU; it is kept to thin calls into to
 everything above it (:mod:`._cuda_engine`, the server's and the worker's CUDA paths) is tested
 with a simulated device instead.
 
-Kernels: the compiled extension (:mod:`._cuda_build`) when it builds, else :class:`TorchKernels`,
-index operations on the GPU (one ``index_select``/``index_copy_`` per layer: correct, slower).
+Kernels: the compiled extension (:mod:`._cuda_build`) when it builds (one launch per operation,
+mapped or staged), else the fallback: torch index operations on the GPU into staging buffers
+(two per layer per operation: correct, slower).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from ._batch import Operation
 from ._cuda_build import extension_disabled, load_extension
 from ._cuda_engine import IpcLayer
 from ._geometry import geometry, kind_axes
@@ -54,18 +56,40 @@ class _Layers:
     views: list[Any]
     """(kv, block, token, head, dim) views of each layer as same-size integers (fallback)."""
     geometry: Any = None
+    """The geometry as a numpy int64 array (its address goes to the extension)."""
     bases: Any = None
-    pointer_bits: int = 0
+    """The layers' addresses, in device memory (uploaded once)."""
+    layer_bits: int = 0
+
+
+_REGISTER_MAPPED = 3
+"""cudaHostRegisterPortable | cudaHostRegisterMapped."""
+
+
+def pin_memory(torch: Any, memory: Any) -> int:
+    """Page-lock and map numpy ``memory`` (``cudaHostRegister``); returns its address."""
+    cudart = torch.cuda.cudart()
+    address = memory.__array_interface__["data"][0]
+    error = cudart.cudaHostRegister(address, memory.nbytes, _REGISTER_MAPPED)
+    if int(error) != 0:
+        raise OSError(f"cudaHostRegister of {memory.nbytes} bytes failed: {error}")
+    return int(address)
 
 
 class TorchDevice:
-    """A GPU through torch; ``extension`` is the compiled module or None (fallback)."""
+    """A GPU through torch; ``extension`` is the compiled module or None (fallback).
+
+    With the extension an operation is one call of ``extension.run`` with integers (addresses
+    of the operation's numpy arrays, the stream's handle): no tensor is created per operation.
+    The fallback copies with torch index operations into staging buffers (``staged`` only).
+    """
 
     def __init__(self, torch: Any, ordinal: int, extension: Any) -> None:
         self.torch = torch
         self.ordinal = ordinal
         self.extension = extension
         self.kernels = "extension" if extension is not None else "torch"
+        self.modes: tuple[str, ...] = ("mapped", "staged") if extension else ("staged",)
         self._device = torch.device("cuda", ordinal)
 
     def new_stream(self) -> Any:
@@ -80,6 +104,21 @@ class TorchDevice:
     def new_buffer(self, nbytes: int) -> Any:
         return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self._device)
 
+    def buffer_address(self, buffer: Any) -> int:
+        return int(buffer.data_ptr())
+
+    def mapped_address(self, host_address: int) -> int:
+        if self.extension is None:
+            raise RuntimeError("mapped copies need the compiled extension")
+        with self.torch.cuda.device(self.ordinal):
+            return int(self.extension.device_pointer(host_address))
+
+    def pin(self, memory: Any) -> Any:
+        return pin_memory(self.torch, memory)
+
+    def unpin(self, token: Any) -> None:
+        self.torch.cuda.cudart().cudaHostUnregister(token)
+
     def prepare_layers(self, layout: KVLayout, tensors: Sequence[Any]) -> _Layers:
         torch = self.torch
         as_int = getattr(torch, _INT_OF_SIZE[layout.element_size])
@@ -90,58 +129,86 @@ class TorchDevice:
             views.append(raw[None, :, :, None, :] if layout.kind == "mla" else raw.permute(*axes))
         prepared = _Layers(layout, list(tensors), views)
         strides = {tuple(t.stride()) for t in tensors}
-        if self.extension is not None and len(strides) == 1:
-            prepared.geometry = torch.tensor(geometry(layout, strides.pop()), dtype=torch.int64)
+        if self.extension is not None:
+            if len(strides) != 1:
+                raise ValueError("all layers must have the same strides")
+            prepared.geometry = np.array(geometry(layout, strides.pop()), np.int64)
             addresses = [t.data_ptr() for t in tensors]
             prepared.bases = torch.tensor(addresses, dtype=torch.int64, device=self._device)
-            bits = 0
             for address in addresses:
-                bits |= address
-            prepared.pointer_bits = bits
+                prepared.layer_bits |= address
         return prepared
 
-    def upload_ids(self, ids: npt.NDArray[np.int64], stream: Any) -> Any:
-        torch = self.torch
-        with torch.cuda.stream(stream):
-            return torch.from_numpy(ids).pin_memory().to(self._device, non_blocking=True)
-
-    def kernel(
+    def run(
         self,
         layers: _Layers,
-        ids: Any,
-        host_ids: npt.NDArray[np.int64],
-        first: int,
-        buffer: Any,
-        nbytes: int,
+        op: Operation,
+        segments: npt.NDArray[np.void],
+        staging: Any,
         *,
         gather: bool,
         stream: Any,
     ) -> None:
-        torch = self.torch
-        count = len(host_ids)
-        chunk_ids = ids[first : first + count]
-        with torch.cuda.stream(stream):
-            if layers.bases is not None:
-                self.extension.copy(
-                    layers.geometry, layers.pointer_bits, layers.bases, chunk_ids,
-                    buffer[:nbytes], gather,
-                )  # fmt: skip
+        if self.extension is not None:
+            ids = op.ids
+            self.extension.run(
+                self.ordinal, layers.geometry.ctypes.data, layers.layer_bits,
+                len(layers.tensors), layers.bases.data_ptr(), ids.ctypes.data, len(ids),
+                segments.ctypes.data, len(segments), gather, stream.cuda_stream,
+            )  # fmt: skip
+            return
+        with self._on(stream):
+            if len({row[3] for row in op.rows}) == 1:
+                self._fallback(layers, op.ids, op.chunks, staging, gather=gather, stream=stream)
                 return
-            layout = layers.layout
-            shape = (layout.num_layers, layout.kv, count, layout.block_size, layout.num_heads,
-                     layout.head_dim)  # fmt: skip
-            chunk = buffer[:nbytes].view(layers.views[0].dtype).view(shape)
-            if gather:
-                for layer, view in enumerate(layers.views):
-                    torch.index_select(view, 1, chunk_ids, out=chunk[layer])
-            else:
-                keep = np.flatnonzero(host_ids >= 0)  # -1: a block the engine keeps
-                if len(keep) < count:  # (indices built on the host: no device-to-host sync)
-                    positions = self.upload_ids(keep.astype(np.int64), stream)
-                    chunk_ids = self.upload_ids(host_ids[keep], stream)
-                for layer, view in enumerate(layers.views):
-                    source = chunk[layer] if len(keep) == count else chunk[layer][:, positions]
-                    view.index_copy_(1, chunk_ids, source)
+            position = 0  # chunks of different sizes: one at a time
+            for _offset, nbytes, first, count in op.rows:
+                part = staging[position : position + nbytes]
+                ids = op.ids[first : first + count]
+                self._fallback(layers, ids, 1, part, gather=gather, stream=stream)
+                position += nbytes
+
+    def _on(self, stream: Any) -> Any:
+        """The context that makes ``stream`` current for torch's operations."""
+        return self.torch.cuda.stream(stream)
+
+    def _upload(self, ids: npt.NDArray[Any]) -> Any:
+        torch = self.torch
+        host = torch.from_numpy(ids.astype(np.int64)).pin_memory()
+        return host.to(self._device, non_blocking=True)
+
+    def _fallback(
+        self, layers: _Layers, ids: npt.NDArray[Any], n: int, staging: Any, *, gather: bool,
+        stream: Any,
+    ) -> None:  # fmt: skip
+        """``n`` chunks of equal size, packed in ``staging``: two torch operations per layer
+        (an index and a strided copy), one where ``n`` is 1."""
+        layout = layers.layout
+        per = len(ids) // n
+        tail = (layout.block_size, layout.num_heads, layout.head_dim)
+        nbytes = n * layout.num_layers * layout.kv * per * layout.block_size * layout.num_heads \
+            * layout.head_dim * layout.element_size  # fmt: skip
+        chunks = staging[:nbytes].view(layers.views[0].dtype)
+        chunks = chunks.view(n, layout.num_layers, layout.kv, per, *tail)
+        if gather:
+            device_ids = self._upload(ids)
+            for layer, view in enumerate(layers.views):
+                if n == 1:
+                    self.torch.index_select(view, 1, device_ids, out=chunks[0, layer])
+                else:
+                    picked = view.index_select(1, device_ids).view(layout.kv, n, per, *tail)
+                    chunks[:, layer].copy_(picked.transpose(0, 1))
+            return
+        keep = np.flatnonzero(ids >= 0)  # -1: a block the engine keeps
+        device_ids = self._upload(ids[keep])
+        positions = self._upload(keep) if len(keep) < len(ids) else None
+        for layer, view in enumerate(layers.views):
+            source = chunks[0, layer] if n == 1 else chunks[:, layer].transpose(0, 1).reshape(
+                layout.kv, n * per, *tail
+            )  # fmt: skip
+            if positions is not None:
+                source = source.index_select(1, positions)
+            view.index_copy_(1, device_ids, source)
 
     def to_host(self, host: Any, buffer: Any, offset: int, stream: Any) -> None:
         torch = self.torch
@@ -236,12 +303,7 @@ class TorchRuntime:
         return self.torch.cuda.Event.from_ipc_handle(self.torch.device("cuda", ordinal), handle)
 
     def pin(self, memory: Any) -> Any:
-        cudart = self.torch.cuda.cudart()
-        address = memory.__array_interface__["data"][0]
-        error = cudart.cudaHostRegister(address, memory.nbytes, 0)
-        if int(error) != 0:
-            raise OSError(f"cudaHostRegister of {memory.nbytes} bytes failed: {error}")
-        return address
+        return pin_memory(self.torch, memory)
 
     def unpin(self, token: Any) -> None:
         self.torch.cuda.cudart().cudaHostUnregister(token)

@@ -1,7 +1,8 @@
 """The host library: the CUDA kernels' index arithmetic, compiled for the CPU, through ctypes.
 
 ``cuda_ext/kvtrio_host.cpp`` runs the kernels' per-vector body (``kvt_move`` of
-``kvtrio_index.h``) in a loop over host memory. :class:`HostLibrary` calls it, so tests compare
+``kvtrio_index.h``) in a loop over host memory, and the operation kernel's (``kvt_move_unit``
+of ``kvtrio_batch.h``, :meth:`HostLibrary.run`). :class:`HostLibrary` calls it, so tests compare
 what the kernels would copy with the numpy reference, byte for byte, on machines without a GPU;
 the fake CUDA device of the tests uses it as its "kernel". Nothing here is on a hot path.
 """
@@ -17,6 +18,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from ._batch import SEGMENT_DTYPE
 from ._geometry import GEOMETRY_FIELDS, geometry
 from ._layouts import KVLayout
 
@@ -62,6 +64,18 @@ class HostLibrary:
             _I64P, ctypes.c_int64, _U64P, _I64P, ctypes.c_int64, _U8P, ctypes.c_int, _I64P
         ]  # fmt: skip
         lib.kvt_host_copy.restype = ctypes.c_int
+        lib.kvt_host_run.argtypes = [
+            _I64P, ctypes.c_int64, _U64P, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_int, _I64P,
+        ]  # fmt: skip
+        lib.kvt_host_run.restype = ctypes.c_int
+        lib.kvt_host_run_launches.argtypes = [
+            _I64P, ctypes.c_int64, _U64P, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _I64P,
+        ]  # fmt: skip
+        lib.kvt_host_run_launches.restype = ctypes.c_int
+        lib.kvt_host_segment_bytes.argtypes = []
+        lib.kvt_host_segment_bytes.restype = ctypes.c_int64
         lib.kvt_host_error_message.argtypes = [ctypes.c_int]
         lib.kvt_host_error_message.restype = ctypes.c_char_p
         self._lib = lib
@@ -136,6 +150,66 @@ class HostLibrary:
             )
         )  # fmt: skip
         return vec.value
+
+    @property
+    def segment_bytes(self) -> int:
+        """``sizeof(kvt_segment)`` as the C++ compiler laid it out."""
+        return int(self._lib.kvt_host_segment_bytes())
+
+    def run(
+        self,
+        geometry: Sequence[int],
+        bases: Sequence[int],
+        ids: npt.NDArray[np.int32],
+        segments: npt.NDArray[np.void],
+        *,
+        gather: bool,
+    ) -> tuple[int, int]:
+        """Run the operation kernel's work (every segment, ``kvt_move_unit``) on raw host
+        addresses; return (vector width, vectors per unit). Same checks as the launcher.
+
+        The caller guarantees that every address is right: this writes wherever it is told to.
+        """
+        g = self._geometry(geometry)
+        addresses = np.ascontiguousarray(bases, dtype=np.uint64)
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        segments = np.ascontiguousarray(segments, dtype=SEGMENT_DTYPE)
+        out = np.zeros(2, np.int64)
+        self._check(
+            self._lib.kvt_host_run(
+                g.ctypes.data_as(_I64P), len(addresses), addresses.ctypes.data_as(_U64P),
+                ids.ctypes.data, len(ids), segments.ctypes.data, len(segments), int(gather),
+                out.ctypes.data_as(_I64P),
+            )
+        )  # fmt: skip
+        return int(out[0]), int(out[1])
+
+    def run_launches(
+        self,
+        geometry: Sequence[int],
+        bases: Sequence[int],
+        ids: npt.NDArray[np.int32],
+        segments: npt.NDArray[np.void],
+        *,
+        gather: bool,
+        max_segments: int,
+        max_ids: int,
+    ) -> int:
+        """:meth:`run` cut into launches as the CUDA launcher cuts an operation bigger than one
+        launch's parameter (here with the limits given); returns the number of launches."""
+        g = self._geometry(geometry)
+        addresses = np.ascontiguousarray(bases, dtype=np.uint64)
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        segments = np.ascontiguousarray(segments, dtype=SEGMENT_DTYPE)
+        launches = ctypes.c_int64(0)
+        self._check(
+            self._lib.kvt_host_run_launches(
+                g.ctypes.data_as(_I64P), len(addresses), addresses.ctypes.data_as(_U64P),
+                ids.ctypes.data, len(ids), segments.ctypes.data, len(segments), int(gather),
+                max_segments, max_ids, ctypes.byref(launches),
+            )
+        )  # fmt: skip
+        return launches.value
 
     # ----------------------------------------------------------------- numpy arrays
 

@@ -2,16 +2,17 @@
 
 A CUDA worker exports each layer's storage by CUDA IPC (:meth:`CudaRuntime.export_layer`, with
 the GPU's UUID); the server opens them once per registration (:meth:`CudaRuntime.open_layer`, on
-its own ordinal of that UUID) and moves chunks with a :class:`CopyPipeline` per GPU: the gather
-and scatter kernels of ``cuda_ext/`` (or the pure-torch fallback) into staging buffers, and
-copies between those and the pinned L1 arena (:class:`PinnedHost`) on a second stream. Events
-order it with the engine (see ``docs/gpu.md``).
+its own ordinal of that UUID) and moves whole operations with a :class:`CopyPipeline` per GPU:
+one launch of the kernels of ``cuda_ext/`` that reads or writes the pinned and mapped L1 arena
+(:class:`PinnedHost`) directly, or (``staged``, and the pure-torch fallback) staging buffers
+and the copy engine. Events order it with the engine (see ``docs/gpu.md``).
 
 Importing this module does not import torch: :func:`torch_runtime` does, and returns None where
 there is no usable GPU. Everything but :mod:`._cuda_torch` is written against the
 :class:`Device` / :class:`CudaRuntime` protocols and tested with a simulated device.
 """
 
+from ._batch import SEGMENT_DTYPE, Operation, PinnedHost, page_aligned, staged_segments
 from ._cuda_build import (
     build_host_library,
     cache_root,
@@ -21,14 +22,13 @@ from ._cuda_build import (
     source_digest,
 )
 from ._cuda_engine import (
-    ChunkCopy,
+    MODES,
     CopyPipeline,
     CudaRuntime,
     CudaTransfer,
     Device,
     Event,
     IpcLayer,
-    PinnedHost,
     Stream,
 )
 from ._cuda_torch import TorchDevice, TorchRuntime, kernel_choice, torch_runtime
@@ -37,7 +37,8 @@ from ._hostlib import HostLibrary, Plan
 
 __all__ = [
     "GPU_LAYOUT_KINDS",
-    "ChunkCopy",
+    "MODES",
+    "SEGMENT_DTYPE",
     "CopyPipeline",
     "CudaRuntime",
     "CudaTransfer",
@@ -45,6 +46,7 @@ __all__ = [
     "Event",
     "HostLibrary",
     "IpcLayer",
+    "Operation",
     "PinnedHost",
     "Plan",
     "Stream",
@@ -58,6 +60,8 @@ __all__ = [
     "geometry",
     "kernel_choice",
     "load_extension",
+    "page_aligned",
     "source_digest",
+    "staged_segments",
     "torch_runtime",
 ]

@@ -102,6 +102,8 @@ def reference_gather(layout: KVLayout, layers: Sequence[Array], ids: Sequence[in
     for layer_no, layer in enumerate(layers):
         for k in range(layout.kv):
             for i, block in enumerate(ids):
+                if block == -1:  # the engine keeps this block (retrieves only)
+                    continue
                 for offset in range(layout.block_size):
                     token = i * layout.block_size + offset
                     for head in range(layout.num_heads):
@@ -118,6 +120,8 @@ def reference_scatter(
     for layer_no, layer in enumerate(layers):
         for k in range(layout.kv):
             for i, block in enumerate(ids):
+                if block == -1:  # the engine keeps this block (retrieves only)
+                    continue
                 for offset in range(layout.block_size):
                     token = i * layout.block_size + offset
                     for head in range(layout.num_heads):

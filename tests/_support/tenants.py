@@ -44,10 +44,14 @@ def tcp_config(**overrides: Any) -> ServerConfig:
 
 @asynccontextmanager
 async def tenant_clients(
-    short_dir: Path, config: ServerConfig, backends: Sequence[tuple[str, Backend]] | None = None
+    short_dir: Path,
+    config: ServerConfig,
+    backends: Sequence[tuple[str, Backend]] | None = None,
+    cuda_runtime: Any = None,
 ) -> AsyncIterator[tuple[ServerHandle, AsyncClient, AsyncClient]]:
     """A server allowing two keys, ``acme`` (tenant acme) and ``victim`` (tenant victim);
-    ``backends``, if given, instead of ``config.l2``'s."""
+    ``backends``, if given, instead of ``config.l2``'s; ``cuda_runtime`` its CUDA runtime
+    factory (a simulated GPU)."""
     keys = short_dir / "tenants"
     write_keypair(keys / "clients", "acme", "acme")
     write_keypair(keys / "clients", "victim", "victim")
@@ -61,7 +65,7 @@ async def tenant_clients(
     )
     server_key = str(keys / "server.key")
     async with (
-        open_server(config, backends=backends) as server,
+        open_server(config, backends=backends, cuda_runtime=cuda_runtime) as server,
         open_client(
             server.endpoint, server_key=server_key, client_key=str(keys / "acme.key_secret")
         ) as acme,

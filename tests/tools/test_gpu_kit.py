@@ -116,25 +116,33 @@ def _bench_line(label: str, store: float, d2h: float, retrieve: float, h2d: floa
     # As bench/cuda_transfer.py prints it (checked against its source below).
     return (
         f"{label}: store {store:.1f} GB/s = {store / d2h:.2f} × raw d2h {d2h:.1f}; retrieve "
-        f"{retrieve:.1f} GB/s = {retrieve / h2d:.2f} × raw h2d {h2d:.1f}"
+        f"{retrieve:.1f} GB/s = {retrieve / h2d:.2f} × raw h2d {h2d:.1f}; enqueue store 9.5 µs, "
+        "retrieve 8.25 µs"
     )
 
 
 def test_bench_rows_are_parsed() -> None:
     source = (ROOT / "bench" / "cuda_transfer.py").read_text()
-    for fragment in (": store {rate['store']:.1f} GB/s = ", ':.2f} × "',
-                     "raw d2h {rate['raw d2h']:.1f}; retrieve {rate['retrieve']:.1f} GB/s = ",
-                     ":.2f} × raw h2d {rate['raw h2d']:.1f}"):  # fmt: skip
+    for fragment in ("MiB chunks): store \"\n", "{rate['store']:.1f} GB/s = ",
+                     "{rate['store'] / rate['raw d2h']:.2f} × raw d2h ",
+                     "{rate['raw d2h']:.1f}; retrieve {rate['retrieve']:.1f} GB/s = ",
+                     ":.2f} × raw h2d {rate['raw h2d']:.1f}; ", "enqueue store ",
+                     "{rate['enqueue store']:.1f} µs, retrieve ",
+                     "{rate['enqueue retrieve']:.1f} µs"):  # fmt: skip
         assert fragment in source, f"bench/cuda_transfer.py no longer prints {fragment!r}"
     output = "kernels: extension; NVIDIA H100\n" + "\n".join([
-        _bench_line("32 MiB chunks", 24.3, 25.0, 23.9, 25.5),
-        _bench_line("2 MiB chunks (1 block)", 12.0, 20.0, 11.0, 22.0),
+        _bench_line("mapped 16 blocks (32 MiB chunks)", 24.3, 25.0, 23.9, 25.5),
+        _bench_line("staged 1 blocks (2 MiB chunks)", 12.0, 20.0, 11.0, 22.0),
+        "mapped constant: one 1-block chunk: store 70.0 µs (raw 60.0), ...",
     ])  # fmt: skip
     rows = gpu_check.parse_bench(output)
-    assert [row["label"] for row in rows] == ["32 MiB chunks", "2 MiB chunks (1 block)"]
+    assert [row["label"] for row in rows] == [
+        "mapped 16 blocks (32 MiB chunks)", "staged 1 blocks (2 MiB chunks)",
+    ]  # fmt: skip
     assert rows[0]["store_ratio"] == 0.97
     assert rows[1]["retrieve_ratio"] == 0.5
     assert rows[0]["h2d"] == 25.5
+    assert rows[0]["enqueue_retrieve"] == 8.25
 
 
 def _state(tmp_path: Path, failed_tests: dict[str, str]) -> Path:
@@ -147,8 +155,14 @@ def _state(tmp_path: Path, failed_tests: dict[str, str]) -> Path:
     (tmp_path / "tests.json").write_text(json.dumps({
         "total": 257, "passed": 257 - len(failed_tests), "failed": failed_tests, "skipped": {},
     }))  # fmt: skip
-    rows = gpu_check.parse_bench(_bench_line("32 MiB chunks", 24.3, 25.0, 23.9, 25.5))
-    (tmp_path / "bench-extension.json").write_text(json.dumps({"rows": rows}))
+    line = _bench_line("mapped 16 blocks (32 MiB chunks)", 24.3, 25.0, 23.9, 25.5)
+    rows = gpu_check.parse_bench(line)
+    (tmp_path / "bench-transfer-extension.json").write_text(
+        json.dumps({"lines": [line], "rows": rows})
+    )
+    e2e = "e2e 64 MiB in 2 MiB chunks: store 40.0 GB/s (1.68 ms) = 0.90 × raw d2h 44.4; ..."
+    (tmp_path / "bench-e2e.json").write_text(json.dumps({"lines": [e2e], "rows": []}))
+    (tmp_path / "bench-prefill.json").write_text(json.dumps({"timed_out": 240.0}))
     return tmp_path
 
 
@@ -159,8 +173,12 @@ def test_the_summary_has_the_machine_the_tests_and_the_ratios(tmp_path: Path) ->
     assert "GPU: NVIDIA H100 80GB HBM3 (x1 visible); driver 550.54.15" in text
     assert "torch 2.13.0+cu128, CUDA 12.8; nvcc 12.8" in text
     assert "tests: 257 passed, 0 failed, 0 skipped (of 257 GPU tests)" in text
-    assert "store 24.3 GB/s = 0.97 × raw cudaMemcpy d2h (25.0)" in text
-    assert "retrieve 23.9 GB/s = 0.94 × raw h2d (25.5)" in text
+    assert "  mapped 16 blocks (32 MiB chunks): store 24.3 GB/s = 0.97 × raw d2h 25.0" in text
+    assert "retrieve 23.9 GB/s = 0.94 × raw h2d 25.5; enqueue store 9.5 µs" in text
+    assert "bench/cuda_e2e.py (a CUDA worker against a real kvtrio serve" in text
+    assert "  e2e 64 MiB in 2 MiB chunks: store 40.0 GB/s (1.68 ms) = 0.90 × raw d2h" in text
+    assert "bench/cuda_prefill.py (8B Llama prefill" in text
+    assert "  TIMED OUT after 240 s" in text
 
 
 def test_a_failed_test_fails_the_summary(tmp_path: Path) -> None:
@@ -206,7 +224,10 @@ def test_the_gpu_run_refuses_skipped_tests_and_a_refusing_bench(
         gpu_check.run_tests(tmp_path, dry_run=False)
     assert json.loads((tmp_path / "tests.json").read_text())["passed"] == 0
     with pytest.raises(gpu_check.StepFailed, match=r"--kernels torch failed: .*needs a CUDA GPU"):
-        gpu_check.bench(tmp_path, dry_run=False, kernels="torch")
+        gpu_check.bench(tmp_path, dry_run=False, name="transfer-torch")
+    for name in ("e2e", "prefill"):  # they refuse as loudly
+        with pytest.raises(gpu_check.StepFailed, match=r"failed: .*needs a CUDA GPU"):
+            gpu_check.bench(tmp_path, dry_run=False, name=name)
 
 
 def test_the_wheelhouse_script_wants_a_python_version() -> None:

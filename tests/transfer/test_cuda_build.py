@@ -28,7 +28,7 @@ def fake_torch(version_cuda: str | None = "12.4") -> Any:
 
 def test_the_sources_ship_inside_the_package() -> None:
     assert SOURCE_DIR.parent.name == "transfer"
-    for name in (*EXTENSION_SOURCES, "kvtrio_index.h", "kvtrio_host.cpp"):
+    for name in (*EXTENSION_SOURCES, "kvtrio_index.h", "kvtrio_batch.h", "kvtrio_host.cpp"):
         assert (SOURCE_DIR / name).is_file()
     assert Path(__file__).parents[2].joinpath("cuda_ext").resolve() == SOURCE_DIR.resolve()
 
@@ -48,7 +48,7 @@ def test_build_dir_changes_with_sources_and_versions(
     a = extension_build_dir("2.13.0+cu124", "12.4")
     assert a.parent == tmp_path / "cuda_ext"
     assert a.name.startswith(
-        source_digest(("kvtrio_index.h", "kvtrio_kernels.h", *EXTENSION_SOURCES))
+        source_digest(("kvtrio_index.h", "kvtrio_batch.h", "kvtrio_kernels.h", *EXTENSION_SOURCES))
     )
     assert extension_build_dir("2.13.0+cu124", "12.4") == a  # stable: the next process reuses it
     assert extension_build_dir("2.14.0+cu124", "12.4") != a

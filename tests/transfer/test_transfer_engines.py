@@ -1,10 +1,12 @@
 """One suite for every copy engine behind the ``Transfer`` interface.
 
 * ``cpu``: the numpy CPU path;
-* ``fake-cuda``: the CUDA engine (``CudaTransfer``: staging buffers, two streams, events) on a
-  simulated device whose kernels are the host build of the real kernels (runs everywhere);
-* ``cuda-extension``, ``cuda-torch``: the CUDA engine on a real GPU with the compiled kernels,
-  and with the pure-torch fallback (skipped where there is no GPU).
+* ``fake-cuda``, ``fake-cuda-staged``: the CUDA engine (``CudaTransfer``: the operation
+  kernel reading and writing mapped pinned memory; or staging buffers, two streams, events) on a
+  simulated device whose kernel is the host build of the real one (runs everywhere);
+* ``cuda-extension``, ``cuda-extension-staged``, ``cuda-torch``: the CUDA engine on a real GPU
+  with the compiled kernels (mapped and staged), and with the pure-torch fallback (staged)
+  (skipped where there is no GPU).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kvtrio.testing import FakeCuda
 from kvtrio.transfer import CPU_TRANSFER, LAYOUT_KINDS, KVLayout, Transfer
 from kvtrio.transfer.cuda import (
     GPU_LAYOUT_KINDS,
+    CopyPipeline,
     CudaTransfer,
     TorchDevice,
     kernel_choice,
@@ -38,7 +41,8 @@ from .._support.kv_layouts import (
 )
 
 Array = Any
-ENGINES = ["cpu", "fake-cuda", "cuda-extension", "cuda-torch"]
+ENGINES = ["cpu", "fake-cuda", "fake-cuda-staged", "cuda-extension", "cuda-extension-staged",
+           "cuda-torch"]  # fmt: skip
 MAX_CHUNK = 1 << 20
 
 
@@ -65,7 +69,7 @@ def _cpu() -> Engine:
     return Engine(CPU_TRANSFER, lambda _l, arrays: list(arrays), lambda layers: list(layers))
 
 
-def _fake(host_library: Any) -> Engine:
+def _fake(host_library: Any, mode: str) -> Engine:
     cuda = FakeCuda(host_library)
 
     def upload(layout: KVLayout, arrays: Sequence[Array]) -> list[Any]:
@@ -79,10 +83,11 @@ def _fake(host_library: Any) -> Engine:
     def download(layers: Sequence[Any]) -> list[Array]:
         return [layer.array.copy() for layer in layers]
 
-    return Engine(CudaTransfer(cuda.device(0), MAX_CHUNK), upload, download, GPU_LAYOUT_KINDS)
+    transfer = CudaTransfer(cuda.device(0), MAX_CHUNK, mode)
+    return Engine(transfer, upload, download, GPU_LAYOUT_KINDS)
 
 
-def _cuda(kernels: str) -> Engine:
+def _cuda(kernels: str, mode: str) -> Engine:
     runtime = torch_runtime()
     if runtime is None:
         pytest.skip("no CUDA GPU")
@@ -102,7 +107,7 @@ def _cuda(kernels: str) -> Engine:
     def download(layers: Sequence[Any]) -> list[Array]:
         return [layer.cpu().numpy() for layer in layers]
 
-    return Engine(CudaTransfer(device, MAX_CHUNK), upload, download, GPU_LAYOUT_KINDS)
+    return Engine(CudaTransfer(device, MAX_CHUNK, mode), upload, download, GPU_LAYOUT_KINDS)
 
 
 @pytest.fixture(params=ENGINES)
@@ -110,10 +115,13 @@ def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     name = request.param
     if name == "cpu":
         yield _cpu()
-    elif name == "fake-cuda":
-        yield _fake(request.getfixturevalue("host_library"))
+    elif name.startswith("fake-cuda"):
+        mode = "staged" if name.endswith("-staged") else "mapped"
+        yield _fake(request.getfixturevalue("host_library"), mode)
+    elif name == "cuda-torch":
+        yield _cuda("torch", "staged")
     else:
-        yield _cuda(name.removeprefix("cuda-"))
+        yield _cuda("extension", "staged" if name.endswith("-staged") else "mapped")
 
 
 def same_bytes(a: Sequence[Array], b: Sequence[Array]) -> bool:
@@ -192,3 +200,17 @@ def test_bad_block_ids_are_refused(engine: Engine) -> None:
     with pytest.raises(ValueError, match="distinct"):
         engine.transfer.scatter(layout, layers, [1, 1], random_chunk(layout, 2))
     assert same_bytes(engine.download(layers), arrays)
+
+
+def test_the_copy_mode_comes_from_the_environment(
+    host_library: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    device = FakeCuda(host_library).device(0)
+    assert CopyPipeline(device, MAX_CHUNK).mode == "mapped"
+    monkeypatch.setenv("KVTRIO_CUDA_COPY", "staged")
+    assert CopyPipeline(device, MAX_CHUNK).mode == "staged"
+    monkeypatch.setenv("KVTRIO_CUDA_COPY", "teleport")
+    assert CopyPipeline(device, MAX_CHUNK).mode == "mapped"
+    assert "KVTRIO_CUDA_COPY=teleport" in caplog.text
+    with pytest.raises(ValueError, match="copy mapped/staged, not teleport"):
+        CopyPipeline(device, MAX_CHUNK, mode="teleport")

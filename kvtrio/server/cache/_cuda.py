@@ -4,7 +4,8 @@ A CUDA worker registers its layers by CUDA IPC; :meth:`CudaTransfers.open` maps 
 to this process's ordinal, checks every layer against the layout, opens the handles (once per
 registration) and prepares the device's :class:`~kvtrio.transfer.cuda.CopyPipeline`. The first
 CUDA registration also creates the runtime (imports torch: a server that never sees one never
-does) and pins the L1 arena.
+does); the first CUDA registration of each tenant pins (and maps) that tenant's L1 arena, so
+CUDA workers are served in every tenant's arena.
 
 Stores and retrieves only *queue* work (kernel launches and asynchronous copies: nothing waits
 for the GPU in the event loop) and return the IPC handle of the operation's ``done`` event. The
@@ -33,11 +34,11 @@ from ...protocol import CudaCache, CudaLayer
 from ...shm import SharedArena
 from ...transfer import KVLayout
 from ...transfer.cuda import (
-    ChunkCopy,
     CopyPipeline,
     CudaRuntime,
     Event,
     IpcLayer,
+    Operation,
     PinnedHost,
     check_extent,
 )
@@ -73,6 +74,8 @@ class CudaRegistration:
     tensors: list[Any]
     prepared: Any
     pipeline: CopyPipeline
+    host: PinnedHost
+    """The tenant's L1 arena, pinned (the slots' offsets are into it)."""
     events: list[Event]
     """The server's done events, used in turn (an adapter that waits on a reused one only waits
     longer, never less)."""
@@ -96,11 +99,11 @@ class _Pending:
 class CudaTransfers:
     """The CUDA side of the cache service (one per server)."""
 
-    def __init__(self, arena: SharedArena, runtime: RuntimeFactory | None = None) -> None:
-        self.arena = arena
+    def __init__(self, runtime: RuntimeFactory | None = None) -> None:
         self._factory = runtime or _default_runtime
         self.runtime: CudaRuntime | None = None
-        self.pinned: PinnedHost | None = None
+        self.pinned: dict[str, PinnedHost] = {}
+        """Each tenant arena with a CUDA registration, pinned (by its file's path)."""
         self._pipelines: dict[tuple[int, int], CopyPipeline] = {}
         self._pending: collections.deque[_Pending] = collections.deque()
         self._wakeup = trio.lowlevel.ParkingLot()
@@ -115,9 +118,10 @@ class CudaTransfers:
     # ----------------------------------------------------------------- registration
 
     async def open(
-        self, spec: CudaCache | None, layout: KVLayout, chunk_bytes: int
+        self, spec: CudaCache | None, layout: KVLayout, chunk_bytes: int, arena: SharedArena
     ) -> CudaRegistration:
-        """Validate and open a CUDA registration; ``RequestError`` says what is wrong.
+        """Validate and open a CUDA registration whose slots are in ``arena`` (its tenant's);
+        ``RequestError`` says what is wrong.
 
         Cancellation: the blocking part finishes; what it opened is closed again.
         """
@@ -125,6 +129,7 @@ class CudaTransfers:
             raise bad_request("device 'cuda' needs the 'cuda' field (the layers' IPC handles)")
         self._check_layers(spec.layers, layout)
         runtime = await self._runtime()
+        host = await self._pin(runtime, arena)
         uuids = runtime.device_uuids()
         if spec.device_uuid not in uuids:
             raise bad_request(
@@ -144,6 +149,8 @@ class CudaTransfers:
                 key = (ordinal, chunk_bytes)
                 if key not in self._pipelines:
                     self._pipelines[key] = CopyPipeline(device, chunk_bytes)
+                if self._pipelines[key].mode == "mapped":
+                    host.map(ordinal, device.mapped_address)  # once per arena and GPU
                 prepared = device.prepare_layers(layout, tensors)
                 events = [device.new_event() for _ in range(_EVENTS_PER_REGISTRATION)]
             except BaseException:
@@ -151,7 +158,7 @@ class CudaTransfers:
                     runtime.close_layer(tensor)
                 raise
             return CudaRegistration(
-                ordinal, layout, tensors, prepared, self._pipelines[key], events
+                ordinal, layout, tensors, prepared, self._pipelines[key], host, events
             )
 
         with trio.CancelScope(shield=True):
@@ -200,9 +207,20 @@ class CudaTransfers:
                 "visible GPU): start it on the GPU host, in an environment with torch"
             )
         if self.runtime is None:
+            self.runtime = runtime
+        return self.runtime
+
+    async def _pin(self, runtime: CudaRuntime, arena: SharedArena) -> PinnedHost:
+        """The tenant arena, pinned at its first CUDA registration (blocking part in a thread).
+
+        Cancellation: the pinning finishes and is kept for the next registration."""
+        found = self.pinned.get(arena.path)
+        if found is not None:
+            return found
+        with trio.CancelScope(shield=True):
             try:
-                self.pinned = await trio.to_thread.run_sync(
-                    PinnedHost, runtime, self.arena.buffer, limiter=_CUDA_LIMITER
+                pinned: PinnedHost = await trio.to_thread.run_sync(
+                    PinnedHost, runtime, arena.buffer, limiter=_CUDA_LIMITER
                 )
             except Exception as exc:
                 raise bad_request(
@@ -210,11 +228,13 @@ class CudaTransfers:
                     "limit (ulimit -l unlimited; in a container: --ulimit memlock=-1) or lower "
                     "--l1-size"
                 ) from None
-            self.runtime = runtime
-            log.info(
-                "CUDA transfers ready: L1 pinned in %d pieces", -(-self.arena.size // (1 << 30))
-            )
-        return self.runtime
+        if arena.path in self.pinned:  # another registration pinned it meanwhile
+            pinned.close()
+            return self.pinned[arena.path]
+        self.pinned[arena.path] = pinned
+        log.info("CUDA transfers ready for an L1 arena: pinned in %d pieces",
+                 -(-arena.size // pinned.piece_bytes))  # fmt: skip
+        return pinned
 
     def close(self, registration: CudaRegistration) -> None:
         """Close a registration's IPC handles once the work queued before now is done."""
@@ -260,19 +280,17 @@ class CudaTransfers:
         ``RequestError`` before anything is queued if an argument is wrong; ``complete(False)``
         runs (later) if queueing fails halfway.
         """
-        assert self.pinned is not None
         assert not registration.closed
         after = self._event(registration, engine_event)
-        copies = [ChunkCopy(tuple(ids), self.pinned.pieces(offset, nbytes))
-                  for ids, offset, nbytes in chunks]  # fmt: skip
+        op = Operation.of(chunks)
         done = registration.done_event()
-        pipeline = registration.pipeline
+        pipeline, host = registration.pipeline, registration.host
         self.operations += 1
         try:
             if store:
-                pipeline.store(registration.prepared, copies, after, done)
+                pipeline.store(registration.prepared, op, host, after, done)
             else:
-                pipeline.retrieve(registration.prepared, copies, after, done)
+                pipeline.retrieve(registration.prepared, op, host, after, done)
         except Exception:
             log.exception("queueing CUDA copies failed")
             self.failures += 1

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 
 from ..._logging import event
-from ...errors import ErrorCode, RequestError
 from ...protocol import Register, Registered, Released, Unregister
+from ...shm import SharedArena
 from .._session import Session
 from ._copy import CopyPath, HostCopy
 from ._core import CacheCore
@@ -46,18 +46,15 @@ class Registrations:
         config = core.config
         check_registration(register, config.chunk_size, core.arenas.arena_size)
         tenant_arena = await core.arenas.open(register.tenant)
-        if register.device == "cuda" and tenant_arena.index != 0:
-            raise RequestError(
-                ErrorCode.INCOMPATIBLE,
-                "CUDA workers are served in the first tenant's L1 arena only (not yet per tenant)",
-            )
         released = await core.release_session(session.id, quarantine=False)
         registration = core.registry.register(session.id, register, self.host_copy)
         core.arenas.bind(registration.space, tenant_arena)
         core.watch(session)
         if registration.device == "cuda":
             try:
-                registration.copy = await self._cuda_path(registration, register)
+                registration.copy = await self._cuda_path(
+                    registration, register, tenant_arena.arena
+                )
             except BaseException:
                 core.registry.unregister(session.id)
                 raise
@@ -89,9 +86,14 @@ class Registrations:
             pin_ttl=config.pin_ttl,
         )
 
-    async def _cuda_path(self, registration: Registration, register: Register) -> CopyPath:
-        """Open a CUDA worker's layers (``RequestError`` says what is wrong) and its path."""
-        opened = await self.cuda.open(register.cuda, registration.layout, registration.chunk_bytes)
+    async def _cuda_path(
+        self, registration: Registration, register: Register, arena: SharedArena
+    ) -> CopyPath:
+        """Open a CUDA worker's layers (``RequestError`` says what is wrong) and its path, with
+        the slots in its tenant's ``arena``."""
+        opened = await self.cuda.open(
+            register.cuda, registration.layout, registration.chunk_bytes, arena
+        )
         config = self.core.config
         return CudaCopy(
             self.cuda,

@@ -56,7 +56,7 @@ class CacheService:
         l2: L2Tier,
         cuda: CudaTransfers | None = None,
     ) -> None:
-        self.cuda = cuda if cuda is not None else CudaTransfers(arenas.first)
+        self.cuda = cuda if cuda is not None else CudaTransfers()
         self.core = core = CacheCore(config, arenas, l2, self.cuda.settle)
         self.registrations = Registrations(core, self.cuda)
         self.lookups = Lookups(core)

@@ -1,57 +1,57 @@
 /*
- * kvtrio_ext.cpp: the torch binding of the gather/scatter kernels, built at first use by
+ * kvtrio_ext.cpp: the torch binding of the operation kernel, built at first use by
  * torch.utils.cpp_extension.load (kvtrio/transfer/_cuda_build.py) together with
- * kvtrio_kernels.cu. It checks its arguments, then queues one kernel on torch's current stream
- * of the chunk's device; it never synchronises.
+ * kvtrio_kernels.cu.
+ *
+ * `run` takes plain integers (addresses, counts, the stream's handle), not tensors: the caller
+ * (kvtrio/transfer/_cuda_torch.py) keeps the arrays alive, and a call costs about a microsecond
+ * of argument conversion instead of a tensor check per argument. It checks the geometry, the
+ * segments and the block ids, then queues the kernel on the given stream; it never
+ * synchronises. `device_pointer` is the device address of page-locked host memory.
  */
 #include <torch/extension.h>
 
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 
-#include "kvtrio_index.h"
+#include "kvtrio_batch.h"
 #include "kvtrio_kernels.h"
 
 namespace {
 
-void check(const torch::Tensor& t, const char* name, torch::ScalarType dtype, bool cuda) {
-    TORCH_CHECK(t.scalar_type() == dtype, name, ": expected dtype ", dtype, ", got ", t.scalar_type());
-    TORCH_CHECK(t.is_contiguous(), name, ": must be contiguous");
-    TORCH_CHECK(t.is_cuda() == cuda, name, cuda ? ": must be a CUDA tensor" : ": must be a CPU tensor");
-}
-
-/* gather (engine -> chunk) or scatter (chunk -> engine) of one chunk, all layers at once. */
-void copy(const torch::Tensor& geometry, int64_t pointer_bits, const torch::Tensor& bases,
-          const torch::Tensor& ids, const torch::Tensor& chunk, bool gather) {
-    check(geometry, "geometry", torch::kInt64, false);
-    check(bases, "bases", torch::kInt64, true);
-    check(ids, "ids", torch::kInt64, true);
-    check(chunk, "chunk", torch::kUInt8, true);
-    TORCH_CHECK(geometry.numel() == KVT_G_FIELDS, "geometry: expected ", KVT_G_FIELDS, " fields");
-    TORCH_CHECK(bases.device() == chunk.device() && ids.device() == chunk.device(),
-                "bases, ids and chunk must be on one device");
-    kvt_plan plan;
-    int rc = kvt_make_plan(geometry.data_ptr<int64_t>(), 0, &plan);
-    TORCH_CHECK(rc == KVT_OK, kvt_error_message(rc));
-    const int64_t expected = bases.numel() * kvt_layer_bytes(plan, ids.numel());
-    TORCH_CHECK(chunk.numel() == expected, "chunk: expected ", expected, " bytes, got ", chunk.numel());
-
-    const c10::cuda::CUDAGuard guard(chunk.device());
-    const auto stream = c10::cuda::getCurrentCUDAStream(chunk.get_device());
+/* Gather (engine -> segments) or scatter of a whole operation, one launch. */
+void run(int64_t device, int64_t geometry, int64_t layer_bits, int64_t n_layers, int64_t bases,
+         int64_t ids, int64_t n_ids, int64_t segments, int64_t n_segments, bool gather,
+         int64_t stream) {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     int cuda_error = 0;
-    rc = kvt_cuda_copy(geometry.data_ptr<int64_t>(), (uint64_t)pointer_bits, bases.numel(),
-                       reinterpret_cast<const uint64_t*>(bases.data_ptr<int64_t>()),
-                       ids.data_ptr<int64_t>(), ids.numel(), chunk.data_ptr<uint8_t>(),
-                       gather ? 1 : 0, static_cast<void*>(stream.stream()), &cuda_error);
+    const int rc = kvt_cuda_run(
+        reinterpret_cast<const int64_t*>(geometry), static_cast<uint64_t>(layer_bits), n_layers,
+        reinterpret_cast<const uint64_t*>(bases), reinterpret_cast<const int32_t*>(ids), n_ids,
+        reinterpret_cast<const kvt_segment*>(segments), n_segments, gather ? 1 : 0,
+        reinterpret_cast<void*>(stream), &cuda_error);
     TORCH_CHECK(rc == KVT_OK, "kvtrio copy kernel: ", kvt_error_message(rc),
                 rc == KVT_E_CUDA ? cudaGetErrorString(static_cast<cudaError_t>(cuda_error)) : "");
+}
+
+/* The device address of page-locked (registered or cudaHostAlloc'd) host memory. */
+int64_t device_pointer(int64_t host) {
+    void* pointer = nullptr;
+    const cudaError_t err = cudaHostGetDevicePointer(&pointer, reinterpret_cast<void*>(host), 0);
+    TORCH_CHECK(err == cudaSuccess, "cudaHostGetDevicePointer: ", cudaGetErrorString(err));
+    return reinterpret_cast<int64_t>(pointer);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "kvtrio gather/scatter kernels between paged KV caches and contiguous chunks";
-    m.def("copy", &copy, "Queue a gather or scatter of one chunk on the current stream",
-          py::arg("geometry"), py::arg("pointer_bits"), py::arg("bases"), py::arg("ids"),
-          py::arg("chunk"), py::arg("gather"));
+    m.doc() = "kvtrio gather/scatter of whole operations between paged KV caches and chunks";
+    m.def("run", &run, "Queue an operation's gather or scatter on a stream (one launch)",
+          py::arg("device"), py::arg("geometry"), py::arg("layer_bits"), py::arg("n_layers"),
+          py::arg("bases"), py::arg("ids"), py::arg("n_ids"), py::arg("segments"),
+          py::arg("n_segments"), py::arg("gather"), py::arg("stream"));
+    m.def("device_pointer", &device_pointer, "Device address of page-locked host memory",
+          py::arg("host"));
+    m.attr("MAX_SEGMENTS") = KVT_MAX_SEGMENTS;
+    m.attr("MAX_IDS") = KVT_MAX_IDS;
 }

@@ -3,10 +3,16 @@
  *
  * g++ compiles the header without CUDA (KVT_HD expands to `inline`), and kvt_host_copy runs the
  * kernel's body, kvt_move, for every (layer, vector) in a loop: the same index arithmetic, the
- * same vector width, on host memory. The tests compare its bytes with the numpy reference.
+ * same vector width, on host memory; kvt_host_run runs the operation kernel's body,
+ * kvt_move_unit (kvtrio_batch.h), for every (segment, unit). The tests compare their bytes
+ * with the numpy reference; the simulated GPU of the tests runs kvt_host_run as its kernel.
  */
 #include <stdint.h>
+#include <string.h>
 
+#include <vector>
+
+#include "kvtrio_batch.h"
 #include "kvtrio_index.h"
 
 namespace {
@@ -36,9 +42,68 @@ void dispatch(const kvt_plan& p, int64_t n_layers, const uint64_t* bases, const 
     }
 }
 
+template <typename V, int K, bool Gather>
+void run_all(const kvt_plan& p, const uint64_t* bases, const int32_t* ids,
+             const kvt_segment* segments, int64_t n_segments) {
+    for (int64_t i = 0; i < n_segments; ++i) {
+        const int64_t units = kvt_segment_units(segments[i], (int64_t)sizeof(V) * K);
+        for (int64_t u = 0; u < units; ++u)
+            kvt_move_unit<V, K, Gather>(p, bases, ids, segments[i], u);
+    }
+}
+
+template <typename V, bool Gather>
+void run_k(const kvt_plan& p, const uint64_t* bases, const int32_t* ids,
+           const kvt_segment* segments, int64_t n_segments) {
+    switch (kvt_unit_vectors(p)) {
+        case 4: run_all<V, 4, Gather>(p, bases, ids, segments, n_segments); break;
+        case 2: run_all<V, 2, Gather>(p, bases, ids, segments, n_segments); break;
+        default: run_all<V, 1, Gather>(p, bases, ids, segments, n_segments); break;
+    }
+}
+
+template <bool Gather>
+void run_dispatch(const kvt_plan& p, const uint64_t* bases, const int32_t* ids,
+                  const kvt_segment* segments, int64_t n_segments) {
+    switch (p.vec) {
+        case 16: run_k<kvt_v16, Gather>(p, bases, ids, segments, n_segments); break;
+        case 8: run_k<kvt_v8, Gather>(p, bases, ids, segments, n_segments); break;
+        case 4: run_k<uint32_t, Gather>(p, bases, ids, segments, n_segments); break;
+        case 2: run_k<uint16_t, Gather>(p, bases, ids, segments, n_segments); break;
+        default: run_k<uint8_t, Gather>(p, bases, ids, segments, n_segments); break;
+    }
+}
+
 }  // namespace
 
 extern "C" {
+
+/* Bytes of one segment descriptor (numpy's SEGMENT_DTYPE must match). */
+int64_t kvt_host_segment_bytes(void) { return (int64_t)sizeof(kvt_segment); }
+
+/* The operation kernel's work on the host: every segment of an operation, with the launcher's
+ * checks and vector width; `out` (may be NULL) receives [vec, vectors per unit]. Returns a
+ * KVT_ code; nothing is copied unless it is KVT_OK. */
+int kvt_host_run(const int64_t* geometry, int64_t n_layers, const uint64_t* bases,
+                 const int32_t* ids, int64_t n_ids, const kvt_segment* segments,
+                 int64_t n_segments, int gather, int64_t* out) {
+    uint64_t bits = kvt_segment_bits(segments, n_segments);
+    for (int64_t layer = 0; layer < n_layers; ++layer) bits |= bases[layer];
+    kvt_plan p;
+    int rc = n_layers < 1 ? KVT_E_GEOMETRY : kvt_make_plan(geometry, bits, &p);
+    if (rc == KVT_OK)
+        rc = kvt_check_segments(&p, n_layers, ids, n_ids, segments, n_segments, !gather);
+    if (rc != KVT_OK) return rc;
+    if (out) {
+        out[0] = p.vec;
+        out[1] = kvt_unit_vectors(p);
+    }
+    if (gather)
+        run_dispatch<true>(p, bases, ids, segments, n_segments);
+    else
+        run_dispatch<false>(p, bases, ids, segments, n_segments);
+    return KVT_OK;
+}
 
 /* Number of int64 a plan exports (kvt_host_plan's `out`). */
 int kvt_host_plan_fields(void) { return 4; }
@@ -90,6 +155,43 @@ int kvt_host_copy(const int64_t* geometry, int64_t n_layers, const uint64_t* bas
         dispatch<true>(p, n_layers, bases, ids, n_ids, chunk);
     else
         dispatch<false>(p, n_layers, bases, ids, n_ids, chunk);
+    return KVT_OK;
+}
+
+/* kvt_host_run as the launcher runs it: cut into launches of at most max_segments segments and
+ * max_ids ids (kvt_next_launch), each launch's segments and ids copied and rebased as into the
+ * kernel's parameter. `launches` (may be NULL) receives how many. Returns a KVT_ code. */
+int kvt_host_run_launches(const int64_t* geometry, int64_t n_layers, const uint64_t* bases,
+                          const int32_t* ids, int64_t n_ids, const kvt_segment* segments,
+                          int64_t n_segments, int gather, int64_t max_segments,
+                          int64_t max_ids, int64_t* launches) {
+    uint64_t bits = kvt_segment_bits(segments, n_segments);
+    for (int64_t layer = 0; layer < n_layers; ++layer) bits |= bases[layer];
+    kvt_plan p;
+    int rc = n_layers < 1 ? KVT_E_GEOMETRY : kvt_make_plan(geometry, bits, &p);
+    if (rc == KVT_OK)
+        rc = kvt_check_segments(&p, n_layers, ids, n_ids, segments, n_segments, !gather);
+    if (rc != KVT_OK) return rc;
+    std::vector<kvt_segment> part((size_t)max_segments);
+    std::vector<int32_t> part_ids((size_t)max_ids);
+    int64_t count = 0;
+    for (int64_t i = 0, n = 0; i < n_segments; i += n) {
+        int64_t first_id, end_id;
+        rc = kvt_next_launch(segments, n_segments, i, max_segments, max_ids, &n, &first_id,
+                             &end_id);
+        if (rc != KVT_OK) return rc;
+        for (int64_t j = 0; j < n; ++j) {
+            part[(size_t)j] = segments[i + j];
+            part[(size_t)j].first_id = (int32_t)(segments[i + j].first_id - first_id);
+        }
+        memcpy(part_ids.data(), ids + first_id, (size_t)(end_id - first_id) * sizeof(int32_t));
+        if (gather)
+            run_dispatch<true>(p, bases, part_ids.data(), part.data(), n);
+        else
+            run_dispatch<false>(p, bases, part_ids.data(), part.data(), n);
+        ++count;
+    }
+    if (launches) *launches = count;
     return KVT_OK;
 }
 

@@ -62,7 +62,8 @@ enum {
     KVT_E_STRIDE = 2,    /* a negative stride */
     KVT_E_BLOCK_ID = 3,  /* a block id outside [0, num_blocks) (or -1 in a gather) */
     KVT_E_NO_BLOCKS = 4, /* an empty block id list */
-    KVT_E_CUDA = 5       /* a CUDA call failed (launchers only) */
+    KVT_E_CUDA = 5,      /* a CUDA call failed (launchers only) */
+    KVT_E_SEGMENT = 6    /* a segment outside its chunk, or ids outside the operation's */
 };
 
 typedef struct kvt_plan {
@@ -90,6 +91,7 @@ KVT_HOST const char* kvt_error_message(int code) {
         case KVT_E_BLOCK_ID: return "a block id is out of range";
         case KVT_E_NO_BLOCKS: return "no block ids";
         case KVT_E_CUDA: return "a CUDA call failed";
+        case KVT_E_SEGMENT: return "a segment lies outside its chunk or its block ids";
         default: return "unknown error";
     }
 }
@@ -167,7 +169,8 @@ KVT_HD int64_t kvt_layer_bytes(const kvt_plan& p, int64_t n_ids) {
  * which engine block it is in (-1: a skipped block). Runs follow the chunk's order
  * (kv, block of the chunk, token, head, dim).
  */
-KVT_HD int64_t kvt_run_offset(const kvt_plan& p, const int64_t* ids, int64_t n_ids, int64_t r,
+template <typename Id>
+KVT_HD int64_t kvt_run_offset(const kvt_plan& p, const Id* ids, int64_t n_ids, int64_t r,
                               int64_t* block) {
     const int64_t per_kv = n_ids * p.runs_per_block;
     const int64_t k = r / per_kv;
@@ -179,8 +182,8 @@ KVT_HD int64_t kvt_run_offset(const kvt_plan& p, const int64_t* ids, int64_t n_i
     const int64_t in_row = e - t * row;
     const int64_t h = in_row / p.head_dim;
     const int64_t d = in_row - h * p.head_dim;
-    *block = ids[i];
-    return k * p.s_kv + ids[i] * p.s_block + t * p.s_token + h * p.s_head + d * p.s_dim;
+    *block = (int64_t)ids[i];
+    return k * p.s_kv + (int64_t)ids[i] * p.s_block + t * p.s_token + h * p.s_head + d * p.s_dim;
 }
 
 /* Where byte `pos` of a layer's chunk lives in the engine layer; -1 for a skipped block. */

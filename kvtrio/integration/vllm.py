@@ -13,6 +13,9 @@ decisions live in their own module, with no vLLM import — :mod:`._scheduler_si
 up and plans, per step, which chunks to load and store (:mod:`._planner`), loading a hit only
 where it pays (:mod:`._costs`); :mod:`._worker_side` moves the bytes
 (:class:`~kvtrio.client.WorkerAdapter`) and times the forward and the loads.
+A model whose KV cache kvtrio cannot keep (:mod:`._kv_groups`: windowed-only attention,
+several KV cache groups, layers of different KV shapes) turns the connector off for that
+engine, with one warning: vLLM then runs as without it.
 Nothing here raises into vLLM's step loop: a kvtrio server that is away means misses and skipped
 stores, and vLLM recomputes any block whose load failed. Bad options are refused when vLLM
 starts, with a message naming them. This is the only kvtrio module that imports vLLM when it
@@ -38,6 +41,7 @@ except ImportError:  # pragma: no cover - older vLLM: `load_policy=auto` never l
 from vllm.v1.request import RequestStatus
 
 from ..client import EngineIdentity, SchedulerAdapter, WorkerAdapter
+from ._kv_groups import unsupported_kv_cache
 from ._options import parse_options
 from ._planner import PlannedTransfer
 from ._scheduler_side import SchedulerSide, StepPlan
@@ -128,6 +132,17 @@ class KvtrioConnector(KVConnectorBase_V1):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self.off_because = unsupported_kv_cache(kv_cache_config)
+        """Why the connector is off for this engine (``None``: it is on)."""
+        if self.off_because is not None:
+            # vLLM then runs as without a connector: every lookup misses, nothing is stored.
+            log.warning(
+                "kvtrio connector (%s) is off for %s: %s; vLLM computes every prompt itself",
+                role.name,
+                model,
+                self.off_because,
+            )
+            return
         if role == KVConnectorRole.SCHEDULER:
             adapter = SchedulerAdapter.from_identity(identity)
             self._scheduler = SchedulerSide(options, self.block_size, adapter)
@@ -162,24 +177,31 @@ class KvtrioConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         """Tokens kvtrio can add beyond the engine's ``num_computed_tokens``, and whether they
         load asynchronously; ``(None, False)`` while the lookup is still on its way."""
+        if self._scheduler is None:  # off for this engine
+            return 0, False
         preempted = request.status == RequestStatus.PREEMPTED
         return self.scheduler_side.matched_tokens(request, num_computed_tokens, preempted=preempted)
 
     def on_new_request(self, request: Request) -> None:
         """A request arrived: keep it (stores read its tokens and progress at every step)."""
-        self.scheduler_side.new_request(request)
+        if self._scheduler is not None:
+            self._scheduler.new_request(request)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """Blocks are allocated: plan the load of the ``num_external_tokens`` kvtrio tokens, or
         release the lookup's pins at once when nothing will be loaded."""
+        if self._scheduler is None:
+            return
         (block_ids,) = blocks.get_block_ids()
         self.scheduler_side.allocated(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtrioConnectorMetadata:
         """This step's transfers: the loads planned at allocation, and the stores of what each
         scheduled request computes in this step."""
+        if self._scheduler is None:
+            return KvtrioConnectorMetadata([])
         manager = self._kv_cache_manager
         step = self.scheduler_side.build_step(
             scheduler_output.num_scheduled_tokens,
@@ -193,7 +215,7 @@ class KvtrioConnector(KVConnectorBase_V1):
         """Learn from what the workers measured (``load_policy=auto``); the rest of their
         reports goes straight to vLLM's scheduler."""
         measured = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(measured, KvtrioWorkerMetadata):
+        if isinstance(measured, KvtrioWorkerMetadata) and self._scheduler is not None:
             self.scheduler_side.measured(measured.steps, measured.loads)
 
     def request_finished(
@@ -201,6 +223,8 @@ class KvtrioConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         """The request is done or aborted: release what it holds at kvtrio. Its blocks stay
         allocated until its stores are done (True) if it issued any."""
+        if self._scheduler is None:
+            return False, None
         return self.scheduler_side.finished(request.request_id), None
 
     # ================================================================= worker side
@@ -210,8 +234,10 @@ class KvtrioConnector(KVConnectorBase_V1):
 
         CPU caches are copied through kvtrio's shared-memory L1, CUDA caches by the server over
         CUDA IPC (``docs/gpu.md``). Raises ``ValueError`` for KV tensors kvtrio cannot copy (CPU
-        caches packed by attention kernels its layouts do not describe)."""
-        self.worker_side.register(kv_caches)
+        caches packed by attention kernels its layouts do not describe). Nothing when the
+        connector is off for this engine."""
+        if self._worker is not None:
+            self._worker.register(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Before the step's forward: this step's transfers (its forward starts now)."""
@@ -228,12 +254,13 @@ class KvtrioConnector(KVConnectorBase_V1):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the step runs: wait for the stores still copying out of the blocks of the
         requests vLLM preempted, since those blocks are about to be reused."""
-        if isinstance(kv_connector_metadata, KvtrioConnectorMetadata):
+        if isinstance(kv_connector_metadata, KvtrioConnectorMetadata) and self._worker is not None:
             self.worker_side.preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start this step's loads; a synchronous load is complete when this returns."""
-        self.worker_side.start_loads()
+        if self._worker is not None:
+            self._worker.start_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: synchronous loads finished in :meth:`start_load_kv`."""
@@ -247,22 +274,27 @@ class KvtrioConnector(KVConnectorBase_V1):
         """Queue this step's stores; they run after the forward, and vLLM keeps the blocks
         until :meth:`get_finished` reports the request's stores done (or, for a preempted
         request, until :meth:`handle_preemptions` has waited for them)."""
-        self.worker_side.start_stores()
+        if self._worker is not None:
+            self._worker.start_stores()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose stores are done (among those vLLM finished), and whose asynchronous
         loads are done."""
+        if self._worker is None:
+            return None, None
         stores, loads = self.worker_side.finished(finished_req_ids)
         return stores or None, loads or None
 
     def build_connector_worker_meta(self) -> KvtrioWorkerMetadata | None:
         """This worker's measurements since the last report (to the scheduler side)."""
+        if self._worker is None:
+            return None
         report = self.worker_side.measured.report()
         return None if report is None else KvtrioWorkerMetadata(*report)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call: vLLM recomputes them."""
-        return self.worker_side.failed_blocks()
+        return set() if self._worker is None else self._worker.failed_blocks()
 
     def shutdown(self) -> None:
         """Finish queued transfers, unregister, close the connections."""

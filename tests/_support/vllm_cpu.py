@@ -1,11 +1,20 @@
-"""What the real vLLM CPU engine tests share: their prompts' common prefix and how long a vLLM
-process may take to come up."""
+"""What the real vLLM CPU engine tests share: their prompts' common prefix, how long a vLLM
+process may take to come up, and running ``engine.py`` (``tests/integration/vllm_cpu``) over a
+job in a process of its own."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
-__all__ = ["CONTROL", "PREFIX", "STARTUP"]
+import pytest
+
+__all__ = ["CONTROL", "PREFIX", "STARTUP", "run_engine", "tensor_parallel_binding"]
 
 _random = random.Random(11)
 PREFIX = [_random.randrange(3, 1000) for _ in range(600)]
@@ -14,3 +23,41 @@ CONTROL = [_random.randrange(3, 1000) for _ in range(540)]
 """Another 540, for a prompt that shares nothing with :data:`PREFIX`."""
 STARTUP = 600.0
 """Seconds a vLLM process may take to come up (2 cores, shared)."""
+
+
+def run_engine(
+    script: Path, model: Path, workdir: Path, name: str, job: dict[str, Any], env: dict[str, str]
+) -> dict[str, Any]:
+    """Run ``script`` (``engine.py``: ``vllm.LLM`` in a new process) over ``job`` with ``env``;
+    its results by prompt id. Fails the test, with the end of vLLM's log, if it exits with an
+    error; its whole log stays in ``workdir/NAME.log``."""
+    job_path, results_path = workdir / f"{name}.job.json", workdir / f"{name}.results.json"
+    job_path.write_text(json.dumps(job))
+    log_path = workdir / f"{name}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.run(
+            [sys.executable, str(script), str(model), str(job_path), str(results_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=STARTUP,
+            check=False,
+        )
+    if proc.returncode != 0:
+        pytest.fail(f"vLLM ({name}) exited with {proc.returncode}:\n{log_path.read_text()[-6000:]}")
+    return {r["id"]: r for r in json.loads(results_path.read_text())}
+
+
+def tensor_parallel_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers of one engine: this process's
+    CPUs split in ``ranks`` parts (``"0|1"`` on 2 cores). vLLM's default (``auto``) binds one
+    rank per NUMA node and refuses more ranks than nodes. Skips the test with fewer CPUs than
+    ranks."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        pytest.skip(
+            f"{ranks} tensor-parallel ranks need {ranks} CPUs, this process has {len(cpus)}"
+        )
+    share = len(cpus) // ranks
+    parts = [cpus[i * share : (i + 1) * share] for i in range(ranks)]
+    return "|".join(",".join(map(str, part)) for part in parts)

@@ -69,11 +69,24 @@ def _weights(seed: int) -> dict[str, object]:
     return {name: tensor.contiguous() for name, tensor in tensors.items()}
 
 
-def write_tiny_model(directory: Path, *, weights: bool = False, seed: int = 0) -> Path:
+def write_tiny_model(
+    directory: Path,
+    *,
+    weights: bool = False,
+    seed: int = 0,
+    layer_types: tuple[str, ...] | None = None,
+    sliding_window: int = 64,
+) -> Path:
     """Write the tiny model into ``directory`` (``config.json``; with ``weights``, also
-    ``model.safetensors``); return the directory."""
+    ``model.safetensors``); return the directory. ``layer_types`` (one per layer,
+    ``"full_attention"`` or ``"sliding_attention"``) makes it a hybrid: vLLM's Llama gives its
+    sliding layers a window of ``sliding_window`` tokens (same weights)."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(CONFIG, indent=2))
+    config: dict[str, object] = dict(CONFIG)
+    if layer_types is not None:
+        assert len(layer_types) == CONFIG["num_hidden_layers"], layer_types
+        config |= {"layer_types": list(layer_types), "sliding_window": sliding_window}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
     if weights:
         from safetensors.torch import save_file
 

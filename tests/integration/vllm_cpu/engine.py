@@ -7,7 +7,8 @@
 before a prompt with ``wait_ready``, the engine waits until the kvtrio server holds that many
 ready chunks (stores finish after their request does). ``RESULTS.json`` gets, per prompt, the
 generated token ids and ``num_cached_tokens`` (of the first run), and the wall time of each of
-its ``repeat`` (default 1) ``generate`` calls in ``seconds``.
+its ``repeat`` (default 1) ``generate`` calls in ``seconds``. ``"llm"`` (optional): more keyword
+arguments of ``vllm.LLM`` (e.g. ``tensor_parallel_size``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def main() -> None:
         seed=0,
         max_model_len=2048,
         dtype="float32",
-        **options,
+        **{**options, **job.get("llm", {})},
     )
     results = []
     for prompt in job["prompts"]:

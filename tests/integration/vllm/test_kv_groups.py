@@ -1,0 +1,118 @@
+"""kvtrio and vLLM's KV cache groups: vLLM 0.33's own grouping of a model's layers
+(``get_kv_cache_groups``, under the config vLLM makes for kvtrio) and the connector as vLLM's
+factory builds it for each role. What a real engine then does is in
+``tests/integration/vllm_cpu/test_hybrid.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+try:  # vLLM 0.33
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_groups
+except ImportError:  # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from kvtrio.integration._kv_groups import unsupported_kv_cache
+from kvtrio.integration.vllm import KvtrioConnector
+
+from ..tiny_model import write_tiny_model
+from .harness import BLOCK, DTYPE, HEAD_DIM, HEADS, LAYERS, make_config
+
+NOWHERE = "tcp://127.0.0.1:9"
+"""No kvtrio server: a connector that is off never connects."""
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> VllmConfig:
+    return make_config(write_tiny_model(tmp_path_factory.mktemp("model")), NOWHERE)
+
+
+def full(head_size: int = HEAD_DIM) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=head_size, dtype=DTYPE)
+
+
+def window() -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=DTYPE, sliding_window=64
+    )
+
+
+def kv_cache_config(config: VllmConfig, *specs: KVCacheSpec) -> KVCacheConfig:
+    """The KV cache config vLLM makes for layers of ``specs`` (one per layer), as its engine
+    core does before building the connectors."""
+    layers = dict(zip(LAYERS, specs, strict=True))
+    return KVCacheConfig(
+        num_blocks=64, kv_cache_tensors=[], kv_cache_groups=get_kv_cache_groups(config, layers)
+    )
+
+
+def connector(config: VllmConfig, role: KVConnectorRole, kv: KVCacheConfig) -> KvtrioConnector:
+    built: Any = KVConnectorFactory.create_connector(config=config, role=role, kv_cache_config=kv)
+    assert isinstance(built, KvtrioConnector)
+    return built
+
+
+def test_vllm_turns_its_hybrid_manager_off_for_kvtrio(config: VllmConfig) -> None:
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is True
+
+
+def test_windowed_and_full_layers_come_as_one_full_attention_group(config: VllmConfig) -> None:
+    kv = kv_cache_config(config, window(), full())
+    (group,) = kv.kv_cache_groups
+    assert type(group.kv_cache_spec) is FullAttentionSpec
+    assert unsupported_kv_cache(kv) is None
+
+
+def test_windowed_only_layers_turn_the_connector_off_in_every_role(config: VllmConfig) -> None:
+    kv = kv_cache_config(config, window(), window())
+    reason = unsupported_kv_cache(kv)
+    assert reason is not None
+    assert "SlidingWindowSpec for 2 layer(s)" in reason
+    scheduler = connector(config, KVConnectorRole.SCHEDULER, kv)
+    worker = connector(config, KVConnectorRole.WORKER, kv)
+    assert scheduler.off_because == worker.off_because == reason
+    # the worker neither registers nor connects (no server listens at NOWHERE)
+    worker.register_kv_caches({name: torch.zeros(4, HEADS, BLOCK, 2 * HEAD_DIM) for name in LAYERS})
+    worker.start_load_kv(None)  # type: ignore[arg-type]
+    worker.wait_for_save()
+    assert worker.get_finished({"r"}) == (None, None)
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert worker.build_connector_worker_meta() is None
+    for side in (scheduler, worker):
+        side.shutdown()
+
+
+def test_layers_of_different_kv_shapes_turn_the_connector_off(config: VllmConfig) -> None:
+    kv = kv_cache_config(config, full(HEAD_DIM), full(2 * HEAD_DIM))
+    reason = unsupported_kv_cache(kv)
+    assert reason is not None
+    assert connector(config, KVConnectorRole.SCHEDULER, kv).off_because == reason
+
+
+def test_several_groups_turn_the_connector_off(config: VllmConfig) -> None:
+    kv = kv_cache_config(config, full(), full())
+    two = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=kv.kv_cache_groups * 2)
+    reason = unsupported_kv_cache(two)
+    assert reason is not None
+    assert "2 KV cache groups" in reason
+
+
+def test_vllm_itself_refuses_a_mamba_hybrid_without_its_hybrid_manager(
+    config: VllmConfig,
+) -> None:
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 256), (16, 256)), dtypes=(DTYPE, DTYPE))
+    with pytest.raises(ValueError, match="Failed to promote local KV cache specs"):
+        kv_cache_config(config, mamba, full())

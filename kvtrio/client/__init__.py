@@ -6,7 +6,9 @@
 
 from ..protocol import chunk_hashes
 from ._async import AsyncClient, open_client
+from ._common import curve_options
 from ._copies import LoadStoreOp
+from ._events import EventIndex, subscribe
 from ._identity import EngineIdentity
 from ._scheduler import SchedulerAdapter
 from ._sync import Client
@@ -16,9 +18,12 @@ __all__ = [
     "AsyncClient",
     "Client",
     "EngineIdentity",
+    "EventIndex",
     "LoadStoreOp",
     "SchedulerAdapter",
     "WorkerAdapter",
     "chunk_hashes",
+    "curve_options",
     "open_client",
+    "subscribe",
 ]

@@ -10,6 +10,7 @@ from ._common import curve_options
 from ._copies import LoadStoreOp
 from ._events import EventIndex, subscribe
 from ._identity import EngineIdentity
+from ._relay import EventRelay
 from ._scheduler import SchedulerAdapter
 from ._sync import Client
 from ._worker import WorkerAdapter
@@ -19,6 +20,7 @@ __all__ = [
     "Client",
     "EngineIdentity",
     "EventIndex",
+    "EventRelay",
     "LoadStoreOp",
     "SchedulerAdapter",
     "WorkerAdapter",

@@ -61,6 +61,7 @@ from ._events import (
     encode_seq,
     event_block_hash,
     events_topic,
+    replay_endpoint,
 )
 from ._hashes import (
     DEFAULT_CHUNK_SIZE,
@@ -180,5 +181,6 @@ __all__ = [
     "prompt_chunks",
     "read_reply_header",
     "read_request_header",
+    "replay_endpoint",
     "token_chunk_hashes",
 ]

@@ -41,6 +41,7 @@ __all__ = [
     "encode_seq",
     "event_block_hash",
     "events_topic",
+    "replay_endpoint",
 ]
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -64,6 +65,15 @@ def events_topic(tenant: str) -> bytes:
     """The topic of ``tenant``'s events: ``kvtrio/<tenant>/`` (a ZeroMQ subscription matches
     a prefix; the closing ``/`` keeps one tenant's topic from matching another's)."""
     return b"kvtrio/" + tenant.encode() + b"/"
+
+
+def replay_endpoint(endpoint: str) -> str:
+    """The replay socket's endpoint beside an events endpoint: the next tcp port (0 stays 0),
+    or the ipc path with ``.replay`` added."""
+    if endpoint.startswith("ipc://"):
+        return endpoint + ".replay"
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + 1}" if int(port) else f"{host}:0"
 
 
 def encode_seq(seq: int) -> bytes:

@@ -37,24 +37,16 @@ from ..protocol import (
     encode_batch,
     encode_seq,
     events_topic,
+    replay_endpoint,
 )
 from ..transport import Socket, open_socket
 from ._auth import Principal, ServerAuth
 
-__all__ = ["EventPublisher", "replay_endpoint"]
+__all__ = ["EventPublisher"]
 
 log = logging.getLogger("kvtrio.events")
 
 _HWM = 100_000
-
-
-def replay_endpoint(endpoint: str) -> str:
-    """The replay socket's endpoint beside the PUB socket's ``endpoint``: the next tcp port,
-    or the ipc path with ``.replay`` added."""
-    if endpoint.startswith("ipc://"):
-        return endpoint + ".replay"
-    host, _, port = endpoint.rpartition(":")
-    return f"{host}:{int(port) + 1}" if int(port) else f"{host}:0"
 
 
 class EventPublisher:

@@ -74,7 +74,7 @@ class EventPublisher:
         self._seq: dict[bytes, int] = {}
         self._buffers: dict[bytes, collections.deque[tuple[int, bytes]]] = {}
         self.counters: collections.Counter[str] = collections.Counter()
-        """``events`` published, ``batches`` sent, ``dropped`` (queue full), ``replays``
+        """``published`` events, ``batches`` sent, ``dropped`` (queue full), ``replays``
         answered, ``refused_subscriptions``."""
         self._wake = trio.Event()
         self.bound: tuple[str, str] | None = None
@@ -141,7 +141,7 @@ class EventPublisher:
         now = time.time()
         for tenant, events in by_tenant.items():
             self._send(pub, events_topic(tenant), encode_batch(now, events))
-            self.counters["events"] += len(events)
+            self.counters["published"] += len(events)
 
     def _send(self, pub: Socket, topic: bytes, payload: bytes) -> None:
         seq = self._seq.get(topic, 0)
@@ -193,6 +193,7 @@ class EventPublisher:
                         # A new stream (this server's first batch on the topic): whatever a
                         # subscriber knew of the topic before is gone.
                         self._send(pub, topic, encode_batch(time.time(), [AllBlocksCleared()]))
+                        self.counters["published"] += 1
                 else:
                     self.counters["refused_subscriptions"] += 1
                     log.info("refused a KV events subscription to %r", topic[:80])

@@ -159,7 +159,7 @@ class ServerMetrics:
 
 
 _EVENT_COUNTERS = {
-    "events": "KV events published (each BlockStored / BlockRemoved / AllBlocksCleared).",
+    "published": "KV events published (each BlockStored / BlockRemoved / AllBlocksCleared).",
     "batches": "KV event batches published (one per tenant topic every events_interval).",
     "dropped": "KV events dropped because the publisher's queue was full.",
     "replays": "Replay requests answered.",

@@ -216,3 +216,54 @@ def test_index_detects_gaps_and_restarts() -> None:
     index.give_up(TOPIC)
     assert index.lost == 2
     assert index.holds([5]) == {"CPU": 1}
+
+
+async def test_a_subscriber_sees_only_its_keys_tenants(short_dir: Path) -> None:
+    """CURVE: key acme (tenant acme) subscribing to tenant victim's topic is ignored (counted);
+    its replay of that topic answers nothing; its own topic brings its own stores only."""
+    from kvtrio.client import curve_options
+    from kvtrio.shm import SharedArena
+
+    from .._support import tenants
+
+    config = tenants.tcp_config(
+        l1_size=4 * tenants.ARENA_CHUNKS * tenants.CHUNK_BYTES,
+        l1_tenants=2,
+        events="tcp://127.0.0.1:0",
+        events_interval=0.002,
+    )
+    keys = short_dir / "tenants"
+    async with tenants.tenant_clients(short_dir, config) as (server, acme, victim):
+        publisher = server.state.events
+        assert publisher is not None
+        assert publisher.bound is not None
+        events, replay = publisher.bound
+        options = curve_options(events, str(keys / "server.key"), str(keys / "acme.key_secret"))
+        mine, theirs = EventIndex(), EventIndex()
+        async with (
+            subscribe(mine, events, replay, events_topic("acme"), options=options),
+            subscribe(theirs, events, replay, events_topic("victim"), options=options),
+        ):
+            await await_condition(
+                lambda: publisher.counters["refused_subscriptions"] >= 1,
+                what="the foreign subscription refused",
+            )
+            for client, tenant, seed in ((acme, "acme", 1), (victim, "victim", 2)):
+                registered = await tenants.register(client, tenant)
+                arena = SharedArena.attach(
+                    registered.arena_path, registered.arena_size, populate=False
+                )
+                try:
+                    await tenants.store(client, arena, tenant, tenants.hashes(seed, 4), seed)
+                finally:
+                    arena.close()
+            await await_condition(
+                lambda: mine.media().get("CPU") == 4, what="acme's stores announced"
+            )
+            # victim's 4 stores went out on victim's topic (besides acme's AllBlocksCleared and
+            # 4 stores), and this key's subscription to that topic never got them.
+            await await_condition(
+                lambda: publisher.counters["published"] >= 9, what="victim's stores announced"
+            )
+            assert theirs.media() == {}
+            assert theirs.applied == 0

@@ -46,6 +46,8 @@ class EventIndex:
         self.lost = 0
         """Batches a gap lost for good (the replay buffer no longer held them)."""
         self.applied = 0
+        self.undecodable = 0
+        """Batches that did not decode (skipped, in sequence)."""
 
     def expected(self, topic: bytes) -> int:
         """The next sequence number ``topic`` should bring (0 before any)."""
@@ -95,7 +97,12 @@ class EventIndex:
 
     def _apply(self, topic: bytes, payload: bytes) -> None:
         tiers = self._tiers.setdefault(topic, {})
-        for event in decode_batch(payload).events:
+        try:
+            batch = decode_batch(payload)
+        except ValueError:
+            self.undecodable += 1
+            return
+        for event in batch.events:
             if type(event) is BlockStored:
                 medium = event.medium or ""
                 for h in event.block_hashes:

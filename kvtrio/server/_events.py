@@ -75,7 +75,7 @@ class EventPublisher:
         self._buffers: dict[bytes, collections.deque[tuple[int, bytes]]] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         """``published`` events, ``batches`` sent, ``dropped`` (queue full), ``replays``
-        answered, ``refused_subscriptions``."""
+        answered, ``subscriptions`` applied, ``refused_subscriptions``."""
         self._wake = trio.Event()
         self.bound: tuple[str, str] | None = None
         """The endpoints bound (tcp port 0 resolved), once serving."""
@@ -189,6 +189,7 @@ class EventPublisher:
                     continue
                 if self._may_subscribe(self._principal(user), topic):
                     pub.set_option(zmq.SUBSCRIBE, topic)
+                    self.counters["subscriptions"] += 1
                     if topic and topic not in self._seq:
                         # A new stream (this server's first batch on the topic): whatever a
                         # subscriber knew of the topic before is gone.

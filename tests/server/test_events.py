@@ -81,6 +81,16 @@ async def running(
         server.stop()
 
 
+async def subscribed(server: ServerHandle, count: int) -> None:
+    """Wait until the server has applied ``count`` subscriptions (a subscription reaches the
+    publisher asynchronously: what is published before it is only in the replay buffer)."""
+    publisher = server.state.events
+    assert publisher is not None
+    await await_condition(
+        lambda: publisher.counters["subscriptions"] >= count, what=f"{count} subscriptions"
+    )
+
+
 async def store(
     worker: AsyncClient,
     request: str,
@@ -120,6 +130,7 @@ async def test_store_evict_l2_load_and_restart(config: ServerConfig, tmp_path: P
         running(config, tmp_path) as (server, worker, scheduler),
         subscribe(index, events, events + ".replay", TOPIC),
     ):
+        await subscribed(server, 1)
         # Stored: readable in L1 (CPU) at the commit, then on disk once written.
         await store(worker, "a", first)
         await await_condition(
@@ -162,9 +173,10 @@ async def test_engine_block_hashes_name_the_chunks(config: ServerConfig, tmp_pat
     index = EventIndex()
     hashes, engine = prompt(1000, 3), blocks(7, 3)
     async with (
-        running(config, tmp_path) as (_, worker, _),
+        running(config, tmp_path) as (server, worker, _),
         subscribe(index, config.events, config.events + ".replay", TOPIC),
     ):
+        await subscribed(server, 1)
         await store(worker, "a", hashes, engine)
         await await_condition(
             lambda: index.holds(engine) == {"CPU": 48, "disk": 48}, what="48 blocks stored"
@@ -178,12 +190,14 @@ async def test_a_late_subscriber_replays_what_it_missed(
     async with running(config, tmp_path) as (server, worker, _):
         early = EventIndex()
         async with subscribe(early, config.events, config.events + ".replay", TOPIC):
+            await subscribed(server, 1)
             for n in range(3):
                 await store(worker, f"r{n}", prompt(1000 * (n + 1), 2))
             await await_condition(lambda: len(early.holds(prompt(3000, 2))) == 2, what="stored")
         assert server.state.events is not None
         late = EventIndex()
         async with subscribe(late, config.events, config.events + ".replay", TOPIC):
+            await subscribed(server, 2)
             await store(worker, "r9", prompt(9000, 1))
             await await_condition(lambda: late.holds(prompt(9000, 1)), what="the next store")
             for n in range(3):  # what came before it, replayed
@@ -248,6 +262,7 @@ async def test_a_subscriber_sees_only_its_keys_tenants(short_dir: Path) -> None:
                 lambda: publisher.counters["refused_subscriptions"] >= 1,
                 what="the foreign subscription refused",
             )
+            await subscribed(server, 1)
             for client, tenant, seed in ((acme, "acme", 1), (victim, "victim", 2)):
                 registered = await tenants.register(client, tenant)
                 arena = SharedArena.attach(

@@ -193,7 +193,13 @@ async def test_a_late_subscriber_replays_what_it_missed(
             await subscribed(server, 1)
             for n in range(3):
                 await store(worker, f"r{n}", prompt(1000 * (n + 1), 2))
-            await await_condition(lambda: len(early.holds(prompt(3000, 2))) == 2, what="stored")
+            await await_condition(  # (the write-behind's flushers finish in any order)
+                lambda: all(
+                    early.holds(prompt(1000 * (n + 1), 2)) == {"CPU": 2, "disk": 2}
+                    for n in range(3)
+                ),
+                what="stored in both tiers",
+            )
         assert server.state.events is not None
         late = EventIndex()
         async with subscribe(late, config.events, config.events + ".replay", TOPIC):

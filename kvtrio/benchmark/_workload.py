@@ -191,11 +191,7 @@ class TraceWorkload(Workload):
     def prompt(self, index: int) -> dict[str, Any]:
         ids, subs = self._block_ids(index)
         raw = np.stack([ids, subs], axis=1).astype("<u8").tobytes()
-        return {
-            "block_hashes": [raw[i : i + 16] for i in range(0, len(raw), 16)],
-            # as an engine's KV events name its blocks (64-bit ints), carried by stores
-            "event_hashes": self.identities(index).tolist(),
-        }
+        return {"block_hashes": [raw[i : i + 16] for i in range(0, len(raw), 16)]}
 
     def identities(self, index: int) -> U64:
         ids, subs = self._block_ids(index)

@@ -45,12 +45,14 @@ _METAVARS = {
     "curve_secret_key": "FILE",
     "curve_allowed_keys": "PATH",
     "ipc_group": "GROUP",
+    "events": "ENDPOINT",
     "lease_share": "SHARE",
     "lease_share_per_key": "SHARE",
 }
 _SHOWN_DEFAULTS = {
     "shm_dir": "/dev/shm, else the temporary directory",
     "http": "not served",
+    "events": "none",
     "l1_size": "auto",
 }
 _SIZE_TYPES = (ByteSize, "ByteSize", "ByteSize | None")

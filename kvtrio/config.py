@@ -71,6 +71,11 @@ def _http_address(instance: object, attribute: attrs.Attribute[Any], value: str)
             raise ValueError(f"{attribute.name}: {exc}") from None
 
 
+def _optional_endpoint(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if value:
+        _endpoint(instance, attribute, value)
+
+
 def _endpoint(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
     from .transport import check_endpoint  # the one parser of endpoints (issue 15)
 
@@ -241,6 +246,17 @@ class ServerConfig:
             "help": "Serve /metrics, /healthz and /status over HTTP on PORT or HOST:PORT (the "
             "host defaults to 127.0.0.1; empty: no HTTP)."
         },
+    )
+    events: str = field(
+        default="",
+        validator=_optional_endpoint,
+        metadata={"help": "Publish KV events on this tcp:// or ipc:// endpoint (docs/events.md)."},
+    )
+    events_buffer: int = field(
+        default=10_000, validator=positive, metadata={"help": "KV event batches kept for replay."}
+    )
+    events_interval: float = field(
+        default=0.005, validator=positive, metadata={"help": "Seconds per KV event batch."}
     )
     log_level: str = field(
         default="info",

@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
+import attrs
 import numpy as np
 
 from ..client import LoadStoreOp, WorkerAdapter
@@ -150,7 +151,12 @@ class _Worker:
         identities = self.workload.identities(index)
         self.content.fill(used[start // size :], identities[start // size : end // size])
         started = time.perf_counter()
-        future = self.adapter.submit_store_request(rid, self._op(index, used, start, end))
+        # Stores carry the blocks' names as an engine's KV events give them (64-bit ints).
+        op = attrs.evolve(
+            self._op(index, used, start, end),
+            event_hashes=identities[: end // size].tolist(),
+        )
+        future = self.adapter.submit_store_request(rid, op)
         future.add_done_callback(
             lambda f: self.reports.put(
                 ("stored", rid, index, (end - start) // size, started, _ended(f))

@@ -6,8 +6,11 @@
 
 from ..protocol import chunk_hashes
 from ._async import AsyncClient, open_client
+from ._common import curve_options
 from ._copies import LoadStoreOp
+from ._events import EventIndex, subscribe
 from ._identity import EngineIdentity
+from ._relay import EventRelay
 from ._scheduler import SchedulerAdapter
 from ._sync import Client
 from ._worker import WorkerAdapter
@@ -16,9 +19,13 @@ __all__ = [
     "AsyncClient",
     "Client",
     "EngineIdentity",
+    "EventIndex",
+    "EventRelay",
     "LoadStoreOp",
     "SchedulerAdapter",
     "WorkerAdapter",
     "chunk_hashes",
+    "curve_options",
     "open_client",
+    "subscribe",
 ]

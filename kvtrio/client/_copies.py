@@ -80,6 +80,10 @@ class LoadStoreOp:
     start: int = 0
     end: int = 0
     skip_first_n_tokens: int = 0
+    event_hashes: Sequence[bytes | int] | None = None
+    """Stores: the engine's block hashes of the prompt's blocks as its KV events name them
+    (vLLM: ``maybe_convert_block_hash``), sent with the store so that the server's KV events
+    name the chunks as the engine does (``docs/events.md``)."""
 
 
 @attrs.frozen
@@ -104,6 +108,8 @@ class Span:
     """Blocks from this one on (an index in the prompt) are not moved."""
     partial: bool = False
     """The last chunk is the prompt's partial chunk."""
+    event_hashes: Sequence[bytes | int] = ()
+    """The engine's block hashes of the prompt's blocks as its KV events name them (stores)."""
 
     def blocks(self, chunk: int) -> Sequence[int]:
         """The engine blocks of chunk ``chunk`` (an index in the prompt) that are moved."""
@@ -147,6 +153,11 @@ class Span:
         """The store of a batch of chunks (indices into ``hashes``; all of them if None),
         linked to the chunk before it."""
         batch = range(self.chunks) if batch is None else batch
+        if self.event_hashes:
+            per = self.blocks_per_chunk
+            first = (self.first + batch.start) * per
+            stop = min((self.first + batch.stop) * per, self.stop_block)
+            fields.setdefault("block_hashes", tuple(self.event_hashes[first:stop]))
         return Store(
             self.request_id,
             *self.tokens(batch),

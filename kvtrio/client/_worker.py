@@ -318,6 +318,7 @@ class WorkerAdapter:
             op.block_ids,
             stop_block=end // block,
             partial=bool(chunks.tail_blocks) and last > chunks.full,
+            event_hashes=tuple(op.event_hashes or ()) if store else (),
         )
 
     def _chunks_to(self, end: int) -> int:

@@ -75,6 +75,13 @@ class ConnectorOptions:
             "KVTRIO_INSECURE)"
         },
     )
+    events: str = attrs.field(
+        default="",
+        metadata={
+            "help": "the kvtrio server's KV events endpoint (its --events): relay its events "
+            "for this tenant into vLLM's own KV event stream (docs/events.md)"
+        },
+    )
     load: bool = attrs.field(default=True, metadata={"help": "load hits from kvtrio"})
     save: bool = attrs.field(default=True, metadata={"help": "store computed chunks into kvtrio"})
     load_policy: str = attrs.field(

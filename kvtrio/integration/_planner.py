@@ -17,7 +17,7 @@ rules live here so they can be read, and tested, without vLLM:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import attrs
@@ -126,10 +126,13 @@ def plan_store(
     prompt_tokens: int,
     block_size: int,
     chunk_size: int,
+    event_hashes: Callable[[], Sequence[bytes | int] | None] | None = None,
 ) -> list[PlannedTransfer]:
     """The stores of what the engine will have computed (``computed_tokens``, this step
     included) and kvtrio does not hold: the prompt's partial chunk once the prompt is
-    computed, and the whole chunks beyond ``plan.held_tokens``. Updates ``plan``."""
+    computed, and the whole chunks beyond ``plan.held_tokens``. Updates ``plan``.
+    ``event_hashes()`` gives the engine's block hashes as its KV events name them (they go
+    with the stores, for the server's KV events)."""
     if not plan.save:
         return []
     end = min(computed_tokens, len(tokens), len(block_ids) * block_size)
@@ -137,14 +140,15 @@ def plan_store(
     whole = prompt_tokens - prompt_tokens % block_size  # the prompt's whole blocks
     full = prompt_tokens - prompt_tokens % chunk_size  # and its full chunks
     if not plan.tail_held and full < whole <= end:
-        stores.append(
-            _store(plan, tokens, block_ids, block_size, min(plan.held_tokens, full), whole)
-        )
+        start = min(plan.held_tokens, full)
+        stores.append(_store(plan, tokens, block_ids, block_size, start, whole, event_hashes))
         plan.held_tokens = max(plan.held_tokens, full)
         plan.tail_held = True
     end -= end % chunk_size
     if end > plan.held_tokens:
-        stores.append(_store(plan, tokens, block_ids, block_size, plan.held_tokens, end))
+        stores.append(
+            _store(plan, tokens, block_ids, block_size, plan.held_tokens, end, event_hashes)
+        )
         plan.held_tokens = end
     return stores
 
@@ -156,14 +160,17 @@ def _store(
     block_size: int,
     start: int,
     end: int,
+    event_hashes: Callable[[], Sequence[bytes | int] | None] | None = None,
 ) -> PlannedTransfer:
     """The store of tokens ``[start, end)``: full chunks, then the partial chunk of the whole
     blocks after them if ``end`` is not at a chunk boundary."""
+    named = event_hashes() if event_hashes is not None else None
     op = LoadStoreOp(
         block_ids=tuple(block_ids[: end // block_size]),
         token_ids=tuple(tokens[:end]),
         start=start,
         end=end,
+        event_hashes=None if named is None else tuple(named[: end // block_size]),
     )
     plan.stores += 1
     return PlannedTransfer(plan.request_id, "store", op)

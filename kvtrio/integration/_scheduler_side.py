@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from ..client import SchedulerAdapter
@@ -61,6 +62,9 @@ class SchedulerSide:
         self._warned_chunk = False
         self.costs = CostModel(min_step_tokens=max(64, 2 * block_size))
         self.policy = LoadPolicy(options.load_policy, self.costs)
+        self.event_hashes: Any = None
+        """``event_hashes(request)``: its block hashes as the engine's KV events name them
+        (set by the engine's connector; stores carry them for the server's KV events)."""
 
     def matched_tokens(
         self, request: Any, num_computed_tokens: int, *, preempted: bool
@@ -195,6 +199,9 @@ class SchedulerSide:
                 prompt_tokens=request.num_prompt_tokens,
                 block_size=self.block_size,
                 chunk_size=self.adapter.chunk_size,
+                event_hashes=(
+                    None if self.event_hashes is None else partial(self.event_hashes, request)
+                ),
             )
         return step
 

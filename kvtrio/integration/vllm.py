@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - older vLLM: `load_policy=auto` never l
 from vllm.v1.request import RequestStatus
 
 from ..client import EngineIdentity, SchedulerAdapter, WorkerAdapter
+from ._events import EngineEvents, event_hashes_of
 from ._kv_groups import unsupported_kv_cache
 from ._options import parse_options
 from ._planner import PlannedTransfer
@@ -55,8 +56,11 @@ except ImportError:  # pragma: no cover - older vLLM
     _HOST = None
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -65,6 +69,17 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KvtrioConnector", "KvtrioConnectorMetadata", "KvtrioWorkerMetadata"]
+
+
+def _int_block_hashes() -> bool:
+    """Whether vLLM's KV events name blocks by 64-bit ints (its default) or by bytes."""
+    try:
+        import vllm.envs as envs
+
+        return bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+    except (ImportError, AttributeError):  # pragma: no cover - older vLLM: ints
+        return True
+
 
 log = logging.getLogger("kvtrio.vllm")
 
@@ -132,6 +147,7 @@ class KvtrioConnector(KVConnectorBase_V1):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._events: EngineEvents | None = None
         self.off_because = unsupported_kv_cache(kv_cache_config)
         """Why the connector is off for this engine (``None``: it is on)."""
         if self.off_because is not None:
@@ -146,6 +162,9 @@ class KvtrioConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             adapter = SchedulerAdapter.from_identity(identity)
             self._scheduler = SchedulerSide(options, self.block_size, adapter)
+            self._scheduler.event_hashes = event_hashes_of(_int_block_hashes())
+            if options.events:
+                self._events = EngineEvents(options)
         else:
             self._worker = WorkerSide(WorkerAdapter.from_identity(identity), vllm_config)
         log.info("kvtrio connector (%s) for %s at %s", role.name, model, options.url)
@@ -217,6 +236,11 @@ class KvtrioConnector(KVConnectorBase_V1):
         measured = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(measured, KvtrioWorkerMetadata) and self._scheduler is not None:
             self.scheduler_side.measured(measured.steps, measured.loads)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """kvtrio's KV events since the last step (with ``kvtrio.events``), for vLLM's own
+        publisher: what the engine can load from kvtrio, by tier (``docs/events.md``)."""
+        return self._events.take() if self._events is not None else ()
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -302,3 +326,5 @@ class KvtrioConnector(KVConnectorBase_V1):
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.close()
+        if self._events is not None:
+            self._events.close()

@@ -322,13 +322,13 @@ class Store(Request):
 
     ``start`` is a multiple of the chunk size; ``end`` is rounded down to one. ``chunk_hashes``
     are the hashes of exactly those chunks (16 bytes each, computed by the client from the
-    prompt); the server keeps no prompts. ``block_ids`` are the engine blocks of those
-    tokens, one per block (CUDA workers only).
+    prompt); the server keeps no prompts. ``block_ids``: the engine blocks (CUDA workers only).
     ``event`` (CUDA workers, optional) is the IPC handle of an interprocess event the engine
     recorded after the forward step that wrote those blocks; the server's copy waits for it.
     ``parent_hash`` (optional) is the hash of the chunk before ``start`` (empty for the
     prompt's first chunk, or unknown): it links the range's first chunk to its prefix for the
     prefix-aware eviction policies, as the chunks inside the range are linked.
+    ``block_hashes`` (optional): the range's engine block hashes for KV events (events.md).
     """
 
     op: ClassVar[str] = "store"
@@ -341,6 +341,7 @@ class Store(Request):
     block_ids: IntTuple = ()
     event: bytes = b""
     parent_hash: bytes = b""
+    block_hashes: tuple[int | bytes, ...] = ()
 
 
 @frozen

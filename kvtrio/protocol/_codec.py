@@ -26,6 +26,7 @@ from cattrs.v import format_exception
 
 from ..errors import ErrorCode, ProtocolError
 from ._cache import MAX_HASHES, MAX_LOOKUP_BATCH, MAX_LOOKUP_KEYS
+from ._events import MAX_BLOCK_HASH_BYTES
 from ._messages import PROTOCOL_VERSION, ErrorReply, Header, Reply, Request
 from ._operations import OPERATIONS
 
@@ -54,6 +55,9 @@ _M = TypeVar("_M")
 IntTuple = tuple[int, ...]
 BytesTuple = tuple[bytes, ...]
 StrTuple = tuple[str, ...]
+EventHashTuple = tuple[int | bytes, ...]
+MAX_EVENT_HASHES = 1 << 17
+"""Engine block hashes one store may carry (``MAX_HASHES`` chunks of 16 blocks)."""
 
 
 class HeaderError(ProtocolError):
@@ -130,6 +134,26 @@ def _structure_hash_lists(value: Any, _: Any) -> tuple[BytesTuple, ...]:
     return cast("tuple[BytesTuple, ...]", value)
 
 
+def _structure_event_hashes(value: Any, _: Any) -> EventHashTuple:
+    """A store's engine block hashes: at most :data:`MAX_EVENT_HASHES`, each an unsigned
+    64-bit int or at most ``MAX_BLOCK_HASH_BYTES`` bytes (the length first, then each)."""
+    if type(value) is not tuple:
+        raise TypeError(f"expected an array of block hashes, got {_msgpack_type(value)}")
+    if len(value) > MAX_EVENT_HASHES:
+        raise TypeError(f"expected at most {MAX_EVENT_HASHES} block hashes, got {len(value)}")
+    for item in value:
+        kind = type(item)
+        if not (
+            (kind is int and 0 <= item < 1 << 64)
+            or (kind is bytes and len(item) <= MAX_BLOCK_HASH_BYTES)
+        ):
+            raise TypeError(
+                "expected block hashes as unsigned 64-bit integers or binary values of at most "
+                f"{MAX_BLOCK_HASH_BYTES} bytes, got {_msgpack_type(item)}"
+            )
+    return cast(EventHashTuple, value)
+
+
 def _structure_str_tuple(value: Any, _: Any) -> StrTuple:
     if type(value) is tuple and all(type(item) is str for item in value):
         return cast(StrTuple, value)
@@ -164,6 +188,8 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook_func(lambda t: t == StrTuple, _structure_str_tuple)
     conv.register_structure_hook_func(lambda t: t == tuple[BytesTuple, ...], _structure_hash_lists)
     conv.register_unstructure_hook_func(lambda t: t == StrTuple, lambda v: v)
+    conv.register_structure_hook_func(lambda t: t == EventHashTuple, _structure_event_hashes)
+    conv.register_unstructure_hook_func(lambda t: t == EventHashTuple, lambda v: v)
     return cast(cattrs.Converter, conv)
 
 

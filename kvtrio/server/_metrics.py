@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -94,6 +94,8 @@ class ServerMetrics:
             registry=None,
         )
         self._known_ops = frozenset(OPERATIONS)
+        self.events: Callable[[], Mapping[str, int]] | None = None
+        """The KV event publisher's counters (``--events``), if it runs."""
 
     # ----------------------------------------------------------------- hot path
 
@@ -145,6 +147,8 @@ class ServerMetrics:
         Cancellation: the rendering thread finishes; its result is abandoned.
         """
         families = [*families_from_stats(stats), *self.request_families()]
+        if self.events is not None:
+            families += _event_families(self.events())
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Snapshot(families))
         for metric in (self.l2_ops, self.l2_latency):
@@ -152,6 +156,26 @@ class ServerMetrics:
         return await trio.to_thread.run_sync(
             generate_latest, registry, limiter=_RENDER, abandon_on_cancel=True
         )
+
+
+_EVENT_COUNTERS = {
+    "published": "KV events published (each BlockStored / BlockRemoved / AllBlocksCleared).",
+    "batches": "KV event batches published (one per tenant topic every events_interval).",
+    "dropped": "KV events dropped because the publisher's queue was full.",
+    "replays": "Replay requests answered.",
+    "refused_subscriptions": "Subscriptions to a topic the subscriber's key may not see.",
+}
+
+
+def _event_families(counters: Mapping[str, int]) -> list[Metric]:
+    families = [
+        _counter(f"kvtrio_events_{name}", doc, counters.get(name, 0))
+        for name, doc in _EVENT_COUNTERS.items()
+    ]
+    families.append(
+        _gauge("kvtrio_events_queued", "KV events waiting to be sent.", counters.get("queued", 0))
+    )
+    return families
 
 
 def _by_labels(item: tuple[tuple[str, ErrorCode | None], int]) -> tuple[str, str]:

@@ -20,7 +20,9 @@ from ..options import ByteSize, format_size
 from ..shm import SharedArena, default_shm_dir
 from ..storage import L1Cache, make_policy
 from ..transport import ensure_endpoint_free, open_socket, serve_zap
+from ._announce import Announcer
 from ._auth import ServerAuth, configure_auth
+from ._events import EventPublisher
 from ._http import bind_http, serve_http
 from ._l1size import L1Plan, measure_room, plan_l1
 from ._metrics import ServerMetrics
@@ -127,6 +129,7 @@ async def open_server(
     if plan.warning:
         log.warning("%s", plan.warning, extra=event("l1_size", warning=plan.warning))
     auth = configure_auth(config)  # first: a bad key file stops the start before anything runs
+    publisher, announcer = _events(config, auth)
     http_socket = bind_http(config.http) if config.http else None
     try:
         if backends is None:
@@ -166,11 +169,15 @@ async def open_server(
                             auth.describe(endpoint),
                             extra=event("auth", mode=auth.mode, endpoint=endpoint),
                         )
+
+                        def new_l1(size: int, base: int) -> L1Cache:
+                            l1 = L1Cache(size, policy=make_policy(config.eviction), base=base)
+                            l1.listener = announcer
+                            return l1
+
                         arenas = TenantArenas(
                             arena,
-                            lambda size, base: L1Cache(
-                                size, policy=make_policy(config.eviction), base=base
-                            ),
+                            new_l1,
                             limit=config.l1_tenants,
                             directory=config.shm_dir or None,
                             group=config.ipc_group,
@@ -185,8 +192,12 @@ async def open_server(
                             loaders=config.l2_loaders,
                             observe=metrics.observe_l2,
                             tenants=arenas.tenant_count,
+                            listener=announcer,
                         )
                         cache = CacheService(config, arenas, l2, CudaTransfers(cuda_runtime))
+                        cache.core.announcer = announcer
+                        if publisher is not None:
+                            metrics.events = publisher.stats
                         state = ServerState(
                             config,
                             endpoint,
@@ -202,6 +213,9 @@ async def open_server(
                             if http_socket is not None:  # first: /healthz says "starting"
                                 http_url = await root.start(serve_http, state, metrics, http_socket)
                             root.start_soon(_populate, arena)
+                            if publisher is not None:
+                                await root.start(publisher.serve, context)
+                                state.events = publisher
                             await root.start(l2.serve)
                             await root.start(cache.serve_reaper)
                             await root.start(state.heartbeats.run)
@@ -224,6 +238,27 @@ async def open_server(
             http_socket.close()
         if context is not None:
             await _terminate(context)
+
+
+def _events(
+    config: ServerConfig, auth: ServerAuth
+) -> tuple[EventPublisher | None, Announcer | None]:
+    """The KV event publisher and its announcer (``--events``), or neither."""
+    if not config.events:
+        return None, None
+    if config.events.startswith("tcp://") and auth.mode == "ipc":
+        raise ConfigError(
+            f"events: {config.events} is tcp:// but the server's endpoint is ipc:// (no CURVE "
+            "keys to authenticate subscribers): publish on an ipc:// path too"
+        )
+    publisher = EventPublisher(
+        auth,
+        endpoint=config.events,
+        buffer=config.events_buffer,
+        interval=config.events_interval,
+        ipc_group=config.ipc_group,
+    )
+    return publisher, Announcer(publisher.publish, config.chunk_size)
 
 
 _CONTEXT_LIMITER = trio.CapacityLimiter(4)

@@ -25,6 +25,7 @@ from ..protocol import (
 )
 from ..transport import ANY_TENANT
 from ._auth import Principal, ServerAuth
+from ._events import EventPublisher
 from ._heartbeats import Heartbeats
 from ._status import storage_summary
 
@@ -158,6 +159,8 @@ class ServerState:
         """Requests accepted by the router that have not been answered (or dropped) yet."""
         self.l1_sizing = l1_sizing
         """Why L1 has its size (``default``, ``configured``, ``50% of /dev/shm's 3GiB free``)."""
+        self.events: EventPublisher | None = None
+        """The KV event publisher (``--events``), once it runs."""
         self.heartbeats = Heartbeats(config.heartbeat_timeout)
         """The sessions' heartbeat deadlines, in the loop's progress time (its task runs in
         the server's root nursery)."""

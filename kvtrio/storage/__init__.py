@@ -6,7 +6,7 @@ shared-memory file) is :mod:`kvtrio.shm`.
 
 from ._allocator import ExtentAllocator
 from ._eviction import LRU, EvictionPolicy
-from ._l1 import Entry, EntryState, L1Cache, L1Stats, Reservation
+from ._l1 import Entry, EntryState, L1Cache, L1Listener, L1Stats, Reservation
 from ._leases import Lease, LeaseKind, LeaseTable
 from ._policies import DEFAULT_EVICTION, EVICTION_POLICIES, make_policy
 from .keys import (
@@ -31,6 +31,7 @@ __all__ = [
     "EvictionPolicy",
     "ExtentAllocator",
     "L1Cache",
+    "L1Listener",
     "L1Stats",
     "Lease",
     "LeaseKind",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 
@@ -17,7 +18,16 @@ from ._allocator import ExtentAllocator
 from ._eviction import EvictionPolicy
 from ._policies import DEFAULT_EVICTION, make_policy
 
-__all__ = ["Entry", "EntryState", "L1Cache", "L1Stats", "Reservation"]
+__all__ = ["Entry", "EntryState", "L1Cache", "L1Listener", "L1Stats", "Reservation"]
+
+
+class L1Listener(Protocol):
+    """Told when a chunk becomes readable in L1 and when a readable one leaves it (the
+    server's KV events). Called synchronously from the index; must not call back into it."""
+
+    def ready(self, key: bytes, parent: bytes | None) -> None: ...
+
+    def removed(self, key: bytes) -> None: ...
 
 
 class EntryState(enum.Enum):
@@ -79,6 +89,8 @@ class L1Cache:
         self._quarantine: list[tuple[float, int, int]] = []  # (until, offset, nbytes)
         self.evictions = 0
         self.store_failures = 0
+        self.listener: L1Listener | None = None
+        """Told of chunks becoming readable and of readable ones leaving (KV events)."""
 
     @property
     def capacity(self) -> int:
@@ -175,6 +187,8 @@ class L1Cache:
         entry.state = EntryState.READY
         self._writing -= 1
         self._evictable(entry)
+        if self.listener is not None:
+            self.listener.ready(key, entry.parent)
 
     def abort(self, key: bytes) -> None:
         """Drop an entry being written; its slot is free again."""
@@ -215,6 +229,8 @@ class L1Cache:
             return False
         self._unevictable(entry)
         self._drop(entry)
+        if self.listener is not None:
+            self.listener.removed(key)
         return True
 
     # ----------------------------------------------------------------- internals
@@ -231,6 +247,8 @@ class L1Cache:
             self._unevictable(entry)
             self._drop(entry)
             self.evictions += 1
+            if self.listener is not None:
+                self.listener.removed(victim)
             offset = allocator.allocate(nbytes)
             if offset is not None:
                 return offset

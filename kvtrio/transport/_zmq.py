@@ -310,6 +310,17 @@ class Socket:
                 return
             await self._park(self._readers)
 
+    def set_option(self, option: int, value: int | bytes) -> None:
+        """``setsockopt`` (e.g. an XPUB_MANUAL socket's ``SUBSCRIBE``, which applies to the
+        subscriber whose subscription was received last). Never waits."""
+        self._check_open()
+        try:
+            self._zsock.setsockopt(option, value)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"setsockopt failed: {exc.strerror}") from None
+        finally:
+            self._after_call()
+
     # ----------------------------------------------------------------- sending
 
     def try_send_multipart(self, frames: Frames) -> bool:

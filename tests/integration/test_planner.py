@@ -173,7 +173,7 @@ def test_options_defaults_and_spellings() -> None:
     assert set(OPTION_HELP) == {
         "kvtrio.url", "kvtrio.model", "kvtrio.tenant", "kvtrio.server_key", "kvtrio.client_key",
         "kvtrio.insecure", "kvtrio.load", "kvtrio.save", "kvtrio.load_policy",
-        "kvtrio.async_load", "kvtrio.timeout", "kvtrio.lookup_wait",
+        "kvtrio.async_load", "kvtrio.timeout", "kvtrio.lookup_wait", "kvtrio.events",
     }  # fmt: skip
 
 

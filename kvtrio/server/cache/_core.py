@@ -20,6 +20,7 @@ from ...config import ServerConfig
 from ...errors import ErrorCode, RequestError
 from ...protocol import Retrieve, Store
 from ...storage import L1Cache, Lease, LeaseKind, LeaseTable
+from .._announce import Announcer
 from .._session import Session
 from .._tenants import TenantArenas
 from ..l2tier import L2Tier
@@ -66,6 +67,8 @@ class CacheCore:
         """The turn to run one slice of a big message's work (see :meth:`turn`)."""
         self.prefetch = Prefetcher(self.l1, l2, config, self.pin_for_lookup)
         self._watched: set[str] = set()  # sessions whose end releases their leases
+        self.announcer: Announcer | None = None
+        """The KV events' announcer (``--events``), if any."""
 
     # ----------------------------------------------------------------- who and what
 

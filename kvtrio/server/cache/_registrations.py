@@ -49,6 +49,10 @@ class Registrations:
         released = await core.release_session(session.id, quarantine=False)
         registration = core.registry.register(session.id, register, self.host_copy)
         core.arenas.bind(registration.space, tenant_arena)
+        if core.announcer is not None and register.rank == 0:
+            # Rank 0's chunks stand for the engine's in KV events (every rank stores its own
+            # part of each chunk; a router needs one name per chunk, not one per rank).
+            core.announcer.announce_space(registration.space, register.tenant)
         core.watch(session)
         if registration.device == "cuda":
             try:

@@ -69,6 +69,12 @@ class Writes:
                 store.event,
             )
 
+        if store.block_hashes and core.announcer is not None and registration.rank == 0:
+            core.announcer.names(
+                [registration.space + h for h in hashes],
+                store.block_hashes,
+                registration.layout.block_size,
+            )
         if len(chunks) <= SLICE:
             self._reserve(session, registration, request, chunks, hashes, parent, expires,
                           slots, reserved)  # fmt: skip

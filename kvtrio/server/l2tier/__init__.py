@@ -7,10 +7,19 @@ calls into them are in ``_backends``. The backends themselves (``kvtrio.l2``) on
 framing and verification happen here.
 """
 
-from ._backends import Observe, TierBackend
+from ._backends import Observe, TierBackend, TierListener
 from ._loads import Load, Loads
 from ._tier import L2Tier
 from ._touches import Touches
 from ._writes import WriteBehind
 
-__all__ = ["L2Tier", "Load", "Loads", "Observe", "TierBackend", "Touches", "WriteBehind"]
+__all__ = [
+    "L2Tier",
+    "Load",
+    "Loads",
+    "Observe",
+    "TierBackend",
+    "TierListener",
+    "Touches",
+    "WriteBehind",
+]

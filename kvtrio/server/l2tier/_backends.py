@@ -12,7 +12,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import cast
+from typing import Protocol, cast
 
 import attrs
 import trio
@@ -20,7 +20,7 @@ import trio
 from ..._logging import event
 from ...l2 import Backend, BackendError, Buffers, Capabilities, Touching, capabilities
 
-__all__ = ["Call", "Calls", "Observe", "TierBackend", "describe"]
+__all__ = ["Call", "Calls", "Observe", "TierBackend", "TierListener", "describe"]
 
 log = logging.getLogger("kvtrio.l2")
 
@@ -37,6 +37,17 @@ _ROLES = {"read": "lookups", "store": "stores"}
 
 Observe = Callable[[str, str, float, bool], None]
 """``(backend label, operation, seconds, succeeded)`` per call into a backend (the metrics)."""
+
+
+class TierListener(Protocol):
+    """Told what the tier learns of the chunks each backend holds (the server's KV events):
+    a store answered true, a lookup found a prefix and missed the next, a delete."""
+
+    def stored(self, key: bytes, medium: str, parent: bytes | None = None) -> None: ...
+
+    def removed(self, key: bytes, medium: str = ...) -> None: ...
+
+    def seen(self, keys: Sequence[bytes], found: int, medium: str) -> None: ...
 
 
 @attrs.define(eq=False)
@@ -209,6 +220,8 @@ class Calls:
     def __init__(self, observe: Observe | None = None) -> None:
         self.observe = observe
         """The metrics' observer (see :data:`Observe`), if any."""
+        self.listener: TierListener | None = None
+        """Told what the calls learn of the chunks each backend holds (KV events), if any."""
 
     @contextlib.contextmanager
     def call(
@@ -261,8 +274,11 @@ class Calls:
     async def delete(self, backend: TierBackend, keys: list[bytes]) -> None:
         """Delete ``keys`` from ``backend`` (objects found corrupt or unreadable); a failure is
         one of its stores. Cancellation: as the backend's ``delete``."""
-        with self.call(backend, "delete", "store"):
+        with self.call(backend, "delete", "store") as call:
             await backend.backend.delete(keys)
+        if not call.failed and self.listener is not None:
+            for key in keys:
+                self.listener.removed(key, backend.label)
 
     async def touch(self, backend: TierBackend, keys: list[bytes]) -> None:
         """Send ``keys`` (used from L1) to the ``touch`` of a backend that takes touches (its

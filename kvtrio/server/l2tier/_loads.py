@@ -101,6 +101,10 @@ class Loads:
                     left = iter(range(len(spaces)))
                     for _ in range(min(PROBES, len(spaces))):
                         nursery.start_soon(prober, b, left)
+            listener = self._calls.listener
+            if listener is not None:
+                for (b, s), count in locked.items():
+                    listener.seen(keys[s], count, usable[b].label)
             chosen: list[list[TierBackend]] = []
             for chunk in range(len(hashes)):
                 sources = [

@@ -21,7 +21,7 @@ from ...l2 import Backend
 from ...protocol import L2Stats
 from ...shm import SharedArena
 from ...storage import L1Cache
-from ._backends import Calls, Observe, TierBackend
+from ._backends import Calls, Observe, TierBackend, TierListener
 from ._loads import Loads
 from ._touches import Touches
 from ._writes import WriteBehind
@@ -51,6 +51,7 @@ class L2Tier:
         loaders: int,
         observe: Observe | None = None,
         tenants: Callable[[], int] = lambda: 1,
+        listener: TierListener | None = None,
     ) -> None:
         """``observe`` is told of every backend call (the metrics'; see :data:`Observe`);
         ``tenants`` says how many tenants the server serves (their fair shares of the
@@ -61,6 +62,7 @@ class L2Tier:
             for i, (name, backend) in enumerate(backends)
         ]
         self._calls = Calls(observe)
+        self._calls.listener = listener
         self.writes = WriteBehind(
             self.backends,
             l1,

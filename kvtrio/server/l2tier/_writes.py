@@ -192,9 +192,12 @@ class WriteBehind:
                 results = await tier_backend.store(keys, buffers, parents=parents, owners=owners)
             if call.failed:
                 continue
-            for ok, payload in zip(results, payloads, strict=True):
+            listener = self._calls.listener
+            for key, ok, payload in zip(keys, results, payloads, strict=True):
                 tier_backend.count("stores" if ok else "stores_refused")
                 tier_backend.count("store_bytes", payload.nbytes if ok else 0)
+                if ok and listener is not None:
+                    listener.stored(key, tier_backend.label)
 
 
 def _headers(

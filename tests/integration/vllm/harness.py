@@ -89,6 +89,7 @@ def make_config(
     *,
     prefix_caching: bool = False,
     max_batched_tokens: int = 128,
+    kv_events: Any = None,
     **options: Any,
 ) -> VllmConfig:
     """A ``VllmConfig`` for the tiny model on the CPU, with kvtrio at ``url`` as connector
@@ -124,6 +125,7 @@ def make_config(
         ),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=transfer,
+        kv_events_config=kv_events,
     )
 
 

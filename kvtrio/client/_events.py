@@ -1,0 +1,205 @@
+"""A consumer of KV events (kvtrio's stream, or any vLLM engine's): an index of which tier
+holds which block, kept in step by sequence numbers and replay.
+
+:class:`EventIndex` applies batches (no I/O) and answers "which tier holds how much of this
+prompt": the blocks of a prompt, from its first, that each ``medium`` holds. It checks each
+topic's sequence numbers: a batch after a gap is held back while the gap is replayed
+(:meth:`EventIndex.apply` says which sequence numbers are missing); a stream that starts again
+(a sequence number lower than expected, or ``AllBlocksCleared``) clears what the topic had
+announced. :func:`subscribe` runs one over a SUB socket and its replay socket (trio).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+import zmq
+
+from ..protocol import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    decode_batch,
+    decode_seq,
+    encode_seq,
+)
+from ..transport import Socket, open_socket
+
+__all__ = ["EventIndex", "subscribe"]
+
+
+class EventIndex:
+    """Block hash → the media that hold it, per topic, from KV event batches."""
+
+    def __init__(self) -> None:
+        self._tiers: dict[bytes, dict[int | bytes, set[str]]] = {}
+        self._next: dict[bytes, int] = {}
+        self._held: dict[bytes, dict[int, bytes]] = {}
+        self.gaps = 0
+        """Sequence gaps seen (each replayed or, if the replay had lost it, counted lost)."""
+        self.restarts = 0
+        """Streams that started again (a publisher restarted)."""
+        self.lost = 0
+        """Batches a gap lost for good (the replay buffer no longer held them)."""
+        self.applied = 0
+        self.undecodable = 0
+        """Batches that did not decode (skipped, in sequence)."""
+
+    def expected(self, topic: bytes) -> int:
+        """The next sequence number ``topic`` should bring (0 before any)."""
+        return self._next.get(topic, 0)
+
+    def apply(self, topic: bytes, seq: int, payload: bytes) -> range | None:
+        """Apply one message, in sequence order: a message after a gap is held back and the
+        missing range returned (replay it, then call :meth:`give_up` for what the replay did
+        not bring); a message already applied is ignored."""
+        expected = self._next.setdefault(topic, 0)  # (joining a running stream: a gap)
+        if seq < expected:
+            if seq == 0:  # the publisher started again: what it said before is gone
+                self.restarts += 1
+                self._clear(topic)
+                self._held.pop(topic, None)
+                self._next[topic] = 0
+                return self.apply(topic, seq, payload)
+            return None  # a duplicate (a replay overlapping the live stream)
+        if seq > expected:
+            held = self._held.setdefault(topic, {})
+            first_gap = not held
+            held[seq] = payload
+            if first_gap:
+                self.gaps += 1
+            return range(expected, min(held))
+        self._apply(topic, payload)
+        self._next[topic] = seq + 1
+        self._drain(topic)
+        return None
+
+    def give_up(self, topic: bytes) -> None:
+        """The replay did not bring the missing batches: skip to the held ones (the index may
+        now miss what they said; counted in :attr:`lost`)."""
+        held = self._held.get(topic)
+        if not held:
+            return
+        first = min(held)
+        self.lost += first - self._next.get(topic, 0)
+        self._next[topic] = first
+        self._drain(topic)
+
+    def _drain(self, topic: bytes) -> None:
+        held = self._held.get(topic, {})
+        while (payload := held.pop(self._next[topic], None)) is not None:
+            self._apply(topic, payload)
+            self._next[topic] += 1
+
+    def _apply(self, topic: bytes, payload: bytes) -> None:
+        tiers = self._tiers.setdefault(topic, {})
+        try:
+            batch = decode_batch(payload)
+        except ValueError:
+            self.undecodable += 1
+            return
+        for event in batch.events:
+            if type(event) is BlockStored:
+                medium = event.medium or ""
+                for h in event.block_hashes:
+                    tiers.setdefault(h, set()).add(medium)
+            elif type(event) is BlockRemoved:
+                medium = event.medium or ""
+                for h in event.block_hashes:
+                    held = tiers.get(h)
+                    if held is not None:
+                        held.discard(medium)
+                        if not held:
+                            del tiers[h]
+            elif type(event) is AllBlocksCleared:
+                tiers.clear()
+        self.applied += 1
+
+    def _clear(self, topic: bytes) -> None:
+        self._tiers.pop(topic, None)
+
+    def holds(
+        self, block_hashes: Sequence[int | bytes], topic: bytes | None = None
+    ) -> dict[str, int]:
+        """For each medium, how many of ``block_hashes`` (a prompt's, in order) it holds from
+        the first on."""
+        result: dict[str, int] = {}
+        tables = [self._tiers.get(topic, {})] if topic is not None else list(self._tiers.values())
+        open_media: set[str] | None = None
+        for count, h in enumerate(block_hashes):
+            media: set[str] = set()
+            for table in tables:
+                media |= table.get(h, set())
+            open_media = media if open_media is None else open_media & media
+            for medium in open_media:
+                result[medium] = count + 1
+            if not open_media:
+                break
+        return result
+
+    def media(self, topic: bytes | None = None) -> Mapping[str, int]:
+        """How many blocks each medium holds."""
+        counts: dict[str, int] = {}
+        tables = [self._tiers.get(topic, {})] if topic is not None else list(self._tiers.values())
+        for table in tables:
+            for media in table.values():
+                for medium in media:
+                    counts[medium] = counts.get(medium, 0) + 1
+        return counts
+
+
+async def _replay(replay: Socket, index: EventIndex, topic: bytes, missing: range) -> None:
+    """Ask the replay socket for ``missing`` of ``topic`` and apply what comes back."""
+    await replay.send_multipart([b"", encode_seq(missing.start), topic])
+    while True:
+        frames = await replay.recv_multipart()
+        if len(frames) < 4:
+            continue
+        _, got_topic, seq, payload = frames[-4:]
+        if seq == END_SEQ:
+            break
+        index.apply(got_topic, decode_seq(seq), payload)
+    if index.expected(topic) < missing.stop:
+        index.give_up(topic)
+
+
+@asynccontextmanager
+async def subscribe(
+    index: EventIndex,
+    endpoint: str,
+    replay_endpoint: str,
+    topic: bytes,
+    *,
+    options: Mapping[int, Any] | None = None,
+) -> AsyncIterator[None]:
+    """Keep ``index`` in step with ``topic`` of the publisher at ``endpoint`` for the block
+    (``options``: CURVE client options, e.g. :func:`~kvtrio.client.curve_options`). A gap
+    (or joining a running stream) is replayed from ``replay_endpoint``. Cancellation: the
+    sockets close; the index keeps what it applied."""
+    sub_options = {**(options or {}), zmq.SUBSCRIBE: topic}
+    async with (
+        open_socket(zmq.SUB, options=sub_options) as sub,
+        open_socket(zmq.DEALER, options=dict(options or {})) as replay,
+        trio.open_nursery() as nursery,
+    ):
+        sub.connect(endpoint)
+        replay.connect(replay_endpoint)
+
+        async def run() -> None:
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                missing = index.apply(frames[0], decode_seq(frames[1]), frames[2])
+                if missing:
+                    await _replay(replay, index, frames[0], missing)
+
+        nursery.start_soon(run)
+        try:
+            yield
+        finally:
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,140 @@
+"""A synchronous relay of a kvtrio server's KV events, for an engine's own event publisher.
+
+An engine connector (vLLM's ``take_events``) calls :meth:`EventRelay.take` at every scheduler
+step and never waits: a daemon thread subscribes to the tenant's topic, replays gaps from the
+replay socket (a subscriber that joins a running stream replays it from the start), and queues
+the decoded events, in order, up to ``limit`` (beyond it the oldest are dropped and counted). A
+stream that starts again (the server restarted) queues ``AllBlocksCleared`` first.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
+
+from ..protocol import (
+    END_SEQ,
+    AllBlocksCleared,
+    KVEvent,
+    decode_batch,
+    decode_seq,
+    encode_seq,
+)
+
+__all__ = ["EventRelay"]
+
+log = logging.getLogger("kvtrio.client")
+
+_REPLAY_TIMEOUT_MS = 2000
+
+
+class EventRelay:
+    """A server's KV events of one topic, relayed in order (see the module docstring)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        replay: str,
+        topic: bytes,
+        *,
+        options: Mapping[int, Any] | None = None,
+        limit: int = 100_000,
+    ) -> None:
+        self.topic = topic
+        self._events: collections.deque[KVEvent] = collections.deque()
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._next = 0
+        self.dropped = 0
+        """Events dropped because nobody took them in time (beyond ``limit``)."""
+        self.lost = 0
+        """Batches a gap lost for good (the server's replay buffer no longer held them)."""
+        self._stop = threading.Event()
+        context: zmq.Context[Any] = zmq.Context.instance()
+        self._sub = context.socket(zmq.SUB)
+        self._replay = context.socket(zmq.DEALER)
+        for sock in (self._sub, self._replay):
+            sock.setsockopt(zmq.LINGER, 0)
+            for option, value in (options or {}).items():
+                sock.setsockopt(option, value)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self._sub.connect(endpoint)
+        self._replay.connect(replay)
+        self._thread = threading.Thread(target=self._run, name="kvtrio-events", daemon=True)
+        self._thread.start()
+
+    def take(self) -> list[KVEvent]:
+        """The events relayed since the last call, in order; never waits."""
+        with self._lock:
+            events = list(self._events)
+            self._events.clear()
+        return events
+
+    def close(self) -> None:
+        """Stop the thread (within a poll interval) and close the sockets."""
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        self._sub.close(linger=0)
+        self._replay.close(linger=0)
+
+    # ----------------------------------------------------------------- the thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._sub.poll(100):
+                    continue
+                frames = self._sub.recv_multipart()
+                if len(frames) == 3:
+                    self._message(decode_seq(frames[1]), frames[2])
+        except zmq.ZMQError:  # closed under us
+            pass
+        except Exception:  # pragma: no cover - a bug: say so, stop relaying
+            log.exception("the KV event relay stopped")
+
+    def _message(self, seq: int, payload: bytes) -> None:
+        if seq < self._next and seq == 0:  # the server started again
+            self._queue([AllBlocksCleared()])
+            self._next = 0
+        if seq < self._next:
+            return  # a duplicate
+        if seq > self._next:
+            self._fill(seq)
+        if seq >= self._next:
+            self._apply(payload)
+            self._next = seq + 1
+
+    def _fill(self, seq: int) -> None:
+        """Replay ``[next, seq)`` (in this thread; the engine's step never waits for it)."""
+        self._replay.send_multipart([b"", encode_seq(self._next), self.topic])
+        while self._replay.poll(_REPLAY_TIMEOUT_MS):
+            frames = self._replay.recv_multipart()
+            if len(frames) < 4 or frames[-2] == END_SEQ:
+                break
+            got = decode_seq(frames[-2])
+            if self._next <= got < seq:
+                self._apply(frames[-1])
+                self._next = got + 1
+        if self._next < seq:
+            self.lost += seq - self._next
+            log.warning("KV events: %d batches lost (beyond the replay buffer)", seq - self._next)
+            self._next = seq
+
+    def _apply(self, payload: bytes) -> None:
+        try:
+            self._queue(list(decode_batch(payload).events))
+        except ValueError as exc:
+            log.warning("KV events: a batch that does not decode (%s)", exc)
+
+    def _queue(self, events: list[KVEvent]) -> None:
+        with self._lock:
+            self._events.extend(events)
+            over = len(self._events) - self._limit
+            for _ in range(max(0, over)):
+                self._events.popleft()
+                self.dropped += 1

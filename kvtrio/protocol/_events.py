@@ -1,0 +1,190 @@
+"""KV events: vLLM's wire format of ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``,
+encoded and decoded with no I/O.
+
+Routers that score engines by the prefixes they hold (llm-d, NVIDIA Dynamo, vLLM's router)
+subscribe to an engine's ZeroMQ PUB socket (``vllm/distributed/kv_events.py``). A message is
+three frames ``[topic, seq, payload]``: ``seq`` an 8-byte big-endian sequence number (one
+counter per stream, from 0), ``payload`` a msgpack ``KVEventBatch``: the array ``[ts, events,
+rank]`` (``data_parallel_rank`` nil: kvtrio is no data-parallel rank), each event a map tagged
+``"type": "<class name>"`` holding the fields vLLM's ``msgspec`` classes define, in their order,
+the ones with defaults left out when they are at their default (``omit_defaults``). A replay
+socket (ROUTER) answers a request ``[b"", start_seq]`` with every buffered message from
+``start_seq`` on, ``[b"", topic, seq, payload]``, then the end marker ``[b"", b"", END_SEQ,
+b""]``. kvtrio's publisher also takes a third frame naming the topic to replay (a key may see
+several tenants, each a topic of its own).
+
+Block hashes are those the engine publishes (vLLM: the low 64 bits of its block hash as an
+unsigned int by default, the hash's bytes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``); a
+chunk stored without them (token mode) is named by its kvtrio chunk hash (16 bytes) as one
+block of ``chunk_size`` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+from attrs import frozen
+
+__all__ = [
+    "END_SEQ",
+    "MAX_BLOCK_HASH_BYTES",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EventBatch",
+    "KVEvent",
+    "decode_batch",
+    "decode_seq",
+    "encode_batch",
+    "encode_seq",
+    "event_block_hash",
+    "events_topic",
+    "replay_endpoint",
+]
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The sequence frame of a replay's end marker."""
+
+MAX_BLOCK_HASH_BYTES = 64
+"""The longest block hash a store may carry (vLLM's are 32 bytes, or an 8-byte int)."""
+
+BlockHash = int | bytes
+
+
+def event_block_hash(block_hash: bytes, *, as_int: bool = True) -> BlockHash:
+    """An engine block hash as vLLM publishes it: the unsigned int of its low 64 bits
+    (``as_int``, vLLM's default) or its bytes (``maybe_convert_block_hash``)."""
+    if not as_int:
+        return block_hash
+    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
+
+
+def events_topic(tenant: str) -> bytes:
+    """The topic of ``tenant``'s events: ``kvtrio/<tenant>/`` (a ZeroMQ subscription matches
+    a prefix; the closing ``/`` keeps one tenant's topic from matching another's)."""
+    return b"kvtrio/" + tenant.encode() + b"/"
+
+
+def replay_endpoint(endpoint: str) -> str:
+    """The replay socket's endpoint beside an events endpoint: the next tcp port (0 stays 0),
+    or the ipc path with ``.replay`` added."""
+    if endpoint.startswith("ipc://"):
+        return endpoint + ".replay"
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + 1}" if int(port) else f"{host}:0"
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def decode_seq(frame: bytes) -> int:
+    """A sequence frame's number (-1 for the replay's end marker)."""
+    return int.from_bytes(frame, "big", signed=True)
+
+
+@frozen
+class BlockStored:
+    """Blocks became readable in ``medium`` (kvtrio: ``CPU`` for L1, the L2 backend's name)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    medium: str | None
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+    def wire(self) -> dict[str, Any]:
+        """The map vLLM's ``BlockStored`` encodes to (its field order)."""
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(self.block_hashes),
+            "parent_block_hash": self.parent_block_hash,
+            "token_ids": list(self.token_ids),
+            "block_size": self.block_size,
+            "lora_id": self.lora_id,
+            "medium": self.medium,
+            "lora_name": self.lora_name,
+        }
+
+
+@frozen
+class BlockRemoved:
+    """Blocks left ``medium``."""
+
+    block_hashes: tuple[BlockHash, ...]
+    medium: str | None
+
+    def wire(self) -> dict[str, Any]:
+        hashes = list(self.block_hashes)
+        return {"type": "BlockRemoved", "block_hashes": hashes, "medium": self.medium}
+
+
+@frozen
+class AllBlocksCleared:
+    """Everything the stream announced is gone (a publisher starting afresh)."""
+
+    def wire(self) -> dict[str, Any]:
+        return {"type": "AllBlocksCleared"}
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@frozen
+class EventBatch:
+    """One message's events."""
+
+    ts: float
+    events: tuple[KVEvent, ...]
+
+
+def encode_batch(ts: float, events: Sequence[KVEvent]) -> bytes:
+    """The payload frame of a batch (vLLM's ``KVEventBatch``)."""
+    payload: bytes = msgpack.packb([ts, [e.wire() for e in events], None], use_bin_type=True)
+    return payload
+
+
+def _hashes(value: Any) -> tuple[BlockHash, ...]:
+    if not isinstance(value, list | tuple) or not all(
+        type(h) is int or type(h) is bytes for h in value
+    ):
+        raise ValueError("block_hashes: expected an array of ints or binary values")
+    return tuple(value)
+
+
+def _event(raw: Any) -> KVEvent:
+    if not isinstance(raw, dict):
+        raise ValueError(f"an event is a map, got {type(raw).__name__}")
+    kind = raw.get("type")
+    if kind == "BlockStored":
+        parent = raw.get("parent_block_hash")
+        return BlockStored(
+            _hashes(raw.get("block_hashes")),
+            parent if type(parent) in (int, bytes) else None,
+            tuple(raw.get("token_ids") or ()),
+            int(raw.get("block_size", 0)),
+            raw.get("medium"),
+            raw.get("lora_id"),
+            raw.get("lora_name"),
+        )
+    if kind == "BlockRemoved":
+        return BlockRemoved(_hashes(raw.get("block_hashes")), raw.get("medium"))
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise ValueError(f"unknown event type {kind!r}")
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """A payload frame's batch (fields kvtrio does not use are ignored); ``ValueError`` if it
+    is not one."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False)
+    except Exception as exc:
+        raise ValueError(f"not msgpack: {exc}") from None
+    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
+        raise ValueError("a KVEventBatch is the array [ts, events, ...]")
+    return EventBatch(float(raw[0]), tuple(_event(e) for e in raw[1]))

@@ -1,0 +1,290 @@
+"""The server's KV events (``--events``) against a consumer (``kvtrio.client.EventIndex``):
+stores, failed writes, L1 evictions, L2 writes and loads, a restart over the same L2, replay.
+
+Real servers in the test's loop over a real disk L2; the consumer subscribes over ipc.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import attrs
+import pytest
+
+from kvtrio.client import AsyncClient, EventIndex, open_client, subscribe
+from kvtrio.config import ServerConfig
+from kvtrio.l2.disk import DiskBackend, DiskOptions
+from kvtrio.protocol import (
+    Commit,
+    EndSession,
+    LayoutSpec,
+    Lookup,
+    LookupReply,
+    Register,
+    Release,
+    Retrieve,
+    RetrieveReply,
+    Store,
+    StoreReply,
+    events_topic,
+)
+from kvtrio.server import ServerHandle, open_server
+from kvtrio.storage import token_chunk_hashes
+
+from .._support.waiting import await_condition
+
+CHUNK = 256
+LAYOUT = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")  # 256 KiB chunks, 16 blocks
+TOPIC = events_topic("")
+_SERVERS = itertools.count()
+
+
+def prompt(seed: int, chunks: int) -> tuple[bytes, ...]:
+    tokens = tuple(range(seed, seed + chunks * CHUNK))
+    return tuple(token_chunk_hashes(tokens, CHUNK))
+
+
+def blocks(seed: int, chunks: int) -> tuple[int, ...]:
+    """Engine block hashes (as vLLM publishes them: 64-bit ints), 16 per chunk."""
+    return tuple(seed * 1_000_000 + i for i in range(chunks * CHUNK // 16))
+
+
+@pytest.fixture
+def config(server_config: ServerConfig, short_dir: Path) -> ServerConfig:
+    return attrs.evolve(
+        server_config,
+        l1_size=8 << 20,  # 32 chunks
+        events=f"ipc://{short_dir}/ev",
+        events_interval=0.002,
+        lookup_timeout=2.0,
+        retrieve_timeout=5.0,
+    )
+
+
+@asynccontextmanager
+async def running(
+    config: ServerConfig, l2: Path
+) -> AsyncIterator[tuple[ServerHandle, AsyncClient, AsyncClient]]:
+    """A server over a disk L2 in ``l2``, a registered worker and a scheduler client."""
+    config = attrs.evolve(config, endpoint=f"{config.endpoint}.{next(_SERVERS)}")
+    disk = DiskBackend(DiskOptions(path=str(l2), capacity=1 << 30))
+    async with (
+        open_server(config, backends=[("disk", disk)]) as server,
+        open_client(server.endpoint) as worker,
+        open_client(server.endpoint) as scheduler,
+    ):
+        await worker.request(Register("e", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
+        yield server, worker, scheduler
+        server.stop()
+
+
+async def subscribed(server: ServerHandle, count: int) -> None:
+    """Wait until the server has applied ``count`` subscriptions (a subscription reaches the
+    publisher asynchronously: what is published before it is only in the replay buffer)."""
+    publisher = server.state.events
+    assert publisher is not None
+    await await_condition(
+        lambda: publisher.counters["subscriptions"] >= count, what=f"{count} subscriptions"
+    )
+
+
+async def store(
+    worker: AsyncClient,
+    request: str,
+    hashes: Sequence[bytes],
+    block_hashes: Sequence[int] = (),
+    *,
+    fail: bool = False,
+) -> None:
+    reply = await worker.call(
+        Store(request, 0, len(hashes) * CHUNK, tuple(hashes), block_hashes=tuple(block_hashes)),
+        StoreReply,
+    )
+    written = tuple(hashes[slot.chunk] for slot in reply.slots if slot.status == "write")
+    if fail:
+        await worker.request(Commit(request, failed=written))
+    else:
+        await worker.request(Commit(request, written=written))
+
+
+async def load(scheduler: AsyncClient, worker: AsyncClient, hashes: Sequence[bytes]) -> int:
+    """Look ``hashes`` up (loading from L2 what L1 lacks), retrieve and release; the hit."""
+    reply = await scheduler.call(Lookup("load", "m", 1, tuple(hashes), engine="e"), LookupReply)
+    retrieved = await worker.call(
+        Retrieve("load", 0, len(hashes) * CHUNK, tuple(hashes)), RetrieveReply
+    )
+    read = tuple(hashes[s.chunk] for s in retrieved.slots if s.status == "read")
+    await worker.request(Release("load", read))
+    await scheduler.request(EndSession("load", "m", engine="e"))
+    return reply.hit_tokens
+
+
+async def test_store_evict_l2_load_and_restart(config: ServerConfig, tmp_path: Path) -> None:
+    index = EventIndex()
+    first = prompt(1000, 8)
+    events = config.events
+    async with (
+        running(config, tmp_path) as (server, worker, scheduler),
+        subscribe(index, events, events + ".replay", TOPIC),
+    ):
+        await subscribed(server, 1)
+        # Stored: readable in L1 (CPU) at the commit, then on disk once written.
+        await store(worker, "a", first)
+        await await_condition(
+            lambda: index.holds(first) == {"CPU": 8, "disk": 8}, what="stored in both tiers"
+        )
+        # A failed write is never announced.
+        failed = prompt(5000, 2)
+        await store(worker, "f", failed, fail=True)
+        await store(worker, "g", prompt(6000, 1))
+        await await_condition(lambda: index.holds(prompt(6000, 1)), what="a later store")
+        assert index.holds(failed) == {}
+        # L1 evictions (32 chunks of L1): the first prompt leaves CPU, stays on disk.
+        for n in range(5):
+            await store(worker, f"x{n}", prompt(10_000 * (n + 2), 8))
+        await await_condition(lambda: index.holds(first) == {"disk": 8}, what="evicted from L1")
+        # Loaded back from L2: readable in CPU again.
+        assert await load(scheduler, worker, first) == 8 * CHUNK
+        await await_condition(
+            lambda: index.holds(first) == {"CPU": 8, "disk": 8}, what="loaded from L2"
+        )
+        assert index.gaps == 0
+        assert index.restarts == 0
+        # A restart over the same disk: the new server's stream starts again (its first
+        # subscriber gets AllBlocksCleared at seq 0); what a lookup finds on disk is
+        # announced again, and its load into L1.
+        server.stop()
+    async with (
+        running(config, tmp_path) as (server, worker, scheduler),
+        subscribe(index, events, events + ".replay", TOPIC),
+    ):
+        await await_condition(lambda: index.restarts == 1, what="the restart seen")
+        assert index.holds(first) == {}
+        assert await load(scheduler, worker, first) == 8 * CHUNK
+        await await_condition(
+            lambda: index.holds(first) == {"CPU": 8, "disk": 8}, what="found after restart"
+        )
+
+
+async def test_engine_block_hashes_name_the_chunks(config: ServerConfig, tmp_path: Path) -> None:
+    index = EventIndex()
+    hashes, engine = prompt(1000, 3), blocks(7, 3)
+    async with (
+        running(config, tmp_path) as (server, worker, _),
+        subscribe(index, config.events, config.events + ".replay", TOPIC),
+    ):
+        await subscribed(server, 1)
+        await store(worker, "a", hashes, engine)
+        await await_condition(
+            lambda: index.holds(engine) == {"CPU": 48, "disk": 48}, what="48 blocks stored"
+        )
+        assert index.holds(hashes) == {}  # named by the engine's hashes, not kvtrio's
+
+
+async def test_a_late_subscriber_replays_what_it_missed(
+    config: ServerConfig, tmp_path: Path
+) -> None:
+    async with running(config, tmp_path) as (server, worker, _):
+        early = EventIndex()
+        async with subscribe(early, config.events, config.events + ".replay", TOPIC):
+            await subscribed(server, 1)
+            for n in range(3):
+                await store(worker, f"r{n}", prompt(1000 * (n + 1), 2))
+            await await_condition(  # (the write-behind's flushers finish in any order)
+                lambda: all(
+                    early.holds(prompt(1000 * (n + 1), 2)) == {"CPU": 2, "disk": 2}
+                    for n in range(3)
+                ),
+                what="stored in both tiers",
+            )
+        assert server.state.events is not None
+        late = EventIndex()
+        async with subscribe(late, config.events, config.events + ".replay", TOPIC):
+            await subscribed(server, 2)
+            await store(worker, "r9", prompt(9000, 1))
+            await await_condition(lambda: late.holds(prompt(9000, 1)), what="the next store")
+            for n in range(3):  # what came before it, replayed
+                assert late.holds(prompt(1000 * (n + 1), 2)) == {"CPU": 2, "disk": 2}
+        assert late.gaps == 1
+        assert late.lost == 0
+        assert server.state.events.stats()["replays"] >= 1
+
+
+def test_index_detects_gaps_and_restarts() -> None:
+    from kvtrio.protocol import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
+
+    index = EventIndex()
+
+    def stored(*hashes: int) -> bytes:
+        return encode_batch(0.0, [BlockStored(hashes, None, (), 16, "CPU")])
+
+    assert index.apply(TOPIC, 0, stored(1)) is None
+    assert index.apply(TOPIC, 2, stored(3)) == range(1, 2)  # held back
+    assert index.holds([1, 2, 3]) == {"CPU": 1}
+    assert index.apply(TOPIC, 1, stored(2)) is None  # the replayed batch: both applied
+    assert index.holds([1, 2, 3]) == {"CPU": 3}
+    assert index.apply(TOPIC, 1, stored(9)) is None  # a duplicate: ignored
+    assert index.apply(TOPIC, 3, encode_batch(0.0, [BlockRemoved((2,), "CPU")])) is None
+    assert index.holds([1, 2, 3]) == {"CPU": 1}
+    assert index.apply(TOPIC, 0, encode_batch(0.0, [AllBlocksCleared()])) is None
+    assert index.restarts == 1
+    assert index.holds([1]) == {}
+    assert index.apply(TOPIC, 3, stored(5)) == range(1, 3)
+    index.give_up(TOPIC)
+    assert index.lost == 2
+    assert index.holds([5]) == {"CPU": 1}
+
+
+async def test_a_subscriber_sees_only_its_keys_tenants(short_dir: Path) -> None:
+    """CURVE: key acme (tenant acme) subscribing to tenant victim's topic is ignored (counted);
+    its replay of that topic answers nothing; its own topic brings its own stores only."""
+    from kvtrio.client import curve_options
+    from kvtrio.shm import SharedArena
+
+    from .._support import tenants
+
+    config = tenants.tcp_config(
+        l1_size=4 * tenants.ARENA_CHUNKS * tenants.CHUNK_BYTES,
+        l1_tenants=2,
+        events="tcp://127.0.0.1:0",
+        events_interval=0.002,
+    )
+    keys = short_dir / "tenants"
+    async with tenants.tenant_clients(short_dir, config) as (server, acme, victim):
+        publisher = server.state.events
+        assert publisher is not None
+        assert publisher.bound is not None
+        events, replay = publisher.bound
+        options = curve_options(events, str(keys / "server.key"), str(keys / "acme.key_secret"))
+        mine, theirs = EventIndex(), EventIndex()
+        async with (
+            subscribe(mine, events, replay, events_topic("acme"), options=options),
+            subscribe(theirs, events, replay, events_topic("victim"), options=options),
+        ):
+            await await_condition(
+                lambda: publisher.counters["refused_subscriptions"] >= 1,
+                what="the foreign subscription refused",
+            )
+            await subscribed(server, 1)
+            for client, tenant, seed in ((acme, "acme", 1), (victim, "victim", 2)):
+                registered = await tenants.register(client, tenant)
+                arena = SharedArena.attach(
+                    registered.arena_path, registered.arena_size, populate=False
+                )
+                try:
+                    await tenants.store(client, arena, tenant, tenants.hashes(seed, 4), seed)
+                finally:
+                    arena.close()
+            await await_condition(
+                lambda: mine.media().get("CPU") == 4, what="acme's stores announced"
+            )
+            # victim's 4 stores went out on victim's topic (besides acme's AllBlocksCleared and
+            # 4 stores), and this key's subscription to that topic never got them.
+            await await_condition(
+                lambda: publisher.counters["published"] >= 9, what="victim's stores announced"
+            )
+            assert theirs.media() == {}
+            assert theirs.applied == 0

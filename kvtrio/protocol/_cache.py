@@ -164,9 +164,7 @@ class Register(Request):
     """``cpu`` (the worker copies through the L1 arena) or ``cuda`` (give ``cuda``)."""
     tenant: str = ""
     cuda: CudaCache | None = None
-    hash_seed: str = ""
-    """Hash mode: a fingerprint of the engine's root block hash (never its seed); engines of
-    one model and tenant must agree on it and on ``hash_scheme``."""
+    hash_seed: str = ""  # hash mode: a fingerprint of the engine's root block hash, not its seed
 
 
 @frozen

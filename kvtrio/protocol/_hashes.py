@@ -87,7 +87,7 @@ def token_chunk_hashes(tokens: Sequence[int], chunk_size: int) -> list[bytes]:
     return hashes
 
 
-def block_chunk_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int) -> list[bytes]:
+def block_chunk_hashes(block_hashes: Sequence[bytes | int], blocks_per_chunk: int) -> list[bytes]:
     """The chunk hashes of every full chunk, from the engine's prefix-chained block hashes
     (hash mode): chunk ``i`` is named by the hash of its last block."""
     full = len(block_hashes) // blocks_per_chunk

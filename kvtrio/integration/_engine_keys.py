@@ -29,7 +29,7 @@ import attrs
 
 from ..protocol import HASH_SCHEME_TOKENS, block_hash_scheme
 
-__all__ = ["KeyScheme", "key_scheme", "root_fingerprint"]
+__all__ = ["KeyScheme", "engine_root", "key_scheme", "root_fingerprint"]
 
 log = logging.getLogger("kvtrio.vllm")
 
@@ -59,6 +59,16 @@ class KeyScheme:
         hashes: Sequence[bytes] = request.block_hashes
         step = self.hashes_per_block
         return hashes if step == 1 else hashes[step - 1 :: step]
+
+
+def engine_root() -> bytes | None:
+    """vLLM's root block hash in this process (None before vLLM has set it, or without vLLM)."""
+    try:
+        from vllm.v1.core import kv_cache_utils
+    except ImportError:  # pragma: no cover - the connector runs inside vLLM
+        return None
+    root = getattr(kv_cache_utils, "NONE_HASH", None)
+    return None if root is None else bytes(root)
 
 
 def root_fingerprint(root: bytes) -> str:

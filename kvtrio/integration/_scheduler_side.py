@@ -16,7 +16,7 @@ from typing import Any
 
 from ..client import SchedulerAdapter
 from ._costs import CostModel, LoadPolicy
-from ._engine_keys import KeyScheme
+from ._engine_keys import KeyScheme, engine_root
 from ._options import ConnectorOptions, opted_out, request_switches
 from ._planner import (
     PlannedTransfer,
@@ -164,13 +164,8 @@ class SchedulerSide:
         the engine's root block hash must be the one the workers registered a fingerprint of;
         if not, nothing is loaded or stored (its chunks would be named unlike the fleet's)."""
         self._root_checked = True
-        try:
-            from vllm.v1.core import kv_cache_utils
-
-            root = getattr(kv_cache_utils, "NONE_HASH", None)
-        except ImportError:  # pragma: no cover - the connector runs inside vLLM
-            root = None
-        if root is not None and bytes(root) != self.keys.root:
+        root = engine_root()
+        if root is not None and root != self.keys.root:
             log.error(
                 "kvtrio: vLLM's root block hash is not the one derived from PYTHONHASHSEED "
                 "and %s: nothing is loaded or stored (set PYTHONHASHSEED before vLLM starts)",

@@ -219,3 +219,26 @@ def test_an_engine_with_another_seed_is_refused(
             client.request(attrs.evolve(register, hash_seed=same.hash_seed))  # shares
     finally:
         engine.close()
+
+
+def test_an_engine_whose_root_is_not_the_registered_one_neither_loads_nor_stores(
+    model_dir: Path,
+    kvtrio: ServerProcess,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM sets its root after building the connector: if it is not the one the connector
+    derived (and registered a fingerprint of), the connector keeps its chunks out of kvtrio."""
+    monkeypatch.setenv("PYTHONHASHSEED", "1")
+    engine = Engine(make_config(model_dir, kvtrio.endpoint, load_policy="always"))
+    try:
+        monkeypatch.setenv("PYTHONHASHSEED", "2")
+        init_none_hash(get_hash_fn_by_name("sha256"))  # what the engine's hashes start from
+        engine.add("r", PROMPT)
+        with caplog.at_level(logging.ERROR, logger="kvtrio.vllm"):
+            engine.run()
+        assert "root block hash" in caplog.text
+        assert cache(kvtrio).lookups == 0
+        assert cache(kvtrio).l1_ready == 0
+    finally:
+        engine.close()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import attrs
 
+from ..protocol import HASH_SCHEME_TOKENS
+
 __all__ = ["EngineIdentity"]
 
 
@@ -14,7 +16,9 @@ class EngineIdentity:
 
     ``engine_id`` must be the same for the engine's scheduler and all its workers: the server
     scopes request ids by it, so engines never touch each other's requests. ``server_key`` /
-    ``client_key``: CURVE keys for ``tcp://`` (None: the defaults; ``"none"``: no CURVE)."""
+    ``client_key``: CURVE keys for ``tcp://`` (None: the defaults; ``"none"``: no CURVE).
+    ``hash_scheme`` and ``hash_seed`` (the fingerprint of the engine's root block hash, hash
+    mode) are what its workers register: engines sharing a model must agree on them."""
 
     server_url: str
     model_name: str
@@ -26,3 +30,5 @@ class EngineIdentity:
     timeout: float = 5.0
     server_key: str | None = None
     client_key: str | None = None
+    hash_scheme: str = HASH_SCHEME_TOKENS
+    hash_seed: str = ""

@@ -78,6 +78,7 @@ class WorkerAdapter:
         *,
         tenant: str = "",
         hash_scheme: str = HASH_SCHEME_TOKENS,
+        hash_seed: str = "",
         engine_id: str = "",
         timeout: float = 5.0,
         cuda_runtime: CudaRuntime | None = None,
@@ -90,6 +91,7 @@ class WorkerAdapter:
         self.block_size = block_size
         self.tenant = tenant
         self.hash_scheme = hash_scheme
+        self.hash_seed = hash_seed
         self.engine_id = engine_id
         self.timeout = timeout
         self._cuda_runtime = cuda_runtime
@@ -127,7 +129,8 @@ class WorkerAdapter:
         return cls(i.server_url, i.model_name, i.world_size, i.kv_rank, i.block_size,
                    tenant=i.tenant, engine_id=i.engine_id, timeout=i.timeout,
                    cuda_runtime=cuda_runtime, server_key=i.server_key,
-                   client_key=i.client_key)  # fmt: skip
+                   client_key=i.client_key, hash_scheme=i.hash_scheme,
+                   hash_seed=i.hash_seed)  # fmt: skip
 
     # ----------------------------------------------------------------- registration
 
@@ -184,6 +187,7 @@ class WorkerAdapter:
             ),
             hash_scheme=self.hash_scheme,
             tenant=self.tenant,
+            hash_seed=self.hash_seed,
             device=path.device,
             cuda=path.cuda,
         )

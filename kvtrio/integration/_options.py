@@ -75,6 +75,16 @@ class ConnectorOptions:
             "KVTRIO_INSECURE)"
         },
     )
+    keys: str = attrs.field(
+        default="engine",
+        validator=one_of("engine", "tokens"),
+        metadata={
+            "help": "engine: name chunks by vLLM's own block hashes (requests with a LoRA "
+            "adapter, multimodal inputs, prompt embeddings or a cache_salt are cached too; "
+            "every engine sharing a model needs the same PYTHONHASHSEED and "
+            "prefix_caching_hash_algo); tokens: by token ids (such requests bypass kvtrio)"
+        },
+    )
     events: str = attrs.field(
         default="",
         metadata={
@@ -176,8 +186,8 @@ def request_switches(params: Mapping[str, Any] | None) -> tuple[bool | None, boo
 
 
 def opted_out(request: Any) -> str:
-    """Why ``request`` (a vLLM request) must not share KV through kvtrio's token-keyed chunks,
-    or ''."""
+    """Why ``request`` (a vLLM request) must not share KV through kvtrio's token-keyed chunks
+    (token mode), or ''. In hash mode vLLM's block hashes tell such requests apart."""
     if request.cache_salt:
         return "it has a cache_salt"
     if request.lora_request is not None:

@@ -92,13 +92,15 @@ def plan_load(
     block_size: int,
     chunk_size: int,
     sync: bool,
+    block_hashes: Sequence[bytes] | None = None,
 ) -> PlannedTransfer | None:
     """The load of ``external_tokens`` tokens after the engine's ``plan.local_tokens``; None
     when there is nothing to load.
 
     ``block_ids`` are all the request's blocks, from its first token; ``tokens`` the prompt
-    as it was looked up. The load starts at the chunk holding the first missing token, skips
-    the blocks before it, and ends at a block boundary (its last chunk may be loaded in part).
+    as it was looked up (and ``block_hashes`` its engine block hashes, in hash mode). The
+    load starts at the chunk holding the first missing token, skips the blocks before it, and
+    ends at a block boundary (its last chunk may be loaded in part).
     """
     if external_tokens <= 0 or plan.hit_tokens <= plan.local_tokens:
         return None
@@ -110,6 +112,7 @@ def plan_load(
     op = LoadStoreOp(
         block_ids=tuple(block_ids[: end // block_size]),
         token_ids=tuple(tokens),
+        block_hashes=None if block_hashes is None else tuple(block_hashes),
         start=start,
         end=end,
         skip_first_n_tokens=plan.local_tokens - start,
@@ -126,28 +129,37 @@ def plan_store(
     prompt_tokens: int,
     block_size: int,
     chunk_size: int,
+    block_hashes: Sequence[bytes] | None = None,
     event_hashes: Callable[[], Sequence[bytes | int] | None] | None = None,
 ) -> list[PlannedTransfer]:
     """The stores of what the engine will have computed (``computed_tokens``, this step
     included) and kvtrio does not hold: the prompt's partial chunk once the prompt is
-    computed, and the whole chunks beyond ``plan.held_tokens``. Updates ``plan``.
+    computed, and the whole chunks beyond ``plan.held_tokens``. In hash mode
+    (``block_hashes``: the engine's, one per block) only the blocks hashed so far.
     ``event_hashes()`` gives the engine's block hashes as its KV events name them (they go
-    with the stores, for the server's KV events)."""
+    with the stores, for the server's KV events). Updates ``plan``."""
     if not plan.save:
         return []
     end = min(computed_tokens, len(tokens), len(block_ids) * block_size)
+    if block_hashes is not None:
+        end = min(end, len(block_hashes) * block_size)
     stores = []
     whole = prompt_tokens - prompt_tokens % block_size  # the prompt's whole blocks
     full = prompt_tokens - prompt_tokens % chunk_size  # and its full chunks
     if not plan.tail_held and full < whole <= end:
         start = min(plan.held_tokens, full)
-        stores.append(_store(plan, tokens, block_ids, block_size, start, whole, event_hashes))
+        stores.append(
+            _store(plan, tokens, block_ids, block_size, start, whole, block_hashes, event_hashes)
+        )
         plan.held_tokens = max(plan.held_tokens, full)
         plan.tail_held = True
     end -= end % chunk_size
     if end > plan.held_tokens:
         stores.append(
-            _store(plan, tokens, block_ids, block_size, plan.held_tokens, end, event_hashes)
+            _store(
+                plan, tokens, block_ids, block_size, plan.held_tokens, end, block_hashes,
+                event_hashes,
+            )  # fmt: skip
         )
         plan.held_tokens = end
     return stores
@@ -160,6 +172,7 @@ def _store(
     block_size: int,
     start: int,
     end: int,
+    block_hashes: Sequence[bytes] | None,
     event_hashes: Callable[[], Sequence[bytes | int] | None] | None = None,
 ) -> PlannedTransfer:
     """The store of tokens ``[start, end)``: full chunks, then the partial chunk of the whole
@@ -168,6 +181,7 @@ def _store(
     op = LoadStoreOp(
         block_ids=tuple(block_ids[: end // block_size]),
         token_ids=tuple(tokens[:end]),
+        block_hashes=None if block_hashes is None else tuple(block_hashes[: end // block_size]),
         start=start,
         end=end,
         event_hashes=None if named is None else tuple(named[: end // block_size]),

@@ -17,6 +17,7 @@ from typing import Any
 
 from ..client import SchedulerAdapter
 from ._costs import CostModel, LoadPolicy
+from ._engine_keys import KeyScheme, engine_root
 from ._options import ConnectorOptions, opted_out, request_switches
 from ._planner import (
     PlannedTransfer,
@@ -50,9 +51,17 @@ class SchedulerSide:
     """The state and decisions of the connector in vLLM's scheduler (one per engine)."""
 
     def __init__(
-        self, options: ConnectorOptions, block_size: int, adapter: SchedulerAdapter
+        self,
+        options: ConnectorOptions,
+        block_size: int,
+        adapter: SchedulerAdapter,
+        keys: KeyScheme | None = None,
     ) -> None:
         self.options = options
+        self.keys = keys if keys is not None else KeyScheme()
+        """Token mode, or hash mode: chunks named by the engine's block hashes."""
+        self._root_checked = not self.keys.engine_hashes
+        self._root_wrong = False
         self.block_size = block_size
         self.adapter = adapter
         self._plans: dict[str, RequestPlan] = {}
@@ -78,7 +87,14 @@ class SchedulerSide:
         tokens = request.all_token_ids
         # Deferred: the step's lookups go out together, one message at the end of the step
         # (build_step), or when one is waited for.
-        self.adapter.maybe_submit_lookup_request(request.request_id, token_ids=tokens, defer=True)
+        if self.keys.engine_hashes:
+            self.adapter.maybe_submit_lookup_request(
+                request.request_id, block_hashes=self.keys.block_hashes(request), defer=True
+            )
+        else:
+            self.adapter.maybe_submit_lookup_request(
+                request.request_id, token_ids=tokens, defer=True
+            )
         hit = self.adapter.check_lookup_result(request.request_id)
         if hit is None and not self._step_waited:
             # At most one wait per scheduler step: in a burst of new requests the others'
@@ -125,6 +141,8 @@ class SchedulerSide:
         return plan
 
     def _new_plan(self, request: Any) -> RequestPlan:
+        if not self._root_checked:
+            self._check_root()
         load, save, problem = request_switches(request.kv_transfer_params)
         if problem:
             log.warning("request %s: ignored kv_transfer_params %s", request.request_id, problem)
@@ -133,13 +151,31 @@ class SchedulerSide:
             load=self.options.load if load is None else load,
             save=self.options.save if save is None else save,
         )
+        if self._root_wrong:
+            plan.load = plan.save = False
+        if self.keys.engine_hashes:
+            return plan  # vLLM's block hashes tell apart what tokens alone cannot
         reason = opted_out(request)
         if reason:
-            # kvtrio keys chunks by token ids alone: such a request's KV differs from another
-            # request's with the same tokens, so it must neither load nor store.
+            # Token mode keys chunks by token ids alone: such a request's KV differs from
+            # another request's with the same tokens, so it must neither load nor store.
             log.debug("request %s bypasses kvtrio: %s", request.request_id, reason)
             plan.load = plan.save = False
         return plan
+
+    def _check_root(self) -> None:
+        """Once, at the first request (vLLM sets its root hash after building the connector):
+        the engine's root block hash must be the one the workers registered a fingerprint of;
+        if not, nothing is loaded or stored (its chunks would be named unlike the fleet's)."""
+        self._root_checked = True
+        root = engine_root()
+        if root is not None and root != self.keys.root:
+            log.error(
+                "kvtrio: vLLM's root block hash is not the one derived from PYTHONHASHSEED "
+                "and %s: nothing is loaded or stored (set PYTHONHASHSEED before vLLM starts)",
+                self.keys.hash_scheme,
+            )
+            self._root_wrong = True
 
     def new_request(self, request: Any) -> None:
         """A request arrived: keep it (stores read its tokens and progress at every step)."""
@@ -162,6 +198,7 @@ class SchedulerSide:
                 block_size=self.block_size,
                 chunk_size=self.adapter.chunk_size,
                 sync=not self.options.async_load,
+                block_hashes=self._hashes(request),
             )
         if load is not None:
             self._ready.append(load)
@@ -202,8 +239,13 @@ class SchedulerSide:
                 event_hashes=(
                     None if self.event_hashes is None else partial(self.event_hashes, request)
                 ),
+                block_hashes=self._hashes(request),
             )
         return step
+
+    def _hashes(self, request: Any) -> Sequence[bytes] | None:
+        """The request's engine block hashes in hash mode (None in token mode)."""
+        return self.keys.block_hashes(request) if self.keys.engine_hashes else None
 
     def measured(
         self, steps: Iterable[tuple[int, float]], loads: Iterable[tuple[int, float]]

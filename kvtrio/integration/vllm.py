@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - older vLLM: `load_policy=auto` never l
 from vllm.v1.request import RequestStatus
 
 from ..client import EngineIdentity, SchedulerAdapter, WorkerAdapter
+from ._engine_keys import key_scheme
 from ._events import EngineEvents, event_hashes_of
 from ._kv_groups import unsupported_kv_cache
 from ._options import parse_options
@@ -132,6 +133,9 @@ class KvtrioConnector(KVConnectorBase_V1):
         self.block_size: int = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
         model = options.model or vllm_config.model_config.model
+        # Hash mode (vLLM's block hashes name the chunks) unless told otherwise or unsafe; the
+        # scheduler and every worker decide alike, from the same config and environment.
+        keys = key_scheme(options.keys, vllm_config, kv_cache_config)
         identity = EngineIdentity(
             options.url,
             model,
@@ -144,6 +148,8 @@ class KvtrioConnector(KVConnectorBase_V1):
             timeout=options.timeout,
             server_key="none" if options.insecure else options.server_key or None,
             client_key=options.client_key or None,
+            hash_scheme=keys.hash_scheme,
+            hash_seed=keys.hash_seed,
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -161,13 +167,16 @@ class KvtrioConnector(KVConnectorBase_V1):
             return
         if role == KVConnectorRole.SCHEDULER:
             adapter = SchedulerAdapter.from_identity(identity)
-            self._scheduler = SchedulerSide(options, self.block_size, adapter)
+            self._scheduler = SchedulerSide(options, self.block_size, adapter, keys)
             self._scheduler.event_hashes = event_hashes_of(_int_block_hashes())
             if options.events:
                 self._events = EngineEvents(options)
         else:
             self._worker = WorkerSide(WorkerAdapter.from_identity(identity), vllm_config)
-        log.info("kvtrio connector (%s) for %s at %s", role.name, model, options.url)
+        log.info(
+            "kvtrio connector (%s) for %s at %s, keys: %s",
+            role.name, model, options.url, keys.hash_scheme,
+        )  # fmt: skip
 
     @property
     def requires_kv_delivery(self) -> bool:

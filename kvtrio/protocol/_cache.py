@@ -164,6 +164,7 @@ class Register(Request):
     """``cpu`` (the worker copies through the L1 arena) or ``cuda`` (give ``cuda``)."""
     tenant: str = ""
     cuda: CudaCache | None = None
+    hash_seed: str = ""  # hash mode: a fingerprint of the engine's root block hash, not its seed
 
 
 @frozen

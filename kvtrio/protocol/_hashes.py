@@ -87,14 +87,18 @@ def token_chunk_hashes(tokens: Sequence[int], chunk_size: int) -> list[bytes]:
     return hashes
 
 
-def block_chunk_hashes(block_hashes: Sequence[bytes], blocks_per_chunk: int) -> list[bytes]:
+def block_chunk_hashes(block_hashes: Sequence[bytes | int], blocks_per_chunk: int) -> list[bytes]:
     """The chunk hashes of every full chunk, from the engine's prefix-chained block hashes
     (hash mode): chunk ``i`` is named by the hash of its last block."""
+    full = len(block_hashes) // blocks_per_chunk
+    return _named(block_hashes[blocks_per_chunk - 1 : full * blocks_per_chunk : blocks_per_chunk])
+
+
+def _named(ends: Sequence[bytes | int]) -> list[bytes]:
+    """The chunk hashes of chunks whose last blocks have the engine hashes ``ends``: only
+    those are read (a 128-chunk prompt of 16-token blocks has 2048 block hashes, 128 ends)."""
     sha256 = hashlib.sha256
-    return [
-        sha256(_BLOCK_PREFIX + block_hashes[(i + 1) * blocks_per_chunk - 1]).digest()[:16]
-        for i in range(len(block_hashes) // blocks_per_chunk)
-    ]
+    return [sha256(_BLOCK_PREFIX + h).digest()[:16] for h in as_block_hashes(ends)]
 
 
 def as_block_hashes(hashes: Sequence[bytes | int]) -> tuple[bytes, ...]:
@@ -169,11 +173,10 @@ def prompt_chunks(
         raise ValueError(f"chunk size {chunk_size} is not a multiple of block size {block_size}")
     per_chunk = chunk_size // block_size
     if block_hashes is not None:
-        blocks = as_block_hashes(block_hashes)
-        hashes = block_chunk_hashes(blocks, per_chunk)
-        tail_blocks = len(blocks) - len(hashes) * per_chunk if tail else 0
+        hashes = block_chunk_hashes(block_hashes, per_chunk)
+        tail_blocks = len(block_hashes) - len(hashes) * per_chunk if tail else 0
         if tail_blocks:
-            last = blocks[len(hashes) * per_chunk + tail_blocks - 1]
+            (last,) = as_block_hashes([block_hashes[len(hashes) * per_chunk + tail_blocks - 1]])
             hashes.append(hashlib.sha256(_BLOCK_PARTIAL + last).digest()[:16])
         return PromptChunks(tuple(hashes), chunk_size, block_size, tail_blocks)
     if token_ids is None:

@@ -153,6 +153,26 @@ def test_stores_skip_what_kvtrio_holds_and_wait_for_blocks() -> None:
 # --------------------------------------------------------------------------- options
 
 
+def test_in_hash_mode_transfers_carry_the_engines_block_hashes_it_has() -> None:
+    """A store ends where vLLM has hashed blocks (its hashes may lag its tokens); each
+    operation carries the block hashes of what it names."""
+    hashes = [bytes([i]) * 32 for i in range(len(BLOCKS))]
+    plan = RequestPlan("r")
+    (store,) = plan_store(
+        plan, tokens=TOKENS, block_ids=BLOCKS, computed_tokens=len(TOKENS),
+        prompt_tokens=len(TOKENS), block_size=BLOCK, chunk_size=CHUNK,
+        block_hashes=hashes[:14],  # 3 chunks and 2 blocks hashed so far
+    )  # fmt: skip
+    assert (store.op.end, store.op.block_hashes) == (3 * CHUNK, tuple(hashes[:12]))
+    plan = RequestPlan("r", hit_tokens=4 * CHUNK)
+    transfer = plan_load(
+        plan, tokens=TOKENS, block_ids=BLOCKS, external_tokens=4 * CHUNK,
+        block_size=BLOCK, chunk_size=CHUNK, sync=False, block_hashes=hashes,
+    )  # fmt: skip
+    assert transfer is not None
+    assert transfer.op.block_hashes == tuple(hashes)  # the prompt as it was looked up
+
+
 def test_options_defaults_and_spellings() -> None:
     assert parse_options({}) == ConnectorOptions()
     options = parse_options(
@@ -174,7 +194,12 @@ def test_options_defaults_and_spellings() -> None:
         "kvtrio.url", "kvtrio.model", "kvtrio.tenant", "kvtrio.server_key", "kvtrio.client_key",
         "kvtrio.insecure", "kvtrio.load", "kvtrio.save", "kvtrio.load_policy",
         "kvtrio.async_load", "kvtrio.timeout", "kvtrio.lookup_wait", "kvtrio.events",
+        "kvtrio.keys",
     }  # fmt: skip
+    assert ConnectorOptions().keys == "engine"  # vLLM's block hashes by default
+    assert parse_options({"kvtrio.keys": "tokens"}).keys == "tokens"
+    with pytest.raises(ValueError, match=r"kvtrio\.keys"):
+        parse_options({"kvtrio.keys": "blocks"})
 
 
 def test_bad_options_are_all_named_in_one_message() -> None:

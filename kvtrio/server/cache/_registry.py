@@ -57,6 +57,8 @@ class ModelEntry:
     chunk_bytes: int
     """Bytes of one chunk in L1 (the canonical format: the same for every worker)."""
     workers: int = 0
+    hash_seed: str = ""
+    """Hash mode: the fingerprint of its engines' root block hash (they all agree on it)."""
 
     @property
     def key(self) -> ModelKey:
@@ -135,6 +137,8 @@ class Registry:
             dtype=layout.dtype,
             shared_across_ranks=layout.kind == "mla",
         )
+        if hash_mode:
+            self._check_hash_agreement(request)
         chunk_bytes = layout.chunk_nbytes(self.chunk_size)
         entry = self._model_for(request, profile, chunk_bytes)
         rank_space = entry.spaces[0] if profile.shared_across_ranks else entry.spaces[request.rank]
@@ -160,6 +164,31 @@ class Registry:
         entry.workers += 1
         self.by_session[session_id] = registration
         return registration
+
+    def _check_hash_agreement(self, request: Register) -> None:
+        """Refuse a hash-mode registration whose block hash algorithm or root (its fingerprint)
+        differs from those of the engines registered for the same model and tenant: their
+        block hashes would never match, so they would share nothing, silently. (Token-mode
+        engines of the model are left alone: they share nothing with hash-mode ones either,
+        by design, as other clients do.)"""
+        for entry in self.models.values():
+            scheme = entry.profile.hash_scheme
+            if (entry.model, entry.tenant) != (request.model, request.tenant) or not (
+                scheme.startswith("blocks/")
+            ):
+                continue
+            if scheme != request.hash_scheme:
+                differs = f"hash scheme {scheme!r}, not {request.hash_scheme!r}"
+            elif entry.hash_seed != request.hash_seed:
+                differs = "another root hash (seed)"
+            else:
+                continue
+            raise RequestError(
+                ErrorCode.INCOMPATIBLE,
+                f"other engines of model {request.model!r} (tenant {request.tenant!r}) use "
+                f"{differs}: their block hashes would never match; give every engine the same "
+                "PYTHONHASHSEED and prefix_caching_hash_algo",
+            )
 
     def _model_for(self, request: Register, profile: ModelProfile, chunk_bytes: int) -> ModelEntry:
         """The model entry of this profile; refuses a worker that disagrees with the other
@@ -195,6 +224,7 @@ class Registry:
                 fingerprint,
                 spaces,
                 chunk_bytes,
+                hash_seed=request.hash_seed,
             )
             self.models[key] = entry
         return entry

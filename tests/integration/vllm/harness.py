@@ -21,6 +21,7 @@ would read it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -42,6 +43,8 @@ from vllm.distributed.kv_transfer import kv_transfer_state
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import set_forward_context
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -70,13 +73,18 @@ for _name, _value in {
     os.environ.setdefault(_name, _value)
 
 
-def expected_kv(tokens: Iterable[int], start: int, layer: int) -> torch.Tensor:
+def expected_kv(
+    tokens: Iterable[int], start: int, layer: int, marks: torch.Tensor | None = None
+) -> torch.Tensor:
     """The KV the stand-in model computes for ``tokens`` at positions ``start, start + 1, ...``
     of layer ``layer``: ``[n, heads, 2, head_dim]`` small integers that differ with token,
-    position, layer, head, K/V and dim."""
+    position, layer, head, K/V and dim, and with ``marks`` (per position: what else the KV
+    depends on, see :func:`request_marks`)."""
     ids = torch.tensor(list(tokens), dtype=torch.int64)
     positions = torch.arange(start, start + len(ids), dtype=torch.int64)
     base = (ids * 31 + positions * 17) % 4093 + layer * 101
+    if marks is not None:
+        base = base + marks
     head = torch.arange(HEADS).view(1, HEADS, 1, 1) * 7
     kv = torch.arange(2).view(1, 1, 2, 1) * 3
     dim = torch.arange(HEAD_DIM).view(1, 1, 1, HEAD_DIM)
@@ -127,6 +135,36 @@ def make_config(
         kv_transfer_config=transfer,
         kv_events_config=kv_events,
     )
+
+
+def _lora_id(name: str) -> int:
+    return 1 + _mark(name)  # vLLM's LoRA ids are positive; one per name
+
+
+def _mark(value: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:4], "little") % 4093
+
+
+def request_marks(request: Request, end: int) -> torch.Tensor:
+    """What the KV of positions ``[0, end)`` of ``request`` depends on besides its tokens, as a
+    real model's would: its LoRA adapter and cache_salt (every position), an image (every
+    position from the image's on) and its prompt embeddings (every position from the first
+    on, each depending on the embeddings up to it). Zero for a plain request."""
+    marks = torch.zeros(end, dtype=torch.int64)
+    if request.lora_request is not None:
+        marks += _mark((request.lora_request.lora_name, request.lora_request.lora_path))
+    if request.cache_salt:
+        marks += _mark(request.cache_salt)
+    for feature in request.mm_features or ():
+        marks[feature.mm_position.offset :] += _mark(feature.identifier)
+    if request.prompt_embeds is not None:
+        rows = request.prompt_embeds
+        running = 0
+        for position in range(min(end, len(rows))):
+            running = (running * 31 + _mark(rows[position].tolist())) % 4093
+            marks[position] += running
+        marks[len(rows) :] += running
+    return marks % 4093
 
 
 @attrs.define
@@ -207,19 +245,36 @@ class Engine:
         max_tokens: int = 4,
         *,
         cache_salt: str | None = None,
+        lora: str | None = None,
+        images: Iterable[tuple[str, int, int]] = (),
+        prompt_embeds: torch.Tensor | None = None,
         **params: Any,
     ) -> None:
-        """Submit a request (``params`` become its ``kv_transfer_params``)."""
+        """Submit a request (``params`` become its ``kv_transfer_params``), with a LoRA adapter
+        ``lora``, ``images`` as ``(identifier, offset, length)``, or ``prompt_embeds`` (then
+        ``prompt`` is ignored: vLLM counts one placeholder token 0 per embedding)."""
         sampling = SamplingParams(
             max_tokens=max_tokens,
             ignore_eos=True,
             extra_args={"kv_transfer_params": params} if params else None,
         )
+        features = [
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=identifier,
+                mm_position=PlaceholderRange(offset=offset, length=length),
+            )
+            for identifier, offset, length in images
+        ]
         request = Request(
             request_id,
-            list(prompt),
+            None if prompt_embeds is not None else list(prompt),
             sampling,
             None,
+            prompt_embeds=prompt_embeds,
+            mm_features=features or None,
+            lora_request=None if lora is None else LoRARequest(lora, _lora_id(lora), f"/l/{lora}"),
             cache_salt=cache_salt,
             block_hasher=self._block_hasher,
         )
@@ -324,13 +379,15 @@ class Engine:
         v = value[blocks, :, offsets]
         return torch.stack([k, v], dim=2)
 
-    def _write_kv(self, block_ids: list[int], tokens: list[int], start: int) -> None:
+    def _write_kv(
+        self, block_ids: list[int], tokens: list[int], start: int, marks: torch.Tensor
+    ) -> None:
         positions = torch.arange(start, start + len(tokens))
         blocks = torch.tensor(block_ids, dtype=torch.int64)[positions // BLOCK]
         offsets = positions % BLOCK
         for layer, name in enumerate(LAYERS):
             key, value = self._layer_views(name)
-            kv = expected_kv(tokens, start, layer)
+            kv = expected_kv(tokens, start, layer, marks)
             key[blocks, :, :, offsets] = kv[:, :, 0]
             value[blocks, :, offsets] = kv[:, :, 1]
 
@@ -346,13 +403,14 @@ class Engine:
             end = request.num_computed_tokens  # vLLM counts this step's tokens already
             start = end - num_new
             tokens = list(request.all_token_ids)
+            marks = request_marks(request, end)
             for layer in range(len(LAYERS)):
                 have = self.read_kv(block_ids, 0, start, layer)
-                want = expected_kv(tokens[:start], 0, layer)
+                want = expected_kv(tokens[:start], 0, layer, marks[:start])
                 wrong = (have != want).flatten(1).any(1).nonzero().flatten().tolist()
                 if wrong:
                     bad.setdefault(request_id, set()).update(block_ids[p // BLOCK] for p in wrong)
-            self._write_kv(block_ids, tokens[start:end], start)
+            self._write_kv(block_ids, tokens[start:end], start, marks[start:end])
             done_prefill = end >= request.num_tokens
             sampled[request_id] = [100 + sum(tokens[-3:]) % 800] if done_prefill else []
         return sampled, bad

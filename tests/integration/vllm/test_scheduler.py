@@ -202,22 +202,6 @@ def test_requests_opt_out_with_kv_transfer_params(
     assert_no_pins(kvtrio)
 
 
-def test_a_salted_request_bypasses_kvtrio(
-    engines: Callable[..., Engine], kvtrio: ServerProcess
-) -> None:
-    """Chunks are keyed by token ids: a cache_salt (which vLLM uses to keep requests' KV apart)
-    must neither find another request's chunks nor leave its own."""
-    engine = engines()
-    store_prompt(engine, kvtrio)
-    engine.add("salted", PROMPT, cache_salt="tenant-1")
-    engine.add("salted-new", OTHER, cache_salt="tenant-1")
-    engine.run()
-    assert engine.results["salted"].external_cached == 0
-    assert len(engine.results["salted-new"].output) == 4
-    stats = cache(kvtrio)
-    assert (stats.lookups, stats.l1_ready) == (1, 5)
-
-
 # --------------------------------------------------------------------------- aborts
 
 

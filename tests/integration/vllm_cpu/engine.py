@@ -3,12 +3,12 @@
     python engine.py MODEL_DIR JOB.json RESULTS.json
 
 ``JOB.json``: ``{"kvtrio": URL or null, "prompts": [{"id": str, "tokens": [int],
-"max_tokens": int, "wait_ready": int, "repeat": int}]}``. Prompts run one after the other;
-before a prompt with ``wait_ready``, the engine waits until the kvtrio server holds that many
-ready chunks (stores finish after their request does). ``RESULTS.json`` gets, per prompt, the
-generated token ids and ``num_cached_tokens`` (of the first run), and the wall time of each of
-its ``repeat`` (default 1) ``generate`` calls in ``seconds``. ``"llm"`` (optional): more keyword
-arguments of ``vllm.LLM`` (e.g. ``tensor_parallel_size``).
+"max_tokens": int, "wait_ready": int, "repeat": int, "cache_salt": str}]}``. Prompts run one
+after the other; before a prompt with ``wait_ready``, the engine waits until the kvtrio server
+holds that many ready chunks (stores finish after their request does). ``RESULTS.json`` gets,
+per prompt, the generated token ids and ``num_cached_tokens`` (of the first run), and the wall
+time of each of its ``repeat`` (default 1) ``generate`` calls in ``seconds``. ``"llm"``
+(optional): more keyword arguments of ``vllm.LLM`` (e.g. ``tensor_parallel_size``).
 """
 
 from __future__ import annotations
@@ -81,7 +81,10 @@ def main() -> None:
         seconds, outputs = [], []
         for _ in range(prompt.get("repeat", 1)):
             start = time.perf_counter()
-            outputs += llm.generate([TokensPrompt(prompt_token_ids=prompt["tokens"])], params)
+            tokens = TokensPrompt(prompt_token_ids=prompt["tokens"])
+            if prompt.get("cache_salt"):
+                tokens["cache_salt"] = prompt["cache_salt"]
+            outputs += llm.generate([tokens], params)
             seconds.append(time.perf_counter() - start)
         output = outputs[0]
         results.append(

@@ -157,9 +157,15 @@ def plan_store(
     if end > plan.held_tokens:
         stores.append(
             _store(
-                plan, tokens, block_ids, block_size, plan.held_tokens, end, block_hashes,
+                plan,
+                tokens,
+                block_ids,
+                block_size,
+                plan.held_tokens,
+                end,
+                block_hashes,
                 event_hashes,
-            )  # fmt: skip
+            )
         )
         plan.held_tokens = end
     return stores

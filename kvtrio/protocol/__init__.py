@@ -11,26 +11,19 @@ from ._cache import (
     MAX_WORLD_SIZE,
     Commit,
     CommitReply,
-    CudaCache,
-    CudaLayer,
     EndSession,
     FreeLookupLocks,
-    LayoutSpec,
     Lookup,
     LookupBatch,
     LookupBatchReply,
     LookupFailure,
     LookupReply,
-    Register,
-    Registered,
     Release,
-    Released,
     Retrieve,
     RetrieveReply,
     Slot,
     Store,
     StoreReply,
-    Unregister,
 )
 from ._codec import (
     ERROR_KIND,
@@ -97,6 +90,15 @@ from ._messages import (
     StatsReply,
 )
 from ._operations import OPERATIONS, REQUEST_TYPES
+from ._registration import (
+    CudaCache,
+    CudaLayer,
+    LayoutSpec,
+    Register,
+    Registered,
+    Released,
+    Unregister,
+)
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",

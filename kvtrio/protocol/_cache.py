@@ -1,10 +1,10 @@
-"""Messages of the cache operations: register, lookup, store/commit, retrieve/release, ends.
+"""Messages of the cache operations: lookup, store/commit, retrieve/release, ends.
 
 Who sends what (vLLM kv_offload style, interfaces split by caller):
 
 * the engine's **scheduler**: ``lookup``, ``free_lookup_locks``, ``end_session``;
-* each **worker** (one per rank): ``register`` / ``unregister`` its KV cache, then ``store`` +
-  ``commit`` and ``retrieve`` + ``release``.
+* each **worker** (one per rank): ``register`` / ``unregister`` its KV cache
+  (:mod:`._registration`), then ``store`` + ``commit`` and ``retrieve`` + ``release``.
 
 CPU workers copy the bytes themselves: ``store`` answers with arena slots to write, ``commit``
 makes them visible; ``retrieve`` answers with pinned slots to read, ``release`` unpins them.
@@ -20,6 +20,7 @@ from typing import ClassVar
 from attrs import field, frozen
 
 from ._messages import Reply, Request
+from ._registration import Register, Released, Unregister
 
 __all__ = [
     "CACHE_REQUEST_TYPES",
@@ -29,26 +30,19 @@ __all__ = [
     "MAX_WORLD_SIZE",
     "Commit",
     "CommitReply",
-    "CudaCache",
-    "CudaLayer",
     "EndSession",
     "FreeLookupLocks",
-    "LayoutSpec",
     "Lookup",
     "LookupBatch",
     "LookupBatchReply",
     "LookupFailure",
     "LookupReply",
-    "Register",
-    "Registered",
     "Release",
-    "Released",
     "Retrieve",
     "RetrieveReply",
     "Slot",
     "Store",
     "StoreReply",
-    "Unregister",
 ]
 
 IntTuple = tuple[int, ...]
@@ -74,111 +68,6 @@ MAX_LOOKUP_KEYS = 1 << 16
 """The most object keys one ``lookup`` or ``lookup_batch`` may name: ``world_size`` times its
 chunk hashes, summed over a batch's lookups (a 1M-token prompt at world size 16). Beyond it the
 message is refused (``bad_request``) before any of its work starts."""
-
-
-@frozen
-class LayoutSpec:
-    """The shape of a worker's paged KV cache (see ``kvtrio.transfer.KVLayout``)."""
-
-    kind: str
-    """``flash_attn``, ``flash_infer``, ``mla``, ``cpu`` or ``vllm_cpu`` (vLLM's CPU backend up
-    to 0.31, and from 0.32)."""
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_heads: int
-    head_dim: int
-    dtype: str
-
-
-@frozen
-class CudaLayer:
-    """One layer's KV tensor, shared by CUDA IPC: torch's export of its storage
-    (``UntypedStorage._share_cuda_()``) and the tensor's view of that storage."""
-
-    handle: bytes
-    """The IPC memory handle of the allocation holding the storage."""
-    storage_size: int
-    """Bytes of the storage."""
-    storage_offset: int
-    """Where the storage starts in the allocation, in bytes."""
-    ref_counter_handle: bytes
-    """torch's shared reference counter (a shared-memory file) that keeps the engine from
-    freeing the storage while the server has it open."""
-    ref_counter_offset: int
-    event_handle: bytes
-    """An IPC event torch recorded when it exported the storage (may be empty)."""
-    event_sync_required: bool
-    shape: IntTuple
-    stride: IntTuple
-    """In elements."""
-    offset: int
-    """The tensor's offset into the storage, in elements."""
-    dtype: str
-
-
-@frozen
-class CudaCache:
-    """A CUDA worker's KV cache: where its layers are, on which GPU."""
-
-    device_uuid: str
-    """The GPU's UUID (as torch prints it); the server finds its own ordinal of that GPU, so the
-    two processes may see different ``CUDA_VISIBLE_DEVICES`` orders."""
-    layers: tuple[CudaLayer, ...]
-    """One per layer, in layer order; their shapes are ``layout``'s layer shape."""
-
-
-# --------------------------------------------------------------------------- register
-
-
-@frozen
-class Registered(Reply):
-    chunk_size: int
-    arena_path: str
-    """Path of the shared-memory file to map read-write (the L1 arena)."""
-    arena_size: int
-    chunk_bytes: int
-    """Bytes of one chunk of this worker's model in the canonical format."""
-    reservation_ttl: float
-    """Seconds a store's slots stay reserved; never write into a slot after that."""
-    pin_ttl: float
-
-
-@frozen
-class Register(Request):
-    """A worker registers its KV cache; replaces an earlier registration of the same session."""
-
-    op: ClassVar[str] = "register"
-    reply_type: ClassVar[type[Reply]] = Registered
-
-    engine: str
-    """The engine's id, shared by its scheduler and all its workers: request ids are scoped by
-    it (with model and tenant), so two engines never touch each other's requests."""
-    model: str
-    world_size: int
-    rank: int
-    layout: LayoutSpec
-    hash_scheme: str
-    """``tokens/sha256-128/v1`` (token mode) or ``blocks/<engine hash>/v1`` (hash mode)."""
-    device: str = "cpu"
-    """``cpu`` (the worker copies through the L1 arena) or ``cuda`` (give ``cuda``)."""
-    tenant: str = ""
-    cuda: CudaCache | None = None
-    hash_seed: str = ""  # hash mode: a fingerprint of the engine's root block hash, not its seed
-
-
-@frozen
-class Released(Reply):
-    released: int
-    """Pins and reservations released."""
-
-
-@frozen
-class Unregister(Request):
-    """A worker withdraws its registration; everything it held is released."""
-
-    op: ClassVar[str] = "unregister"
-    reply_type: ClassVar[type[Reply]] = Released
 
 
 # --------------------------------------------------------------------------- lookup

@@ -102,6 +102,15 @@ class ConnectorOptions:
             "faster than computing it; always: load every hit"
         },
     )
+    load_failure: str = attrs.field(
+        default="recompute",
+        validator=one_of("recompute", "fail"),
+        metadata={
+            "help": "what vLLM does with a request whose load from kvtrio failed: recompute "
+            "its blocks (kvtrio sets vLLM's kv_load_failure_policy to recompute, whose default "
+            "is fail) or fail the request (vLLM's policy set to fail)"
+        },
+    )
     async_load: bool = attrs.field(
         default=True,
         metadata={

@@ -72,6 +72,26 @@ if TYPE_CHECKING:
 __all__ = ["KvtrioConnector", "KvtrioConnectorMetadata", "KvtrioWorkerMetadata"]
 
 
+def _set_failure_policy(transfer_config: Any, wanted: str) -> None:
+    """Make vLLM's ``kv_load_failure_policy`` ``wanted`` (``kvtrio.load_failure``).
+
+    vLLM's default, ``fail``, ends a request whose load failed with an error: right for a
+    hand-off of KV that exists nowhere else, wrong for a cache, whose failed load only costs the
+    prefill it meant to save. vLLM's scheduler reads the policy just after it builds this
+    connector (0.32, 0.33), so setting it here takes effect."""
+    current = getattr(transfer_config, "kv_load_failure_policy", None)
+    if current is None or current == wanted:
+        return
+    transfer_config.kv_load_failure_policy = wanted
+    log.info(
+        "kvtrio: vLLM's kv_load_failure_policy set from %s to %s (kvtrio.load_failure): a "
+        "failed load from kvtrio %s",
+        current,
+        wanted,
+        "recomputes its blocks" if wanted == "recompute" else "fails its request",
+    )
+
+
 def _int_block_hashes() -> bool:
     """Whether vLLM's KV events name blocks by 64-bit ints (its default) or by bytes."""
     try:
@@ -166,6 +186,7 @@ class KvtrioConnector(KVConnectorBase_V1):
             )
             return
         if role == KVConnectorRole.SCHEDULER:
+            _set_failure_policy(transfer_config, options.load_failure)
             adapter = SchedulerAdapter.from_identity(identity)
             self._scheduler = SchedulerSide(options, self.block_size, adapter, keys)
             self._scheduler.event_hashes = event_hashes_of(_int_block_hashes())

@@ -194,7 +194,7 @@ def test_options_defaults_and_spellings() -> None:
         "kvtrio.url", "kvtrio.model", "kvtrio.tenant", "kvtrio.server_key", "kvtrio.client_key",
         "kvtrio.insecure", "kvtrio.load", "kvtrio.save", "kvtrio.load_policy",
         "kvtrio.async_load", "kvtrio.timeout", "kvtrio.lookup_wait", "kvtrio.events",
-        "kvtrio.keys",
+        "kvtrio.keys", "kvtrio.load_failure",
     }  # fmt: skip
     assert ConnectorOptions().keys == "engine"  # vLLM's block hashes by default
     assert parse_options({"kvtrio.keys": "tokens"}).keys == "tokens"

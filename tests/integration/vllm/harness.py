@@ -98,17 +98,19 @@ def make_config(
     prefix_caching: bool = False,
     max_batched_tokens: int = 128,
     kv_events: Any = None,
+    failure_policy: str | None = "recompute",
     **options: Any,
 ) -> VllmConfig:
     """A ``VllmConfig`` for the tiny model on the CPU, with kvtrio at ``url`` as connector
-    (``options`` become ``kvtrio.*`` extra-config keys)."""
+    (``options`` become ``kvtrio.*`` extra-config keys; ``failure_policy`` None leaves vLLM's
+    ``kv_load_failure_policy`` at its default)."""
     transfer = None
     if url is not None:
         transfer = KVTransferConfig(
             kv_connector="KvtrioConnector",
             kv_connector_module_path="kvtrio.integration.vllm",
             kv_role="kv_both",
-            kv_load_failure_policy="recompute",
+            **({} if failure_policy is None else {"kv_load_failure_policy": failure_policy}),
             kv_connector_extra_config={
                 "kvtrio.url": url,
                 "kvtrio.timeout": 2.0,

@@ -48,11 +48,23 @@ def engines(model_dir: Path, kvtrio: ServerProcess) -> Iterator[Callable[..., En
     one is shut down first: vLLM has one worker-side connector per process)."""
     made: list[Engine] = []
 
-    def make(*, num_blocks: int = 128, prefix_caching: bool = False, **options: Any) -> Engine:
+    def make(
+        *,
+        num_blocks: int = 128,
+        prefix_caching: bool = False,
+        failure_policy: str | None = "recompute",
+        **options: Any,
+    ) -> Engine:
         for engine in made:
             engine.close()
         engine = Engine(
-            make_config(model_dir, kvtrio.endpoint, prefix_caching=prefix_caching, **options),
+            make_config(
+                model_dir,
+                kvtrio.endpoint,
+                prefix_caching=prefix_caching,
+                failure_policy=failure_policy,
+                **options,
+            ),
             num_blocks=num_blocks,
         )
         made.append(engine)
@@ -273,13 +285,17 @@ def test_vllm_keeps_running_while_kvtrio_restarts(
     assert_no_pins(kvtrio)
 
 
+@pytest.mark.parametrize("policy", ["recompute", None], ids=["recompute", "vllm-default"])
 @pytest.mark.parametrize("async_load", [True, False], ids=["async", "sync"])
 def test_a_load_that_fails_is_recomputed(
-    engines: Callable[..., Engine], kvtrio: ServerProcess, async_load: bool
+    engines: Callable[..., Engine], kvtrio: ServerProcess, async_load: bool, policy: str | None
 ) -> None:
     """kvtrio dies between the lookup and the load: the worker reports the blocks failed and
-    vLLM recomputes them (the harness checks they were reported before anything reads them)."""
-    engine = engines(async_load=async_load)
+    vLLM recomputes them (the harness checks they were reported before anything reads them).
+    Also with vLLM's default ``kv_load_failure_policy`` (``fail``): the connector sets it to
+    ``recompute`` (was: the request ended with an error)."""
+    engine = engines(async_load=async_load, failure_policy=policy)
+    assert engine.scheduler.recompute_kv_load_failures
     store_prompt(engine, kvtrio)
     engine.add("b", PROMPT)
     while True:
@@ -296,6 +312,15 @@ def test_a_load_that_fails_is_recomputed(
     assert len(result.output) == 4
     computed = sum(s.num_scheduled_tokens.get("b", 0) for s in engine.steps)
     assert computed >= len(PROMPT) + 3  # everything was computed after all
+
+
+def test_load_failure_fail_keeps_vllms_fail_policy(
+    engines: Callable[..., Engine], kvtrio: ServerProcess
+) -> None:
+    """``kvtrio.load_failure=fail``: vLLM fails a request whose load failed."""
+    engine = engines(failure_policy=None, load_failure="fail")
+    assert not engine.scheduler.recompute_kv_load_failures
+    assert engine.config.kv_transfer_config.kv_load_failure_policy == "fail"
 
 
 def test_cpu_kernels_with_an_unknown_kv_packing_are_refused(

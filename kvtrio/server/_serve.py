@@ -185,6 +185,8 @@ async def open_server(
                             loaders=config.l2_loaders,
                             observe=metrics.observe_l2,
                             tenants=arenas.tenant_count,
+                            chunk_size=config.chunk_size,
+                            write_through=config.l2_write_through > 0,
                         )
                         cache = CacheService(config, arenas, l2, CudaTransfers(arena, cuda_runtime))
                         state = ServerState(
@@ -195,6 +197,7 @@ async def open_server(
                             observe_request=metrics.observe_request,
                             l1_sizing=plan.sizing,
                         )
+                        l2.fleet.instance = state.instance_id
                         register_core_operations(state)
                         cache.install(state)
                         async with trio.open_nursery() as root, trio.open_nursery() as sessions:

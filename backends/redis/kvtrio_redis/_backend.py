@@ -32,10 +32,16 @@ import attrs
 import trio
 from redis import exceptions
 
-from kvtrio.l2 import BackendError, BackendUnavailable, Buffers, LocalLocks
+from kvtrio.l2 import (
+    BackendError,
+    BackendMisconfigured,
+    BackendUnavailable,
+    Buffers,
+    LocalLocks,
+)
 from kvtrio.options import not_negative, positive
 
-from ._client import ClusterClient, StandaloneClient
+from ._client import NOT_STANDALONE, ClusterClient, StandaloneClient
 from ._wire import byte_views
 
 __all__ = ["RedisBackend", "RedisOptions"]
@@ -93,6 +99,7 @@ class RedisBackend:
     """Objects as Redis strings; per-key lock counts kept locally (see the module docstring)."""
 
     name: ClassVar[str] = "redis"
+    shared_store: ClassVar[bool] = True  # other kvtrio servers may use it too (fleet records)
     Options: ClassVar[type[RedisOptions]] = RedisOptions
 
     def __init__(self, options: RedisOptions | None = None) -> None:
@@ -108,6 +115,7 @@ class RedisBackend:
         self._threads = trio.CapacityLimiter(self.options.connections)
         self._locks = LocalLocks()  # deleted while locked: DEL at the last unlock
         self._closed = False
+        self._checked = False  # whether the server was found to be what `cluster` says
         self._running = 0  # operations inside a worker thread (or waiting for one)
         self._idle = trio.Event()
         self._idle.set()
@@ -256,13 +264,26 @@ class RedisBackend:
                 self._idle.set()
 
     def _in_thread(self, operation: str, function: Callable[..., _T], *args: Any) -> _T:
+        """Run one operation; before the first that reaches the server, check that the server
+        is what ``cluster`` says (:class:`BackendMisconfigured` naming the option if not)."""
         if self._closed:
             raise BackendError(f"redis: {operation} after aclose()")
         try:
+            if not self._checked:
+                wrong = self._client.check()
+                if wrong is not None:
+                    raise BackendMisconfigured(f"redis {_server(self.options.url)} {wrong}")
+                self._checked = True  # (two threads may both check first: harmless)
             return function(*args)
+        except BackendMisconfigured:
+            raise
         except Exception as exc:
             if self._closed:  # whatever redis-py raises when its sockets close under it
                 raise BackendError(f"redis: {operation} interrupted by aclose()") from None
+            if isinstance(exc, exceptions.MovedError):
+                raise BackendMisconfigured(
+                    f"redis {_server(self.options.url)} {NOT_STANDALONE}"
+                ) from None
             if isinstance(exc, _UNAVAILABLE):
                 raise BackendUnavailable(_describe(operation, exc, self.options.url)) from None
             if isinstance(exc, exceptions.RedisError):
@@ -270,8 +291,12 @@ class RedisBackend:
             raise
 
 
-def _describe(operation: str, exc: BaseException, url: str) -> str:
+def _server(url: str) -> str:
+    """Where ``url`` points, never with its password."""
     where = urllib.parse.urlsplit(url)
-    server = where.netloc.rpartition("@")[2] or where.path  # never print a password
+    return where.netloc.rpartition("@")[2] or where.path
+
+
+def _describe(operation: str, exc: BaseException, url: str) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return f"redis {server}: {operation} failed: {type(exc).__name__}: {text}"
+    return f"redis {_server(url)}: {operation} failed: {type(exc).__name__}: {text}"

@@ -176,6 +176,7 @@ class S3Backend:
 
     name = "s3"
     Options = S3Options
+    shared_store = True  # other kvtrio servers may use the bucket too (fleet records)
 
     def __init__(self, options: S3Options) -> None:
         self.options = options

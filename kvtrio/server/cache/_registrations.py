@@ -54,6 +54,10 @@ class Registrations:
         released = await core.release_session(session.id, quarantine=False)
         registration = core.registry.register(session.id, register, self.host_copy)
         core.arenas.bind(registration.space, tenant_arena)
+        profile = registration.profile
+        core.l2.fleet.announce(
+            register.model, register.tenant, profile.hash_scheme, profile.block_size
+        )
         core.watch(session)
         if registration.device == "cuda":
             try:

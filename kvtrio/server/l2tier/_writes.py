@@ -9,6 +9,11 @@ A full queue, in chunks or in bytes, skips the chunk and counts it: never an unb
 tenant that already holds its share of it (``1 / tenants``, counting the tenants the server has
 L1 arenas for and any that queued chunks) is skipped, so one tenant's commit flood cannot take
 the room another tenant's chunks need; below half, any tenant may use the room.
+
+**Write-through.** A chunk queued with ``wait`` gets an event, set once its batch's stores
+ended (written, refused or failed): the commit that queued it waits on it (bounded by
+``--l2-write-through``), so that once a store is finished here its chunks are already in the
+shared L2 for the other servers of a fleet (docs/fleet.md).
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ _BATCH_BYTES = 64 << 20
 one thread hop for the frames and one store per backend for many small chunks."""
 
 
-Queued = tuple[bytes, bytes, str]
-"""A queued chunk: (object key, fingerprint, tenant)."""
+Queued = tuple[bytes, bytes, str, trio.Event | None]
+"""A queued chunk: (object key, fingerprint, tenant, the event a write-through waits on)."""
 
 
 def owner_tag(tenant: str) -> bytes:
@@ -57,8 +62,10 @@ class WriteBehind:
         queue_size: int,
         flushers: int,
         tenants: Callable[[], int] = lambda: 1,
+        write_through: bool = False,
     ) -> None:
-        """``tenants`` says how many tenants the server serves now (its L1 arenas')."""
+        """``tenants`` says how many tenants the server serves now (its L1 arenas');
+        ``write_through``: every chunk queued gets an event (see the module docstring)."""
         self.backends = backends
         self._tenant_count = tenants
         self.l1 = l1
@@ -77,6 +84,7 @@ class WriteBehind:
         self.skipped_by_share = collections.Counter[str]()
         """Chunks skipped because their tenant held its share of a busy queue, per tenant."""
         self._tenants: dict[str, list[int]] = {}  # tenant → [chunks, bytes] queued now
+        self.write_through = write_through
 
     def start(self, nursery: trio.Nursery) -> None:
         """Start the flushers in ``nursery`` (none without backends); they run until it is
@@ -84,32 +92,37 @@ class WriteBehind:
         for _ in range(self._flushers if self.backends else 0):
             nursery.start_soon(self._flush, self._receive.clone())
 
-    def write_behind(self, key: bytes, fingerprint: bytes, tenant: str = "") -> None:
+    def write_behind(self, key: bytes, fingerprint: bytes, tenant: str = "") -> trio.Event | None:
         """Queue ``tenant``'s committed L1 chunk for the backends (pinned until written); never
         waits. Skipped (and counted) when the queue is full, in chunks or in bytes, or when it
-        is half full and the tenant holds its share of it (see the module docstring)."""
+        is half full and the tenant holds its share of it (see the module docstring).
+
+        Returns, with :attr:`write_through`, the event set once the chunk's stores ended (None
+        where it was skipped, or without backends)."""
         if not self.backends:
-            return
+            return None
         size = self._size(key)
         if self._queued_bytes + size > self.max_queued_bytes:
             self.skipped_stores += 1
-            return
+            return None
         mine = self._tenants.setdefault(tenant, [0, 0])
         if self._over_share(mine, size):
             self.skipped_stores += 1
             self.skipped_by_share[tenant] += 1
-            return
+            return None
+        written = trio.Event() if self.write_through else None
         self.l1.pin(key)
         try:
-            self._send.send_nowait((key, fingerprint, tenant))
+            self._send.send_nowait((key, fingerprint, tenant, written))
         except trio.WouldBlock:
             self.l1.unpin(key)
             self.skipped_stores += 1
-            return
+            return None
         self.queued += 1
         self._queued_bytes += size
         mine[0] += 1
         mine[1] += size
+        return written
 
     def _over_share(self, mine: list[int], size: int) -> bool:
         """Whether a tenant holding ``mine`` (chunks, bytes) may not add a chunk of ``size``:
@@ -137,7 +150,8 @@ class WriteBehind:
 
         A batch is the chunk received plus what is already queued (up to ``_BATCH_CHUNKS``
         chunks or ``_BATCH_BYTES``). Every chunk taken off the queue is unpinned exactly once,
-        also when the store fails or the flusher is cancelled.
+        also when the store fails or the flusher is cancelled, and its write-through event is
+        set then.
         """
         async for first in receive:
             batch = [first]
@@ -152,8 +166,10 @@ class WriteBehind:
                     nbytes += self._dequeued(item)
                 await self._store_batch(batch)
             finally:
-                for key, _, _ in batch:
+                for key, _, _, written in batch:
                     self.l1.unpin(key)
+                    if written is not None:
+                        written.set()
 
     def _size(self, key: bytes) -> int:
         entry = self.l1.get(key)
@@ -167,7 +183,7 @@ class WriteBehind:
         fingerprints: list[bytes] = []
         owners: list[bytes] = []
         payloads: list[memoryview] = []
-        for key, fingerprint, tenant in batch:
+        for key, fingerprint, tenant, _ in batch:
             entry = self.l1.get(key)
             if entry is None:  # cannot happen while pinned; be safe
                 continue

@@ -1,5 +1,6 @@
 """Servers sharing one L2 store (issue 26): fleet records that report servers naming a model's
-chunks otherwise, a backend misconfigured at start, and write-through commits."""
+chunks otherwise, a backend misconfigured at start, write-through commits, and chunks that an L2
+outage kept out of the store written once they are used again."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kvtrio.l2 import BackendMisconfigured, Buffers
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.server import open_server
 from kvtrio.server.l2tier._fleet import FleetRecord, record_key
+from kvtrio.testing import FaultBackend
 
 from .._support.l2_tier import running, stats, store
 from .._support.waiting import await_async
@@ -138,3 +140,34 @@ async def test_write_through_answers_a_commit_once_its_chunks_are_in_l2(
         await store(worker, "r", 4)  # returns with the commit's reply
         stored = (await stats(worker)).l2[0].counters.get("stores", 0)
         assert stored == (4 if through else 0)  # (write-behind: still in its 0.3 s store)
+
+
+async def test_a_chunk_not_written_during_an_outage_is_written_when_used_again(
+    config: ServerConfig,
+) -> None:
+    """A hot prefix that stays in L1 through an L2 outage reaches L2 once it is used again
+    (in a fleet, the other servers could never hit it otherwise)."""
+    fault = FaultBackend(inner=MemoryBackend())
+    async with running(config, fault) as (_, worker, _):
+        fault.configure(error_rate=1.0)
+        await store(worker, "during", 2)
+
+        async def skipped() -> bool:
+            counters = (await stats(worker)).l2[0].counters
+            return counters.get("errors", 0) + counters.get("stores_skipped", 0) >= 1
+
+        await await_async(skipped, what="the write-behind to fail")
+        assert fault.inner.statistics()["objects"] == 0
+        fault.configure(error_rate=0.0)
+
+        async def back() -> bool:
+            return (await stats(worker)).l2[0].healthy is True
+
+        await await_async(back, what="the backend probed healthy again")
+        await store(worker, "after", 2)  # both chunks are present in L1: used again
+
+        async def written() -> bool:
+            await trio.lowlevel.checkpoint()
+            return fault.inner.statistics()["objects"] == 2
+
+        await await_async(written, what="the chunks written when used again")

@@ -118,6 +118,7 @@ class Writes:
                 reserved.append(outcome)
             elif outcome is Reservation.PRESENT:
                 slots.append(Slot(index, "present"))
+                core.l2.writes.rewrite((object_key,))  # (if it never reached L2)
             elif outcome is Reservation.IN_PROGRESS:
                 slots.append(Slot(index, "busy"))
             else:

@@ -10,6 +10,14 @@ tenant that already holds its share of it (``1 / tenants``, counting the tenants
 L1 arenas for and any that queued chunks) is skipped, so one tenant's commit flood cannot take
 the room another tenant's chunks need; below half, any tenant may use the room.
 
+**A chunk not written is written again when it is used again.** A chunk skipped (queue full, its
+tenant over its share) or whose store did not reach every backend (backed off, failed, refused)
+is remembered (at most :data:`_UNWRITTEN` chunks, the oldest forgotten) and queued again when a
+store finds it already in L1 or a lookup hits it there (:meth:`WriteBehind.rewrite`). Without
+this a hot prefix that stays in L1 through an L2 outage is never written: in a fleet, the other
+servers would miss it for as long as this one keeps it (found by ``tests/fleet``: a killed
+primary, a prefix used by every request, never a hit on the other server again).
+
 **Write-through.** A chunk queued with ``wait`` gets an event, set once its batch's stores
 ended (written, refused or failed): the commit that queued it waits on it (bounded by
 ``--l2-write-through``), so that once a store is finished here its chunks are already in the
@@ -20,7 +28,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import trio
 
@@ -38,6 +46,8 @@ _BATCH_CHUNKS = 32
 _BATCH_BYTES = 64 << 20
 """A flusher writes at most this many queued chunks (or about this many bytes) per backend call:
 one thread hop for the frames and one store per backend for many small chunks."""
+_UNWRITTEN = 16384
+"""Chunks not written to every backend that are remembered, to be queued again when used."""
 
 
 Queued = tuple[bytes, bytes, str, trio.Event | None]
@@ -85,6 +95,12 @@ class WriteBehind:
         """Chunks skipped because their tenant held its share of a busy queue, per tenant."""
         self._tenants: dict[str, list[int]] = {}  # tenant → [chunks, bytes] queued now
         self.write_through = write_through
+        self.unwritten: collections.OrderedDict[bytes, tuple[bytes, str]] = (
+            collections.OrderedDict()
+        )
+        """Chunks not written to every backend: key → (fingerprint, tenant), oldest first."""
+        self.rewrites = 0
+        """Chunks queued again because they were used again (see the module docstring)."""
 
     def start(self, nursery: trio.Nursery) -> None:
         """Start the flushers in ``nursery`` (none without backends); they run until it is
@@ -104,11 +120,13 @@ class WriteBehind:
         size = self._size(key)
         if self._queued_bytes + size > self.max_queued_bytes:
             self.skipped_stores += 1
+            self._remember(key, fingerprint, tenant)
             return None
         mine = self._tenants.setdefault(tenant, [0, 0])
         if self._over_share(mine, size):
             self.skipped_stores += 1
             self.skipped_by_share[tenant] += 1
+            self._remember(key, fingerprint, tenant)
             return None
         written = trio.Event() if self.write_through else None
         self.l1.pin(key)
@@ -117,12 +135,30 @@ class WriteBehind:
         except trio.WouldBlock:
             self.l1.unpin(key)
             self.skipped_stores += 1
+            self._remember(key, fingerprint, tenant)
             return None
         self.queued += 1
         self._queued_bytes += size
         mine[0] += 1
         mine[1] += size
         return written
+
+    def rewrite(self, keys: Iterable[bytes]) -> None:
+        """``keys`` are in L1 and used again (a store found them there, a lookup hit them):
+        queue those that were not written to every backend again. Never waits."""
+        if not self.unwritten:
+            return
+        for key in keys:
+            remembered = self.unwritten.pop(key, None)
+            if remembered is not None and self.l1.get(key) is not None:
+                self.rewrites += 1
+                self.write_behind(key, *remembered)
+
+    def _remember(self, key: bytes, fingerprint: bytes, tenant: str) -> None:
+        self.unwritten[key] = (fingerprint, tenant)
+        self.unwritten.move_to_end(key)
+        if len(self.unwritten) > _UNWRITTEN:
+            self.unwritten.popitem(last=False)
 
     def _over_share(self, mine: list[int], size: int) -> bool:
         """Whether a tenant holding ``mine`` (chunks, bytes) may not add a chunk of ``size``:
@@ -183,11 +219,13 @@ class WriteBehind:
         fingerprints: list[bytes] = []
         owners: list[bytes] = []
         payloads: list[memoryview] = []
+        tenants: list[str] = []
         for key, fingerprint, tenant, _ in batch:
             entry = self.l1.get(key)
             if entry is None:  # cannot happen while pinned; be safe
                 continue
             keys.append(key)
+            tenants.append(tenant)
             owners.append(owner_tag(tenant))
             parents.append(entry.parent)
             fingerprints.append(fingerprint)
@@ -200,17 +238,26 @@ class WriteBehind:
         buffers = [
             [memoryview(head), payload] for head, payload in zip(heads, payloads, strict=True)
         ]
+        written = [True] * len(keys)
         for tier_backend in self.backends:
             if not tier_backend.usable(trio.current_time()):
                 tier_backend.count("stores_skipped", len(keys))
+                written = [False] * len(keys)
                 continue
             with self._calls.call(tier_backend, "store", "store", heals=True) as call:
                 results = await tier_backend.store(keys, buffers, parents=parents, owners=owners)
             if call.failed:
+                written = [False] * len(keys)
                 continue
-            for ok, payload in zip(results, payloads, strict=True):
+            for i, (ok, payload) in enumerate(zip(results, payloads, strict=True)):
                 tier_backend.count("stores" if ok else "stores_refused")
                 tier_backend.count("store_bytes", payload.nbytes if ok else 0)
+                written[i] = written[i] and ok
+        for key, fingerprint, tenant, ok in zip(keys, fingerprints, tenants, written, strict=True):
+            if ok:
+                self.unwritten.pop(key, None)
+            else:
+                self._remember(key, fingerprint, tenant)
 
 
 def _headers(

@@ -10,6 +10,8 @@ the replica took over and until kvtrio served hits again); ``-s`` shows it.
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -103,6 +105,39 @@ def test_a_server_killed_loses_nothing_committed_to_l2(store: str) -> None:
         for member, tokens in enumerate(prompts):
             got = fetch(b_worker, b_scheduler, f"q{member}", tokens, TARGET)
             assert (got.hit_tokens, got.failed, got.wrong) == (4 * CHUNK, (), ())
+
+
+def test_a_frozen_store_costs_a_lookup_its_deadline_not_more(valkey: LocalRedisCluster) -> None:
+    """Every primary stopped (SIGSTOP: sockets open, no answer, as a store behind a stalled
+    network): a lookup through B answers within its deadline with what B's L1 has, and the
+    prompt is a full hit again once the store answers."""
+    spec = valkey_spec(valkey).replace("timeout=2", "timeout=5")
+    with fleet(2, spec, "--lookup-timeout", "0.3") as nodes:
+        a_worker, b_worker = nodes[0].worker(), nodes[1].worker()
+        b_scheduler = nodes[1].scheduler()
+        tokens = prompt(family=4, member=0, shared=1, chunks=4)
+        put(a_worker, "a", tokens, BLOCKS)
+        wait_for(lambda: l2_counter(nodes[0], "stores") >= 4, what="A's write-behind")
+        primaries = valkey.primaries()
+        try:
+            for node in primaries:
+                os.kill(node.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+            started = time.monotonic()
+            got = fetch(b_worker, b_scheduler, "frozen", tokens, TARGET)
+            took = time.monotonic() - started
+        finally:
+            for node in primaries:
+                os.kill(node.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        assert (got.hit_tokens, got.wrong) == (0, ())
+        assert took < 3.0, f"the lookup took {took:.1f} s with a 0.3 s deadline (store: 5 s)"
+        print(f"\nfrozen store: lookup answered in {took * 1000:.0f} ms (deadline 300 ms)")
+
+        def hit_again() -> bool:
+            got = fetch(b_worker, b_scheduler, f"after{time.monotonic()}", tokens, TARGET)
+            assert got.wrong == ()
+            return got.hit_tokens == 4 * CHUNK and not got.failed
+
+        wait_for(hit_again, timeout=60, what="a full hit once the store answers again")
 
 
 Engines = list[tuple[Any, Any]]

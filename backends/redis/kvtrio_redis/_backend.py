@@ -16,8 +16,10 @@ such an object is simply a miss.
 Blocking redis-py calls run in worker threads, at most ``connections`` at once (the pool has as
 many connections, per node in a cluster). A thread, once started, finishes its Redis exchange
 even when the calling task is cancelled (bounded by ``timeout``); cancellation takes effect
-before it starts or after it ends. Every redis-py exception is turned into
-:class:`~kvtrio.l2.BackendUnavailable` (cannot reach the service) or
+before it starts or after it ends, except for a lookup's EXISTS, which writes into no buffer
+and locks nothing until it is answered: a cancelled lookup returns at once and its thread's
+answer is dropped (so a lookup's deadline holds while Redis does not answer). Every redis-py
+exception is turned into :class:`~kvtrio.l2.BackendUnavailable` (cannot reach the service) or
 :class:`~kvtrio.l2.BackendError` here.
 """
 
@@ -125,12 +127,15 @@ class RedisBackend:
 
     async def lookup_and_lock(self, keys: Sequence[bytes]) -> int:
         """Length of the prefix of ``keys`` present in Redis (one pipelined EXISTS round trip),
-        locked locally. Cancelled before or while waiting for a thread: nothing is locked; once
-        the answer is in, the locks are taken without another checkpoint."""
+        locked locally. Cancelled before the answer is in (also while the thread waits on
+        Redis: it is abandoned, its answer dropped): nothing is locked; once the answer is in,
+        the locks are taken without another checkpoint."""
         if not keys:
             await trio.lowlevel.checkpoint()
             return 0
-        present = await self._run("lookup", self._client.exists, self._names(keys))
+        present = await self._run(
+            "lookup", self._client.exists, self._names(keys), abandon_on_cancel=True
+        )
         found = 0
         for key, exists in zip(keys, present, strict=True):
             if not exists or self._locks.is_doomed(key):
@@ -241,11 +246,19 @@ class RedisBackend:
     def _names(self, keys: Sequence[bytes]) -> list[bytes]:
         return [self._prefix + key.hex().encode() for key in keys]
 
-    async def _run(self, operation: str, function: Callable[..., _T], *args: Any) -> _T:
+    async def _run(
+        self,
+        operation: str,
+        function: Callable[..., _T],
+        *args: Any,
+        abandon_on_cancel: bool = False,
+    ) -> _T:
         """Run ``function(*args)`` in a worker thread, mapping every failure to BackendError.
 
         The result comes back without a checkpoint after the thread ends, so callers can act on
-        it before a pending cancellation is delivered."""
+        it before a pending cancellation is delivered. ``abandon_on_cancel``: a cancellation
+        returns at once, the thread runs on (bounded by ``timeout``, holding its limiter token)
+        and its result is dropped; only for calls that touch no caller's buffer."""
         if self._closed:
             await trio.lowlevel.checkpoint()
             raise BackendError(f"redis: {operation} after aclose()")
@@ -253,7 +266,12 @@ class RedisBackend:
         self._idle = trio.Event() if self._running == 1 else self._idle
         try:
             return await trio.to_thread.run_sync(
-                self._in_thread, operation, function, *args, limiter=self._threads
+                self._in_thread,
+                operation,
+                function,
+                *args,
+                limiter=self._threads,
+                abandon_on_cancel=abandon_on_cancel,
             )
         except BackendError:
             self.counters["errors"] += 1

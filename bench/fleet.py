@@ -270,10 +270,10 @@ def main() -> None:
     base = rows[0]["hit_ratio"]
     print(
         "| servers | write | token hits | vs 1 server | L2 hit chunks per node | cross-node hit "
-        "chunks | lookup p50 / p99 | kvtrio CPU | Valkey CPU | Valkey net in / out per "
-        "stored chunk | Valkey commands per stored chunk |"
+        "chunks | lookup p50 / p99 | kvtrio CPU | stored chunks | Valkey CPU (per stored "
+        "chunk) | Valkey net in / out per stored chunk | Valkey commands per stored chunk |"
     )
-    print("| --- " * 11 + "|")
+    print("| --- " * 12 + "|")
     for i, row in enumerate(rows):
         mode = "behind" if i < 3 else "through 2 s"
         per = max(row["stored_chunks"], 1)
@@ -282,7 +282,8 @@ def main() -> None:
             f"{100 * (row['hit_ratio'] - base):+.1f} pt | "
             f"{' / '.join(str(h) for h in row['l2_hits'])} | {row['cross']} | "
             f"{row['p50_ms']:.2f} / {row['p99_ms']:.2f} ms | {row['kvtrio_cpu_s']:.1f} s | "
-            f"{row['store_cpu_s']:.1f} s | {row['store_net_in'] / per / 1024:.1f} / "
+            f"{row['stored_chunks']} | {row['store_cpu_s']:.1f} s "
+            f"({1e6 * row['store_cpu_s'] / per:.0f} µs) | {row['store_net_in'] / per / 1024:.1f} / "
             f"{row['store_net_out'] / per / 1024:.1f} KiB | {row['store_commands'] / per:.1f} |"
         )
     print()

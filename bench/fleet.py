@@ -278,8 +278,8 @@ def main() -> None:
         mode = "behind" if i < 3 else "through 2 s"
         per = max(row["stored_chunks"], 1)
         print(
-            f"| {row['servers']} | {mode} | {100 * row['hit_ratio']:.1f} % | "
-            f"{100 * (row['hit_ratio'] - base):+.1f} pt | "
+            f"| {row['servers']} | {mode} | {100 * row['hit_ratio']:.2f} % | "
+            f"{100 * (row['hit_ratio'] - base):+.2f} pt | "
             f"{' / '.join(str(h) for h in row['l2_hits'])} | {row['cross']} | "
             f"{row['p50_ms']:.2f} / {row['p99_ms']:.2f} ms | {row['kvtrio_cpu_s']:.1f} s | "
             f"{row['stored_chunks']} | {row['store_cpu_s']:.1f} s "

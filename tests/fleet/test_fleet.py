@@ -3,8 +3,9 @@ L2 store, a Valkey Cluster of 3 primaries and 3 replicas or an S3 store (Seaweed
 here without root. Engines on each server store and retrieve prompts with shared prefixes; every
 retrieved block is checked against its own prompt's KV.
 
-Run with ``tox -e fleet`` (CI does). The failover test prints what it measured (the time until
-the replica took over and until kvtrio served hits again); ``-s`` shows it.
+Run with ``tox -e fleet`` (CI does; ``-rA`` there shows what the tests print). The failover
+test prints what it measured (the time until the replica took over and until kvtrio served full
+hits again), the frozen-store test how long a lookup took with a store that does not answer.
 """
 
 from __future__ import annotations

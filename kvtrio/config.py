@@ -228,6 +228,14 @@ class ServerConfig:
         validator=positive,
         metadata={"help": "Concurrent L2→L1 loads per backend."},
     )
+    l2_write_through: float = field(
+        default=0.0,
+        validator=not_negative,
+        metadata={
+            "help": "Seconds a store's commit waits for its chunks' L2 writes (0: it does not "
+            "wait): bounds when other servers sharing the L2 see them (docs/fleet.md)."
+        },
+    )
     shm_dir: str = field(
         default="",
         metadata={"help": "Directory of the shared-memory L1 file."},
@@ -341,6 +349,7 @@ def config_summary(config: ServerConfig) -> dict[str, Any]:
         "l2": [spec.name for spec in config.l2],
         "lookup_timeout": config.lookup_timeout,
         "retrieve_timeout": config.retrieve_timeout,
+        "l2_write_through": config.l2_write_through,
         "heartbeat_timeout": config.heartbeat_timeout,
         "drain_timeout": config.drain_timeout,
         "pin_ttl": config.pin_ttl,

@@ -4,6 +4,7 @@ from ._framing import FORMAT_VERSION, HEADER_SIZE, Corrupt, check, header
 from ._interface import (
     Backend,
     BackendError,
+    BackendMisconfigured,
     BackendUnavailable,
     Buffers,
     Capabilities,
@@ -21,6 +22,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "BackendInfo",
+    "BackendMisconfigured",
     "BackendUnavailable",
     "Buffers",
     "Capabilities",

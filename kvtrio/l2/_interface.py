@@ -25,6 +25,11 @@ capability keep working unchanged. :func:`capabilities` reads them; nothing else
   ``lookup_and_lock``), last given last used, to refresh them in its eviction policy as a
   lookup hit would. Unknown keys are ignored; it changes nothing visible (no lock, no load).
   The server calls it in batches, from a task, never once per hit.
+
+One more class attribute is a property rather than a call: ``shared_store`` (``True`` for the
+``redis`` and ``s3`` backends): the objects are in a store that other kvtrio servers may use
+too, so the server keeps a fleet record of each model there (``docs/fleet.md``); a backend
+without it is taken as this server's own (the disk L2) and is never given one.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from ..errors import KvtrioError
 __all__ = [
     "Backend",
     "BackendError",
+    "BackendMisconfigured",
     "BackendUnavailable",
     "Buffers",
     "Capabilities",
@@ -57,6 +63,13 @@ class BackendError(KvtrioError):
 
 class BackendUnavailable(BackendError):
     """The backend's service cannot be reached (connection refused, timed out)."""
+
+
+class BackendMisconfigured(BackendError):
+    """The backend's service answers, but is not what the backend's options say it is (a Redis
+    Cluster node reached without ``cluster=true``, say): no call can work until the options
+    change. The message says which option to set. Found by the server's start-up probe, it
+    stops the start (one line); found later, it is a failure like any other."""
 
 
 class UnreadableObjects(BackendError):
@@ -152,6 +165,8 @@ class Capabilities:
     """``accepts_owners``: ``store`` takes ``owners=``."""
     touches: bool = False
     """``accepts_touches``: it has ``touch`` (:class:`Touching`)."""
+    shared: bool = False
+    """``shared_store``: other servers may use the same store (see the module docstring)."""
 
 
 def capabilities(backend: Backend) -> Capabilities:
@@ -161,4 +176,5 @@ def capabilities(backend: Backend) -> Capabilities:
         parents=bool(getattr(backend, "accepts_parents", False)),
         owners=bool(getattr(backend, "accepts_owners", False)),
         touches=bool(getattr(backend, "accepts_touches", False)),
+        shared=bool(getattr(backend, "shared_store", False)),
     )

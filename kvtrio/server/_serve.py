@@ -193,6 +193,8 @@ async def open_server(
                             observe=metrics.observe_l2,
                             tenants=arenas.tenant_count,
                             listener=announcer,
+                            chunk_size=config.chunk_size,
+                            write_through=config.l2_write_through > 0,
                         )
                         cache = CacheService(config, arenas, l2, CudaTransfers(cuda_runtime))
                         cache.core.announcer = announcer
@@ -206,6 +208,7 @@ async def open_server(
                             observe_request=metrics.observe_request,
                             l1_sizing=plan.sizing,
                         )
+                        l2.fleet.instance = state.instance_id
                         register_core_operations(state)
                         cache.install(state)
                         async with trio.open_nursery() as root, trio.open_nursery() as sessions:

@@ -284,10 +284,12 @@ class LocalRedis:
 
 
 class LocalRedisCluster:
-    """A Redis Cluster of local masters (no replicas); ``url`` names the first node."""
+    """A Redis Cluster of local masters, each with ``replicas`` replicas; ``url`` names the
+    first node. ``nodes`` lists the masters first (as created), then the replicas."""
 
-    def __init__(self, nodes: list[LocalRedis]) -> None:
+    def __init__(self, nodes: list[LocalRedis], masters: int | None = None) -> None:
         self.nodes = nodes
+        self.masters = len(nodes) if masters is None else masters
 
     @property
     def urls(self) -> list[str]:
@@ -300,16 +302,40 @@ class LocalRedisCluster:
     def flushall(self) -> None:
         """Empty every master (FLUSHALL only acts on the node it is sent to)."""
         for node in self.nodes:
-            node.command("FLUSHALL")
+            if node.running and self.role(node) == "master":
+                node.command("FLUSHALL")
 
     def state_ok(self) -> bool:
-        """Whether every node reports ``cluster_state:ok``."""
+        """Whether every running node reports ``cluster_state:ok``."""
         for node in self.nodes:
+            if not node.running:
+                continue
             try:
                 info = node.command("CLUSTER", "INFO")
             except (OSError, RedisUnavailable):
                 return False
             if b"cluster_state:ok" not in info:
+                return False
+        return True
+
+    def role(self, node: LocalRedis) -> str:
+        """``master`` or ``slave`` (``ROLE``), ``down`` if it does not answer."""
+        try:
+            return str(node.command("ROLE")[0].decode())
+        except (OSError, RedisUnavailable, ConnectionError):
+            return "down"
+
+    def primaries(self) -> list[LocalRedis]:
+        """The running nodes that are masters now (a promoted replica among them)."""
+        return [n for n in self.nodes if n.running and self.role(n) == "master"]
+
+    def replicas_synced(self) -> bool:
+        """Whether every running replica's link to its master is up."""
+        for node in self.nodes:
+            if not node.running or self.role(node) != "slave":
+                continue
+            info = node.command("INFO", "replication")
+            if b"master_link_status:up" not in info:
                 return False
         return True
 
@@ -332,26 +358,41 @@ def redis_server(args: Sequence[str] = (), timeout: float = 15.0) -> Iterator[Lo
 
 @contextlib.contextmanager
 def redis_cluster(
-    masters: int = 3, args: Sequence[str] = (), timeout: float = 30.0
+    masters: int = 3,
+    args: Sequence[str] = (),
+    timeout: float = 30.0,
+    *,
+    replicas: int = 0,
+    node_timeout_ms: int = 5000,
 ) -> Iterator[LocalRedisCluster]:
-    """A Redis Cluster of ``masters`` local nodes (slots spread evenly, no replicas).
+    """A Redis Cluster of ``masters`` local nodes (slots spread evenly), each with
+    ``replicas`` replicas.
 
     Created the way ``redis-cli --cluster create`` does it, over the helpers' own socket
-    (ADDSLOTS, SET-CONFIG-EPOCH, MEET), so no redis-cli is needed; yields once every node
-    reports ``cluster_state:ok``. All nodes are stopped at exit.
+    (ADDSLOTS, SET-CONFIG-EPOCH, MEET, then CLUSTER REPLICATE on each replica), so no
+    redis-cli is needed; yields once every node reports ``cluster_state:ok`` and every
+    replica's link to its master is up. A master killed for longer than ``node_timeout_ms``
+    is replaced by its replica (automatic failover). All nodes are stopped at exit.
     """
     ensure_redis_installed()
-    node_args = ["--cluster-enabled", "yes", "--cluster-node-timeout", "5000", *args]
+    node_args = [
+        "--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms), *args
+    ]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="kvtrio-redis-cluster-") as directory:
         nodes: list[LocalRedis] = []
         try:
-            for index in range(masters):
+            for index in range(masters * (1 + replicas)):
                 path = Path(directory) / f"node{index}"
                 make = functools.partial(LocalRedis, path, args=node_args, bus=True)
                 nodes.append(_start_on_free_port(make, timeout))
-            _create_cluster(nodes)
-            cluster = LocalRedisCluster(nodes)
-            _wait_until(cluster.state_ok, timeout, "cluster_state:ok on every node")
+            _create_cluster(nodes[:masters])
+            first = LocalRedisCluster(nodes[:masters]).state_ok
+            _wait_until(first, timeout, "cluster_state:ok on every master")
+            cluster = LocalRedisCluster(nodes, masters)
+            if replicas:
+                _add_replicas(nodes[:masters], nodes[masters:], timeout)
+                _wait_until(cluster.replicas_synced, timeout, "every replica in sync")
+                _wait_until(cluster.state_ok, timeout, "cluster_state:ok on every node")
             yield cluster
         finally:
             for node in nodes:
@@ -370,6 +411,21 @@ def _create_cluster(nodes: list[LocalRedis]) -> None:
         node.command("CLUSTER", "SET-CONFIG-EPOCH", str(index + 1))
     for node in nodes[1:]:
         nodes[0].command("CLUSTER", "MEET", HOST, str(node.port))
+
+
+def _add_replicas(masters: list[LocalRedis], replicas: list[LocalRedis], timeout: float) -> None:
+    """Introduce the replicas and make replica ``i`` follow master ``i % len(masters)``."""
+    for node in replicas:
+        masters[0].command("CLUSTER", "MEET", HOST, str(node.port))
+    ids = [str(master.command("CLUSTER", "MYID").decode()) for master in masters]
+    for index, node in enumerate(replicas):
+        master_id = ids[index % len(masters)]
+
+        def knows(node: LocalRedis = node, master_id: str = master_id) -> bool:
+            return master_id.encode() in node.command("CLUSTER", "NODES")
+
+        _wait_until(knows, timeout, f"node {node.port} to learn of its master")
+        node.command("CLUSTER", "REPLICATE", master_id)
 
 
 def _start_on_free_port(make: Callable[[], LocalRedis], timeout: float) -> LocalRedis:

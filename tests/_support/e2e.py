@@ -48,13 +48,22 @@ class Worker:
     """An engine worker process (``engine_worker.py``) driven over stdin/stdout."""
 
     def __init__(
-        self, endpoint: str, model: str, world: int, rank: int, layout: str, flags: tuple[str, ...]
+        self,
+        endpoint: str,
+        model: str,
+        world: int,
+        rank: int,
+        layout: str,
+        flags: tuple[str, ...],
+        env: dict[str, str] | None = None,
     ) -> None:
+        """``env``: the process's whole environment (default: this one's)."""
         self.proc = subprocess.Popen(
             [sys.executable, str(WORKER), endpoint, model, str(world), str(rank), layout, *flags],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            env=env,
         )
         assert self._read() == {"ready": True}
 

@@ -16,8 +16,10 @@ such an object is simply a miss.
 Blocking redis-py calls run in worker threads, at most ``connections`` at once (the pool has as
 many connections, per node in a cluster). A thread, once started, finishes its Redis exchange
 even when the calling task is cancelled (bounded by ``timeout``); cancellation takes effect
-before it starts or after it ends. Every redis-py exception is turned into
-:class:`~kvtrio.l2.BackendUnavailable` (cannot reach the service) or
+before it starts or after it ends, except for a lookup's EXISTS, which writes into no buffer
+and locks nothing until it is answered: a cancelled lookup returns at once and its thread's
+answer is dropped (so a lookup's deadline holds while Redis does not answer). Every redis-py
+exception is turned into :class:`~kvtrio.l2.BackendUnavailable` (cannot reach the service) or
 :class:`~kvtrio.l2.BackendError` here.
 """
 
@@ -32,10 +34,16 @@ import attrs
 import trio
 from redis import exceptions
 
-from kvtrio.l2 import BackendError, BackendUnavailable, Buffers, LocalLocks
+from kvtrio.l2 import (
+    BackendError,
+    BackendMisconfigured,
+    BackendUnavailable,
+    Buffers,
+    LocalLocks,
+)
 from kvtrio.options import not_negative, positive
 
-from ._client import ClusterClient, StandaloneClient
+from ._client import NOT_STANDALONE, ClusterClient, StandaloneClient
 from ._wire import byte_views
 
 __all__ = ["RedisBackend", "RedisOptions"]
@@ -93,6 +101,7 @@ class RedisBackend:
     """Objects as Redis strings; per-key lock counts kept locally (see the module docstring)."""
 
     name: ClassVar[str] = "redis"
+    shared_store: ClassVar[bool] = True  # other kvtrio servers may use it too (fleet records)
     Options: ClassVar[type[RedisOptions]] = RedisOptions
 
     def __init__(self, options: RedisOptions | None = None) -> None:
@@ -108,6 +117,7 @@ class RedisBackend:
         self._threads = trio.CapacityLimiter(self.options.connections)
         self._locks = LocalLocks()  # deleted while locked: DEL at the last unlock
         self._closed = False
+        self._checked = False  # whether the server was found to be what `cluster` says
         self._running = 0  # operations inside a worker thread (or waiting for one)
         self._idle = trio.Event()
         self._idle.set()
@@ -117,12 +127,15 @@ class RedisBackend:
 
     async def lookup_and_lock(self, keys: Sequence[bytes]) -> int:
         """Length of the prefix of ``keys`` present in Redis (one pipelined EXISTS round trip),
-        locked locally. Cancelled before or while waiting for a thread: nothing is locked; once
-        the answer is in, the locks are taken without another checkpoint."""
+        locked locally. Cancelled before the answer is in (also while the thread waits on
+        Redis: it is abandoned, its answer dropped): nothing is locked; once the answer is in,
+        the locks are taken without another checkpoint."""
         if not keys:
             await trio.lowlevel.checkpoint()
             return 0
-        present = await self._run("lookup", self._client.exists, self._names(keys))
+        present = await self._run(
+            "lookup", self._client.exists, self._names(keys), abandon_on_cancel=True
+        )
         found = 0
         for key, exists in zip(keys, present, strict=True):
             if not exists or self._locks.is_doomed(key):
@@ -233,11 +246,19 @@ class RedisBackend:
     def _names(self, keys: Sequence[bytes]) -> list[bytes]:
         return [self._prefix + key.hex().encode() for key in keys]
 
-    async def _run(self, operation: str, function: Callable[..., _T], *args: Any) -> _T:
+    async def _run(
+        self,
+        operation: str,
+        function: Callable[..., _T],
+        *args: Any,
+        abandon_on_cancel: bool = False,
+    ) -> _T:
         """Run ``function(*args)`` in a worker thread, mapping every failure to BackendError.
 
         The result comes back without a checkpoint after the thread ends, so callers can act on
-        it before a pending cancellation is delivered."""
+        it before a pending cancellation is delivered. ``abandon_on_cancel``: a cancellation
+        returns at once, the thread runs on (bounded by ``timeout``, holding its limiter token)
+        and its result is dropped; only for calls that touch no caller's buffer."""
         if self._closed:
             await trio.lowlevel.checkpoint()
             raise BackendError(f"redis: {operation} after aclose()")
@@ -245,7 +266,12 @@ class RedisBackend:
         self._idle = trio.Event() if self._running == 1 else self._idle
         try:
             return await trio.to_thread.run_sync(
-                self._in_thread, operation, function, *args, limiter=self._threads
+                self._in_thread,
+                operation,
+                function,
+                *args,
+                limiter=self._threads,
+                abandon_on_cancel=abandon_on_cancel,
             )
         except BackendError:
             self.counters["errors"] += 1
@@ -256,13 +282,26 @@ class RedisBackend:
                 self._idle.set()
 
     def _in_thread(self, operation: str, function: Callable[..., _T], *args: Any) -> _T:
+        """Run one operation; before the first that reaches the server, check that the server
+        is what ``cluster`` says (:class:`BackendMisconfigured` naming the option if not)."""
         if self._closed:
             raise BackendError(f"redis: {operation} after aclose()")
         try:
+            if not self._checked:
+                wrong = self._client.check()
+                if wrong is not None:
+                    raise BackendMisconfigured(f"redis {_server(self.options.url)} {wrong}")
+                self._checked = True  # (two threads may both check first: harmless)
             return function(*args)
+        except BackendMisconfigured:
+            raise
         except Exception as exc:
             if self._closed:  # whatever redis-py raises when its sockets close under it
                 raise BackendError(f"redis: {operation} interrupted by aclose()") from None
+            if isinstance(exc, exceptions.MovedError):
+                raise BackendMisconfigured(
+                    f"redis {_server(self.options.url)} {NOT_STANDALONE}"
+                ) from None
             if isinstance(exc, _UNAVAILABLE):
                 raise BackendUnavailable(_describe(operation, exc, self.options.url)) from None
             if isinstance(exc, exceptions.RedisError):
@@ -270,8 +309,12 @@ class RedisBackend:
             raise
 
 
-def _describe(operation: str, exc: BaseException, url: str) -> str:
+def _server(url: str) -> str:
+    """Where ``url`` points, never with its password."""
     where = urllib.parse.urlsplit(url)
-    server = where.netloc.rpartition("@")[2] or where.path  # never print a password
+    return where.netloc.rpartition("@")[2] or where.path
+
+
+def _describe(operation: str, exc: BaseException, url: str) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return f"redis {server}: {operation} failed: {type(exc).__name__}: {text}"
+    return f"redis {_server(url)}: {operation} failed: {type(exc).__name__}: {text}"

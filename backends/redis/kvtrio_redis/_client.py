@@ -1,11 +1,12 @@
 """Blocking access to one Redis server or a Redis Cluster, for the backend's worker threads.
 
-Both clients offer the same five operations over already prefixed key names: ``exists``
+Both clients offer the same operations over already prefixed key names: ``exists``
 (pipelined EXISTS), ``get_into`` / ``set_from`` (the zero-copy hot path of :mod:`._wire` on a
-pooled connection, one pipelined batch per server), ``delete`` and ``close``. They raise
-redis-py's exceptions; the backend maps them. Nothing connects before the first operation, and
-a connection that broke is replaced by redis-py's pool on the next checkout, so both recover by
-themselves once the service is back.
+pooled connection, one pipelined batch per server), ``delete`` and ``close``; and ``check``,
+which says what the server is when that is not what the options say (:data:`NOT_STANDALONE`,
+:data:`NOT_CLUSTER`), else None. They raise redis-py's exceptions; the backend maps them.
+Nothing connects before the first operation, and a connection that broke is replaced by
+redis-py's pool on the next checkout, so both recover by themselves once the service is back.
 
 In a cluster, keys are grouped by the node that serves their slot (redis-py's slot map). A key
 whose fast path meets a redirect (``MOVED``, ``ASK``, ``TRYAGAIN``, ``CLUSTERDOWN``) or a node
@@ -28,7 +29,13 @@ from redis.retry import Retry
 
 from ._wire import ReplyReader, connection_socket, pack_get, pack_set, send
 
-__all__ = ["ClusterClient", "StandaloneClient"]
+__all__ = ["NOT_CLUSTER", "NOT_STANDALONE", "ClusterClient", "StandaloneClient"]
+
+NOT_STANDALONE = (
+    "is a Redis Cluster node (cluster_enabled:1; it would answer MOVED for other nodes' "
+    "slots): set cluster=true"
+)
+NOT_CLUSTER = "is not a Redis Cluster node (cluster mode is not enabled there): remove cluster=true"
 
 Views = Sequence[memoryview]
 Reply = bool | exceptions.RedisError
@@ -139,6 +146,16 @@ class StandaloneClient:
         self.redis = redis.Redis(connection_pool=self.pool)
         self.redirects = 0
 
+    def check(self) -> str | None:
+        """:data:`NOT_STANDALONE` where the server is a cluster node (``INFO cluster``); None
+        otherwise, also where INFO is not allowed (an ACL): MOVED replies say it then."""
+        try:
+            info = self.redis.info("cluster")
+        except exceptions.ResponseError:
+            return None
+        enabled = cast("dict[str, Any]", info).get("cluster_enabled")
+        return NOT_STANDALONE if str(enabled) == "1" else None
+
     def exists(self, names: Sequence[bytes]) -> list[bool]:
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
@@ -181,6 +198,17 @@ class ClusterClient:
                     self.url, retry=Retry(NoBackoff(), 1), **self._options
                 )
             return self._cluster
+
+    def check(self) -> str | None:
+        """:data:`NOT_CLUSTER` where the node named is not in cluster mode; None once the
+        slot map is read."""
+        try:
+            self.cluster()
+        except exceptions.RedisClusterException as exc:
+            if "cluster mode is not enabled" in str(exc).lower():
+                return NOT_CLUSTER
+            raise
+        return None
 
     def exists(self, names: Sequence[bytes]) -> list[bool]:
         pipe = self.cluster().pipeline()  # type: ignore[no-untyped-call]

@@ -1,12 +1,16 @@
 """What the conformance suite does not cover: an unavailable or frozen Redis, expiry, eviction,
-refusals, cluster redirects, the fallback reader, options and the entry point."""
+refusals, cluster redirects, the fallback reader, options and the entry point, and a server
+that is not in the mode ``cluster`` says."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -18,6 +22,7 @@ from kvtrio.errors import ConfigError
 from kvtrio.l2 import (
     HEADER_SIZE,
     BackendError,
+    BackendMisconfigured,
     BackendUnavailable,
     create_backend,
     describe_backends,
@@ -312,3 +317,42 @@ def test_options_from_strings() -> None:
         "connections": 3,
         "timeout": 5.0,
     }
+
+
+# --------------------------------------------------------------------------- the wrong mode
+
+
+async def test_a_cluster_node_without_cluster_true_is_misconfigured_naming_the_option(
+    cluster: LocalRedisCluster,
+) -> None:
+    """Whichever key comes first (its slot on that node or not), the first call says so."""
+    for _ in range(3):  # (a key of the node's own slots would have worked without MOVED)
+        backend = RedisBackend(RedisOptions(url=cluster.url, cluster=False))
+        try:
+            with pytest.raises(BackendMisconfigured, match="set cluster=true"):
+                await backend.lookup_and_lock([_key()])
+        finally:
+            await backend.aclose()
+
+
+async def test_cluster_true_on_a_standalone_redis_is_misconfigured(standalone: LocalRedis) -> None:
+    backend = RedisBackend(RedisOptions(url=standalone.url, cluster=True, timeout=2.0))
+    try:
+        with pytest.raises(BackendMisconfigured, match="remove cluster=true"):
+            await backend.lookup_and_lock([_key()])
+    finally:
+        await backend.aclose()
+
+
+def test_a_server_on_a_cluster_node_without_cluster_true_stops_in_one_line(
+    cluster: LocalRedisCluster, tmp_path: Path
+) -> None:
+    """``kvtrio serve`` exits with status 2 and one line naming ``cluster=true``, before it
+    serves (not a MovedError warning per call)."""
+    argv = [sys.executable, "-m", "kvtrio", "serve", "--endpoint", f"ipc://{tmp_path}/s"]
+    argv += ["--l1-size", "64MiB", "--shm-dir", str(tmp_path), "--l2", f"redis:url={cluster.url}"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "cluster=true" in last
+    assert "Traceback" not in done.stderr

@@ -5,9 +5,11 @@ the keys over 256 prefixes, which S3 partitions and rate-limits separately). A P
 S3, so every object is written by exactly one PUT and a reader sees a whole object or none.
 
 S3 calls go through obstore's synchronous API in worker threads, at most ``connections`` at
-once (one ``trio.CapacityLimiter``). Threads are never abandoned on cancellation: they read from
-or write into the caller's buffers, so a cancelled operation first waits for its requests in
-flight (each bounded by ``timeout``).
+once (one ``trio.CapacityLimiter``). Threads that read from or write into the caller's buffers
+are never abandoned on cancellation, so a cancelled load or store first waits for its requests
+in flight (each bounded by ``timeout``); a lookup's HEADs touch no buffer and lock nothing until
+answered, so a cancelled lookup returns at once and drops their answers (a lookup's deadline
+holds while the store does not answer).
 
 Locks are local: S3 evicts nothing, but lifecycle rules or other servers sharing the bucket may
 delete an object at any time, and then a load of it is simply a miss. A local ``delete`` of a
@@ -176,6 +178,7 @@ class S3Backend:
 
     name = "s3"
     Options = S3Options
+    shared_store = True  # other kvtrio servers may use the bucket too (fleet records)
 
     def __init__(self, options: S3Options) -> None:
         self.options = options
@@ -193,8 +196,9 @@ class S3Backend:
         """HEAD the keys in order, up to ``connections`` at once; lock the prefix that exists.
 
         No request is started for keys after the first miss (keys deleted locally while locked
-        count as misses). On cancellation, HEADs in flight finish, and nothing is locked: the
-        locks are taken after the last checkpoint.
+        count as misses). On cancellation, HEADs in flight are abandoned (they run on, bounded by
+        ``timeout``; their answers are dropped), and nothing is locked: the locks are taken
+        after the last checkpoint.
         """
         self._check_open()
         limit = next((i for i, key in enumerate(keys) if self._locks.is_doomed(key)), len(keys))
@@ -353,10 +357,15 @@ class S3Backend:
         if isinstance(exc, BackendUnavailable):
             self.counters["unavailable"] += 1
 
-    async def _run(self, function: Callable[..., _T], *args: Any) -> _T:
-        """Run a blocking S3 call in a worker thread (never abandoned on cancellation)."""
+    async def _run(
+        self, function: Callable[..., _T], *args: Any, abandon_on_cancel: bool = False
+    ) -> _T:
+        """Run a blocking S3 call in a worker thread; abandoned on cancellation only with
+        ``abandon_on_cancel`` (for calls that touch no caller's buffer: the HEADs of lookups)."""
         self._check_open()
-        return await trio.to_thread.run_sync(function, *args, limiter=self._limiter)
+        return await trio.to_thread.run_sync(
+            function, *args, limiter=self._limiter, abandon_on_cancel=abandon_on_cancel
+        )
 
     async def _count_existing(self, keys: Sequence[bytes]) -> int:
         """Length of the prefix of ``keys`` whose objects exist: HEADs in key order, up to
@@ -366,7 +375,7 @@ class S3Backend:
         async def worker() -> None:
             while (index := scan.next_index()) is not None:
                 try:
-                    outcome = await self._run(scan.head, index)
+                    outcome = await self._run(scan.head, index, abandon_on_cancel=True)
                 except BackendError as exc:
                     scan.record(index, exc)  # (also when it never reached the thread)
                     self._count_error(exc)

@@ -137,11 +137,19 @@ class CacheCore:
         return self.undo(self.leases.pop_request(request, [LeaseKind.LOOKUP]), quarantine=False)
 
     def end_write(
-        self, owner: str, request: RequestKey, object_key: bytes, how: WriteEnd, fingerprint: bytes
+        self,
+        owner: str,
+        request: RequestKey,
+        object_key: bytes,
+        how: WriteEnd,
+        fingerprint: bytes,
+        written: list[trio.Event] | None = None,
     ) -> bool:
         """End ``owner``'s write reservation of ``object_key`` for ``request``: ``commit`` it
         (visible, and queued for L2 with ``fingerprint``), ``abort`` it, or ``quarantine`` its
-        slot. False if there is none (never reserved, expired, or its session ended)."""
+        slot. False if there is none (never reserved, expired, or its session ended). With
+        write-through, the event set once a committed chunk's L2 writes ended is appended to
+        ``written``."""
         lease = self.leases.get(LeaseKind.WRITE, request, owner, object_key)
         if lease is None:
             return False
@@ -150,7 +158,9 @@ class CacheCore:
             self.l1.commit(object_key)
             arena = self.arenas.of_key(object_key)
             tenant = "" if arena is None or arena.tenant is None else arena.tenant
-            self.l2.writes.write_behind(object_key, fingerprint, tenant)
+            event = self.l2.writes.write_behind(object_key, fingerprint, tenant)
+            if event is not None and written is not None:
+                written.append(event)
         elif how == "abort":
             self.l1.abort(object_key)
         else:

@@ -133,6 +133,7 @@ class Lookups:
                 core.pin_for_lookup(request, session.id, space + chunk_hash, readers, expires)
         if hit and core.l2.enabled:  # L1 hits are uses in L2's policies too (the head last)
             core.l2.touches.add(space + h for h in reversed(hashes[:hit]) for space in model.spaces)
+            core.l2.writes.rewrite(space + h for h in hashes[:hit] for space in model.spaces)
         return hit
 
     async def _pin_rest(

@@ -53,6 +53,10 @@ class Registrations:
             # Rank 0's chunks stand for the engine's in KV events (every rank stores its own
             # part of each chunk; a router needs one name per chunk, not one per rank).
             core.announcer.announce_space(registration.space, register.tenant)
+        profile = registration.profile
+        core.l2.fleet.announce(
+            register.model, register.tenant, profile.hash_scheme, profile.block_size
+        )
         core.watch(session)
         if registration.device == "cuda":
             try:

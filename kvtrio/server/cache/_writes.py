@@ -11,6 +11,11 @@ order) that yields to the event loop after every :data:`SLICE` chunks (issue 22:
 8,192 chunks held the loop 0.5–0.7 s on a loaded machine). Each chunk's step is atomic; what a
 yield lets happen in between concerns other chunks only (another writer may reserve or commit
 one of the same chunks meanwhile, exactly as if it had come before or after).
+
+With ``--l2-write-through S`` a commit's reply also waits, up to S seconds, until its chunks'
+L2 writes ended (in a :class:`Later`, in the session's order: that session's next requests
+wait behind it): once the worker sees its store finished, other servers sharing the L2 find
+the chunks there (docs/fleet.md).
 """
 
 from __future__ import annotations
@@ -119,6 +124,7 @@ class Writes:
                 reserved.append(outcome)
             elif outcome is Reservation.PRESENT:
                 slots.append(Slot(index, "present"))
+                core.l2.writes.rewrite((object_key,))  # (if it never reached L2)
             elif outcome is Reservation.IN_PROGRESS:
                 slots.append(Slot(index, "busy"))
             else:
@@ -138,16 +144,27 @@ class Writes:
         failed = checked_hashes(commit.failed, "failed")
         items = [(h, True) for h in written] + [(h, False) for h in failed]
         rejected: list[bytes] = []
+        through = core.config.l2_write_through
+        in_l2: list[trio.Event] | None = [] if through else None
         if len(items) <= SLICE:
-            committed = self._end(session, registration, request, items, rejected)
-            return CommitReply(committed, tuple(rejected))
+            committed = self._end(session, registration, request, items, rejected, in_l2)
+            if not in_l2:
+                return CommitReply(committed, tuple(rejected))
+
+            async def written_through() -> CommitReply:
+                await _wait_written(in_l2, through)
+                return CommitReply(committed, tuple(rejected))
+
+            return Later(written_through)
 
         async def sliced() -> CommitReply:
             committed = 0
             for first in range(0, len(items), SLICE):
                 part = items[first : first + SLICE]
-                committed += self._end(session, registration, request, part, rejected)
+                committed += self._end(session, registration, request, part, rejected, in_l2)
                 await core.turn()
+            if in_l2:
+                await _wait_written(in_l2, through)
             return CommitReply(committed, tuple(rejected))
 
         return Later(sliced)
@@ -159,19 +176,30 @@ class Writes:
         request: RequestKey,
         items: Sequence[tuple[bytes, bool]],
         rejected: list[bytes],
+        in_l2: list[trio.Event] | None = None,
     ) -> int:
         """Commit (True) or abort (False) each chunk's reservation; how many were committed.
-        A chunk to commit without a live reservation is appended to ``rejected``."""
+        A chunk to commit without a live reservation is appended to ``rejected``; with
+        write-through, each committed chunk's L2-written event to ``in_l2``."""
         core = self.core
         committed = 0
         fingerprint = registration.fingerprint
         for chunk_hash, ok in items:
             object_key = registration.space + chunk_hash
             ended = core.end_write(
-                session.id, request, object_key, "commit" if ok else "abort", fingerprint
+                session.id, request, object_key, "commit" if ok else "abort", fingerprint, in_l2
             )
             if ok and ended:
                 committed += 1
             elif ok:
                 rejected.append(chunk_hash)  # never reserved, or the reservation expired
         return committed
+
+
+async def _wait_written(events: Sequence[trio.Event], limit: float) -> None:
+    """Wait until every chunk's L2 writes ended, for at most ``limit`` seconds (write-through:
+    the commit is answered then, written or not; the writes go on). Cancellation: the wait
+    ends, the writes go on."""
+    with trio.move_on_after(limit):
+        for written in events:
+            await written.wait()

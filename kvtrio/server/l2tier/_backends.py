@@ -18,7 +18,15 @@ import attrs
 import trio
 
 from ..._logging import event
-from ...l2 import Backend, BackendError, Buffers, Capabilities, Touching, capabilities
+from ...l2 import (
+    Backend,
+    BackendError,
+    BackendMisconfigured,
+    Buffers,
+    Capabilities,
+    Touching,
+    capabilities,
+)
 
 __all__ = ["Call", "Calls", "Observe", "TierBackend", "TierListener", "describe"]
 
@@ -77,6 +85,9 @@ class TierBackend:
     deletes): the last failure's description, until an operation of that role succeeds. A
     backend with a problem is unhealthy, also once its backoff has passed: a disk that
     answers lookups but cannot store is not healthy (issue 22)."""
+    misconfigured: str = ""
+    """The last failure's description where it was :class:`BackendMisconfigured` (the
+    service is not what the options say), until an operation succeeds."""
 
     def count(self, what: str, n: int = 1) -> None:
         self.counters[what] = self.counters.get(what, 0) + n
@@ -126,6 +137,8 @@ class TierBackend:
         (``read`` or ``store``) and back the backend off."""
         self.known = True
         self.problems[role] = describe(exc)
+        if isinstance(exc, BackendMisconfigured):
+            self.misconfigured = describe(exc)
         self.count("errors")
         self.backoff = min(max(self.backoff * 2, _BACKOFF_MIN), _BACKOFF_MAX)
         if self.down_until < now:
@@ -191,6 +204,7 @@ class TierBackend:
         """An operation of ``role`` worked: its problem is gone, the backoff ends; logged as
         back once no role has a problem."""
         self.known = True
+        self.misconfigured = ""
         if self.problems.pop(role, None) is not None and not self.problems:
             log.info(
                 "L2 backend %s is back",

@@ -6,7 +6,11 @@ the backends' eviction policies (:attr:`L2Tier.touches`, :mod:`._touches`); the 
 and the one boundary for calls into them are in :mod:`._backends`. Each backend is probed at
 start-up, before the server serves (a lookup, which builds a disk L2's index; a warning if it
 fails), and again while it has a problem (a lookup, and a store where stores failed); its health
-is unknown until something answered, false while lookups or stores fail.
+is unknown until something answered, false while lookups or stores fail. A backend whose
+start-up probe finds it misconfigured (:class:`~kvtrio.l2.BackendMisconfigured`: a Redis Cluster
+node without ``cluster=true``) stops the start with that one line (:class:`ConfigError`). The
+fleet records (:attr:`L2Tier.fleet`, :mod:`._fleet`) tell servers sharing a backend that they
+name a model's chunks differently.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from ...errors import ConfigError
 from ...l2 import Backend
 from ...protocol import L2Stats
 from ...shm import SharedArena
 from ...storage import L1Cache
 from ._backends import Calls, Observe, TierBackend, TierListener
+from ._fleet import Fleet
 from ._loads import Loads
 from ._touches import Touches
 from ._writes import WriteBehind
@@ -52,10 +58,14 @@ class L2Tier:
         observe: Observe | None = None,
         tenants: Callable[[], int] = lambda: 1,
         listener: TierListener | None = None,
+        chunk_size: int = 256,
+        instance: str = "",
+        write_through: bool = False,
     ) -> None:
         """``observe`` is told of every backend call (the metrics'; see :data:`Observe`);
         ``tenants`` says how many tenants the server serves (their fair shares of the
-        write-behind queue)."""
+        write-behind queue); ``chunk_size`` and ``instance`` (the server's) go into the fleet
+        records; ``write_through``: a store's commit waits for its chunks' L2 writes."""
         names = [name for name, _ in backends]
         self.backends = [
             TierBackend(backend, name, name if names.count(name) == 1 else f"{name}#{i + 1}")
@@ -71,12 +81,15 @@ class L2Tier:
             queue_size=queue_size,
             flushers=flushers,
             tenants=tenants,
+            write_through=write_through,
         )
         """Committed chunks on their way to the backends."""
         self.loads = Loads(self.backends, arena, self._calls, loaders=loaders)
         """Lookups across the cascade and L2 → L1 loads."""
         self.touches = Touches(self.backends, self._calls)
         """L1 hits on their way to the backends that take touches."""
+        self.fleet = Fleet(self.backends, self._calls, chunk_size=chunk_size, instance=instance)
+        """The models' fleet records in the backends."""
 
     @property
     def enabled(self) -> bool:
@@ -90,15 +103,17 @@ class L2Tier:
         close the backends after. The server serves only once this has started, so the first
         lookup after a restart sees the L2 as it is (a disk L2 has built its index).
 
-        Cancellation: running probes, stores and loads are cancelled; closing is shielded and
-        bounded.
+        A backend found misconfigured by its start-up probe raises :class:`ConfigError` (the
+        server does not start). Cancellation: running probes, stores and loads are cancelled;
+        closing is shielded and bounded.
         """
         try:
             async with trio.open_nursery() as nursery:
                 self.loads.loaders = nursery
+                self.fleet.nursery = nursery
                 async with trio.open_nursery() as probes:
                     for tier_backend in self.backends:
-                        probes.start_soon(self._probe_once, tier_backend)
+                        probes.start_soon(self._probe_at_start, tier_backend)
                 for tier_backend in self.backends:
                     nursery.start_soon(self._reprobe, tier_backend)
                 self.writes.start(nursery)
@@ -107,6 +122,7 @@ class L2Tier:
                 await trio.sleep_forever()
         finally:
             self.loads.loaders = None
+            self.fleet.nursery = None
             with trio.move_on_after(5) as scope:
                 scope.shield = True
                 for tier_backend in self.backends:
@@ -129,6 +145,14 @@ class L2Tier:
             await trio.sleep(wait)
             if tier_backend.problems:
                 await self._probe_once(tier_backend)
+
+    async def _probe_at_start(self, tier_backend: TierBackend) -> None:
+        """The start-up probe (:meth:`_probe_once`): :class:`ConfigError` where it found the
+        backend misconfigured (the reason, with the option to set, in one line)."""
+        await self._probe_once(tier_backend)
+        problem = tier_backend.misconfigured
+        if problem:
+            raise ConfigError(f"L2 backend {tier_backend.label}: {problem}")
 
     async def _probe_once(self, tier_backend: TierBackend) -> None:
         """Look up (and unlock) one random key; where stores have been failing, also store an

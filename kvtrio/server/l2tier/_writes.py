@@ -9,13 +9,26 @@ A full queue, in chunks or in bytes, skips the chunk and counts it: never an unb
 tenant that already holds its share of it (``1 / tenants``, counting the tenants the server has
 L1 arenas for and any that queued chunks) is skipped, so one tenant's commit flood cannot take
 the room another tenant's chunks need; below half, any tenant may use the room.
+
+**A chunk not written is written again when it is used again.** A chunk skipped (queue full, its
+tenant over its share) or whose store did not reach every backend (backed off, failed, refused)
+is remembered (at most :data:`_UNWRITTEN` chunks, the oldest forgotten) and queued again when a
+store finds it already in L1 or a lookup hits it there (:meth:`WriteBehind.rewrite`). Without
+this a hot prefix that stays in L1 through an L2 outage is never written: in a fleet, the other
+servers would miss it for as long as this one keeps it (found by ``tests/fleet``: a killed
+primary, a prefix used by every request, never a hit on the other server again).
+
+**Write-through.** A chunk queued with ``wait`` gets an event, set once its batch's stores
+ended (written, refused or failed): the commit that queued it waits on it (bounded by
+``--l2-write-through``), so that once a store is finished here its chunks are already in the
+shared L2 for the other servers of a fleet (docs/fleet.md).
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import trio
 
@@ -33,10 +46,12 @@ _BATCH_CHUNKS = 32
 _BATCH_BYTES = 64 << 20
 """A flusher writes at most this many queued chunks (or about this many bytes) per backend call:
 one thread hop for the frames and one store per backend for many small chunks."""
+_UNWRITTEN = 16384
+"""Chunks not written to every backend that are remembered, to be queued again when used."""
 
 
-Queued = tuple[bytes, bytes, str]
-"""A queued chunk: (object key, fingerprint, tenant)."""
+Queued = tuple[bytes, bytes, str, trio.Event | None]
+"""A queued chunk: (object key, fingerprint, tenant, the event a write-through waits on)."""
 
 
 def owner_tag(tenant: str) -> bytes:
@@ -57,8 +72,10 @@ class WriteBehind:
         queue_size: int,
         flushers: int,
         tenants: Callable[[], int] = lambda: 1,
+        write_through: bool = False,
     ) -> None:
-        """``tenants`` says how many tenants the server serves now (its L1 arenas')."""
+        """``tenants`` says how many tenants the server serves now (its L1 arenas');
+        ``write_through``: every chunk queued gets an event (see the module docstring)."""
         self.backends = backends
         self._tenant_count = tenants
         self.l1 = l1
@@ -77,6 +94,13 @@ class WriteBehind:
         self.skipped_by_share = collections.Counter[str]()
         """Chunks skipped because their tenant held its share of a busy queue, per tenant."""
         self._tenants: dict[str, list[int]] = {}  # tenant → [chunks, bytes] queued now
+        self.write_through = write_through
+        self.unwritten: collections.OrderedDict[bytes, tuple[bytes, str]] = (
+            collections.OrderedDict()
+        )
+        """Chunks not written to every backend: key → (fingerprint, tenant), oldest first."""
+        self.rewrites = 0
+        """Chunks queued again because they were used again (see the module docstring)."""
 
     def start(self, nursery: trio.Nursery) -> None:
         """Start the flushers in ``nursery`` (none without backends); they run until it is
@@ -84,32 +108,57 @@ class WriteBehind:
         for _ in range(self._flushers if self.backends else 0):
             nursery.start_soon(self._flush, self._receive.clone())
 
-    def write_behind(self, key: bytes, fingerprint: bytes, tenant: str = "") -> None:
+    def write_behind(self, key: bytes, fingerprint: bytes, tenant: str = "") -> trio.Event | None:
         """Queue ``tenant``'s committed L1 chunk for the backends (pinned until written); never
         waits. Skipped (and counted) when the queue is full, in chunks or in bytes, or when it
-        is half full and the tenant holds its share of it (see the module docstring)."""
+        is half full and the tenant holds its share of it (see the module docstring).
+
+        Returns, with :attr:`write_through`, the event set once the chunk's stores ended (None
+        where it was skipped, or without backends)."""
         if not self.backends:
-            return
+            return None
         size = self._size(key)
         if self._queued_bytes + size > self.max_queued_bytes:
             self.skipped_stores += 1
-            return
+            self._remember(key, fingerprint, tenant)
+            return None
         mine = self._tenants.setdefault(tenant, [0, 0])
         if self._over_share(mine, size):
             self.skipped_stores += 1
             self.skipped_by_share[tenant] += 1
-            return
+            self._remember(key, fingerprint, tenant)
+            return None
+        written = trio.Event() if self.write_through else None
         self.l1.pin(key)
         try:
-            self._send.send_nowait((key, fingerprint, tenant))
+            self._send.send_nowait((key, fingerprint, tenant, written))
         except trio.WouldBlock:
             self.l1.unpin(key)
             self.skipped_stores += 1
-            return
+            self._remember(key, fingerprint, tenant)
+            return None
         self.queued += 1
         self._queued_bytes += size
         mine[0] += 1
         mine[1] += size
+        return written
+
+    def rewrite(self, keys: Iterable[bytes]) -> None:
+        """``keys`` are in L1 and used again (a store found them there, a lookup hit them):
+        queue those that were not written to every backend again. Never waits."""
+        if not self.unwritten:
+            return
+        for key in keys:
+            remembered = self.unwritten.pop(key, None)
+            if remembered is not None and self.l1.get(key) is not None:
+                self.rewrites += 1
+                self.write_behind(key, *remembered)
+
+    def _remember(self, key: bytes, fingerprint: bytes, tenant: str) -> None:
+        self.unwritten[key] = (fingerprint, tenant)
+        self.unwritten.move_to_end(key)
+        if len(self.unwritten) > _UNWRITTEN:
+            self.unwritten.popitem(last=False)
 
     def _over_share(self, mine: list[int], size: int) -> bool:
         """Whether a tenant holding ``mine`` (chunks, bytes) may not add a chunk of ``size``:
@@ -137,7 +186,8 @@ class WriteBehind:
 
         A batch is the chunk received plus what is already queued (up to ``_BATCH_CHUNKS``
         chunks or ``_BATCH_BYTES``). Every chunk taken off the queue is unpinned exactly once,
-        also when the store fails or the flusher is cancelled.
+        also when the store fails or the flusher is cancelled, and its write-through event is
+        set then.
         """
         async for first in receive:
             batch = [first]
@@ -152,8 +202,10 @@ class WriteBehind:
                     nbytes += self._dequeued(item)
                 await self._store_batch(batch)
             finally:
-                for key, _, _ in batch:
+                for key, _, _, written in batch:
                     self.l1.unpin(key)
+                    if written is not None:
+                        written.set()
 
     def _size(self, key: bytes) -> int:
         entry = self.l1.get(key)
@@ -167,11 +219,13 @@ class WriteBehind:
         fingerprints: list[bytes] = []
         owners: list[bytes] = []
         payloads: list[memoryview] = []
-        for key, fingerprint, tenant in batch:
+        tenants: list[str] = []
+        for key, fingerprint, tenant, _ in batch:
             entry = self.l1.get(key)
             if entry is None:  # cannot happen while pinned; be safe
                 continue
             keys.append(key)
+            tenants.append(tenant)
             owners.append(owner_tag(tenant))
             parents.append(entry.parent)
             fingerprints.append(fingerprint)
@@ -184,20 +238,29 @@ class WriteBehind:
         buffers = [
             [memoryview(head), payload] for head, payload in zip(heads, payloads, strict=True)
         ]
+        written = [True] * len(keys)
         for tier_backend in self.backends:
             if not tier_backend.usable(trio.current_time()):
                 tier_backend.count("stores_skipped", len(keys))
+                written = [False] * len(keys)
                 continue
             with self._calls.call(tier_backend, "store", "store", heals=True) as call:
                 results = await tier_backend.store(keys, buffers, parents=parents, owners=owners)
             if call.failed:
+                written = [False] * len(keys)
                 continue
             listener = self._calls.listener
-            for key, ok, payload in zip(keys, results, payloads, strict=True):
+            for i, (key, ok, payload) in enumerate(zip(keys, results, payloads, strict=True)):
                 tier_backend.count("stores" if ok else "stores_refused")
                 tier_backend.count("store_bytes", payload.nbytes if ok else 0)
+                written[i] = written[i] and ok
                 if ok and listener is not None:
                     listener.stored(key, tier_backend.label)
+        for key, fingerprint, tenant, ok in zip(keys, fingerprints, tenants, written, strict=True):
+            if ok:
+                self.unwritten.pop(key, None)
+            else:
+                self._remember(key, fingerprint, tenant)
 
 
 def _headers(

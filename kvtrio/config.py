@@ -16,6 +16,7 @@ import attrs
 import cattrs
 from attrs import field, frozen
 
+from ._backend_spec import BackendSpec, parse_backend_spec, structure_backends
 from .errors import ConfigError, KvtrioError
 from .options import (
     ByteSize,
@@ -83,28 +84,6 @@ def _endpoint(instance: object, attribute: attrs.Attribute[Any], value: str) -> 
         check_endpoint(value, bind=True)
     except KvtrioError as exc:
         raise ValueError(f"{attribute.name}: {exc}") from None
-
-
-@frozen
-class BackendSpec:
-    """One L2 backend of the cascade: its registered name and its raw options."""
-
-    name: str
-    options: dict[str, Any] = field(factory=dict)
-
-
-def parse_backend_spec(text: str) -> BackendSpec:
-    """``NAME`` or ``NAME:key=value,key=value`` → :class:`BackendSpec` (values stay strings)."""
-    name, _, rest = text.strip().partition(":")
-    if not name:
-        raise ValueError(f"{text!r} names no backend (expected NAME:key=value,...)")
-    options: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{item!r} in {text!r} is not key=value")
-        options[key.strip()] = value.strip()
-    return BackendSpec(name.strip(), options)
 
 
 @frozen
@@ -380,27 +359,7 @@ def _make_converter() -> cattrs.Converter:
     """The option converter plus the server's own type: the L2 backends."""
     conv = make_converter()
 
-    def backends(value: Any, _: Any) -> tuple[BackendSpec, ...]:
-        items = value.split(";") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)):
-            raise TypeError(f"expected a list of backends, got {value!r}")
-        specs: list[BackendSpec] = []
-        for item in items:
-            if isinstance(item, BackendSpec):
-                specs.append(item)
-            elif isinstance(item, str):
-                if item.strip().lower() in ("", "none"):
-                    continue
-                specs.append(parse_backend_spec(item))
-            elif isinstance(item, dict) and isinstance(item.get("name"), str):
-                specs.append(
-                    BackendSpec(item["name"], {k: v for k, v in item.items() if k != "name"})
-                )
-            else:
-                raise TypeError(f"expected NAME:key=value,... or a table with a name, got {item!r}")
-        return tuple(specs)
-
-    conv.register_structure_hook_func(lambda t: t == tuple[BackendSpec, ...], backends)
+    conv.register_structure_hook_func(lambda t: t == tuple[BackendSpec, ...], structure_backends)
     return conv
 
 

@@ -28,7 +28,7 @@ ROOT = Path(kvtrio.__file__).parent
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("_version", "errors"),
-    ("_logging", "options", "shm", "protocol", "transport", "transfer"),
+    ("_logging", "options", "_backend_spec", "shm", "protocol", "transport", "transfer"),
     ("storage",),
     ("l2", "config"),
     ("server", "client", "testing"),

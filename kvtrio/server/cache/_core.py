@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import trio
 
@@ -20,7 +21,6 @@ from ...config import ServerConfig
 from ...errors import ErrorCode, RequestError
 from ...protocol import Retrieve, Store
 from ...storage import L1Cache, Lease, LeaseKind, LeaseTable
-from .._announce import Announcer
 from .._session import Session
 from .._tenants import TenantArenas
 from ..l2tier import L2Tier
@@ -31,9 +31,21 @@ from ._prefetch import Prefetcher
 from ._quotas import Quotas
 from ._registry import Registration, Registry
 
-__all__ = ["CacheCore"]
+__all__ = ["CacheCore", "ChunkNaming"]
 
 log = logging.getLogger("kvtrio.cache")
+
+
+class ChunkNaming(Protocol):
+    """What the cache tells the KV events' announcer (``server._announce.Announcer``): the
+    names a store carried, and which namespaces are announced. Synchronous, no I/O."""
+
+    def names(
+        self, keys: Sequence[bytes], block_hashes: Sequence[int | bytes], block_size: int
+    ) -> None: ...
+
+    def announce_space(self, space: bytes, tenant: str) -> None: ...
+
 
 RELEASE_SLICE = 4096
 """Leases a session's end releases between two turns (popping and undoing one takes a few µs)."""
@@ -67,7 +79,7 @@ class CacheCore:
         """The turn to run one slice of a big message's work (see :meth:`turn`)."""
         self.prefetch = Prefetcher(self.l1, l2, config, self.pin_for_lookup)
         self._watched: set[str] = set()  # sessions whose end releases their leases
-        self.announcer: Announcer | None = None
+        self.announcer: ChunkNaming | None = None
         """The KV events' announcer (``--events``), if any."""
 
     # ----------------------------------------------------------------- who and what

@@ -27,8 +27,9 @@ from kvtrio.client import Client
 from kvtrio.errors import Incompatible
 from kvtrio.integration._engine_keys import KeyScheme, key_scheme
 from kvtrio.launch import ServerProcess
-from kvtrio.protocol import CacheStats, GetStats, LayoutSpec, Register, StatsReply
+from kvtrio.protocol import LayoutSpec, Register
 
+from ..._support.server_cache import assert_no_pins, cache, wait_chunks
 from ..._support.waiting import wait_for
 from ..tiny_model import CONFIG, write_tiny_model
 from .harness import BLOCK, HEAD_DIM, HEADS, LAYERS, Engine, make_config
@@ -63,24 +64,6 @@ def engine(
         yield made
     finally:
         made.close()
-
-
-def cache(server: ServerProcess) -> CacheStats:
-    with Client(server.endpoint, heartbeat=False, timeout=2.0) as client:
-        stats = client.call(GetStats(), StatsReply).cache
-    assert stats is not None
-    return stats
-
-
-def wait_chunks(server: ServerProcess, chunks: int) -> None:
-    """Stores finish after their request does: wait until kvtrio holds ``chunks`` chunks."""
-    wait_for(lambda: cache(server).l1_ready == chunks, what=f"{chunks} chunks in kvtrio")
-
-
-def assert_no_pins(server: ServerProcess) -> None:
-    wait_for(lambda: cache(server).l1_pins == 0, what="every pin to be released")
-    stats = cache(server)
-    assert (stats.l1_pins, stats.l1_writing, stats.leases) == (0, 0, 0)
 
 
 def embeddings(seed: int) -> torch.Tensor:

@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 from vllm.v1.request import RequestStatus
 
-from kvtrio.client import Client
 from kvtrio.launch import ServerProcess
-from kvtrio.protocol import CacheStats, GetStats, StatsReply
 
+from ..._support.server_cache import assert_no_pins, cache, wait_chunks
 from ..._support.waiting import wait_for
 from ..tiny_model import write_tiny_model
 from .harness import Engine, make_config
@@ -74,24 +73,6 @@ def engines(model_dir: Path, kvtrio: ServerProcess) -> Iterator[Callable[..., En
     yield make
     for engine in made:
         engine.close()
-
-
-def cache(server: ServerProcess) -> CacheStats:
-    with Client(server.endpoint, heartbeat=False, timeout=2.0) as client:
-        stats = client.call(GetStats(), StatsReply).cache
-    assert stats is not None
-    return stats
-
-
-def wait_chunks(server: ServerProcess, chunks: int) -> None:
-    """Stores finish after their request does: wait until kvtrio holds ``chunks`` chunks."""
-    wait_for(lambda: cache(server).l1_ready == chunks, what=f"{chunks} chunks in kvtrio")
-
-
-def assert_no_pins(server: ServerProcess) -> None:
-    wait_for(lambda: cache(server).l1_pins == 0, what="every pin to be released")
-    stats = cache(server)
-    assert (stats.l1_pins, stats.l1_writing, stats.leases) == (0, 0, 0)
 
 
 def store_prompt(engine: Engine, server: ServerProcess, prompt: list[int] = PROMPT) -> None:

@@ -1,0 +1,31 @@
+"""What a test reads of a running server's cache (``GetStats``), and the waits built on it."""
+
+from __future__ import annotations
+
+from kvtrio.client import Client
+from kvtrio.launch import ServerProcess
+from kvtrio.protocol import CacheStats, GetStats, StatsReply
+
+from .waiting import wait_for
+
+__all__ = ["assert_no_pins", "cache", "wait_chunks"]
+
+
+def cache(server: ServerProcess) -> CacheStats:
+    """The server's cache counters now."""
+    with Client(server.endpoint, heartbeat=False, timeout=2.0) as client:
+        stats = client.call(GetStats(), StatsReply).cache
+    assert stats is not None
+    return stats
+
+
+def wait_chunks(server: ServerProcess, chunks: int) -> None:
+    """Stores finish after their request does: wait until kvtrio holds ``chunks`` chunks."""
+    wait_for(lambda: cache(server).l1_ready == chunks, what=f"{chunks} chunks in kvtrio")
+
+
+def assert_no_pins(server: ServerProcess) -> None:
+    """Wait until every pin is released, then check nothing is left being written or leased."""
+    wait_for(lambda: cache(server).l1_pins == 0, what="every pin to be released")
+    stats = cache(server)
+    assert (stats.l1_pins, stats.l1_writing, stats.leases) == (0, 0, 0)

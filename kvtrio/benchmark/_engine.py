@@ -154,7 +154,7 @@ class _Worker:
         # Stores carry the blocks' names as an engine's KV events give them (64-bit ints).
         op = attrs.evolve(
             self._op(index, used, start, end),
-            event_hashes=identities[: end // size].tolist(),
+            event_hashes=identities[start // size : end // size].tolist(),
         )
         future = self.adapter.submit_store_request(rid, op)
         future.add_done_callback(

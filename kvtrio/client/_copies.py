@@ -81,9 +81,10 @@ class LoadStoreOp:
     end: int = 0
     skip_first_n_tokens: int = 0
     event_hashes: Sequence[bytes | int] | None = None
-    """Stores: the engine's block hashes of the prompt's blocks as its KV events name them
-    (vLLM: ``maybe_convert_block_hash``), sent with the store so that the server's KV events
-    name the chunks as the engine does (``docs/events.md``)."""
+    """Stores: the engine's block hashes as its KV events name them (vLLM:
+    ``maybe_convert_block_hash``) of the blocks from ``start`` (block ``start // block_size``)
+    to ``end``, sent with the store so that the server's KV events name the chunks as the
+    engine does (``docs/events.md``)."""
 
 
 @attrs.frozen
@@ -109,7 +110,10 @@ class Span:
     partial: bool = False
     """The last chunk is the prompt's partial chunk."""
     event_hashes: Sequence[bytes | int] = ()
-    """The engine's block hashes of the prompt's blocks as its KV events name them (stores)."""
+    """The engine's block hashes as its KV events name them, from block ``event_first`` on
+    (stores)."""
+    event_first: int = 0
+    """The block (an index in the prompt) that ``event_hashes`` start at."""
 
     def blocks(self, chunk: int) -> Sequence[int]:
         """The engine blocks of chunk ``chunk`` (an index in the prompt) that are moved."""
@@ -153,11 +157,12 @@ class Span:
         """The store of a batch of chunks (indices into ``hashes``; all of them if None),
         linked to the chunk before it."""
         batch = range(self.chunks) if batch is None else batch
-        if self.event_hashes:
-            per = self.blocks_per_chunk
-            first = (self.first + batch.start) * per
+        per = self.blocks_per_chunk
+        first = (self.first + batch.start) * per
+        if self.event_hashes and first >= self.event_first:
             stop = min((self.first + batch.stop) * per, self.stop_block)
-            fields.setdefault("block_hashes", tuple(self.event_hashes[first:stop]))
+            names = self.event_hashes[first - self.event_first : stop - self.event_first]
+            fields.setdefault("block_hashes", tuple(names))
         return Store(
             self.request_id,
             *self.tokens(batch),

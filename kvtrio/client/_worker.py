@@ -323,6 +323,7 @@ class WorkerAdapter:
             stop_block=end // block,
             partial=bool(chunks.tail_blocks) and last > chunks.full,
             event_hashes=tuple(op.event_hashes or ()) if store else (),
+            event_first=op.start // block,
         )
 
     def _chunks_to(self, end: int) -> int:

@@ -84,10 +84,12 @@ class EngineEvents:
 
 
 def event_hashes_of(as_int: bool) -> Any:
-    """``event_hashes(request)``: the request's block hashes as vLLM's KV events name them
-    (``maybe_convert_block_hash``: ``as_int`` is ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
+    """``event_hashes(request, first, stop)``: the request's block hashes of blocks
+    ``[first, stop)`` as vLLM's KV events name them (``maybe_convert_block_hash``: ``as_int``
+    is ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
 
-    def event_hashes(request: Any) -> list[int | bytes]:
-        return [event_block_hash(bytes(h), as_int=as_int) for h in request.block_hashes]
+    def event_hashes(request: Any, first: int, stop: int) -> list[int | bytes]:
+        hashes = request.block_hashes[first:stop]
+        return [event_block_hash(bytes(h), as_int=as_int) for h in hashes]
 
     return event_hashes

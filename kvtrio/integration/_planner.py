@@ -130,14 +130,15 @@ def plan_store(
     block_size: int,
     chunk_size: int,
     block_hashes: Sequence[bytes] | None = None,
-    event_hashes: Callable[[], Sequence[bytes | int] | None] | None = None,
+    event_hashes: Callable[[int, int], Sequence[bytes | int]] | None = None,
 ) -> list[PlannedTransfer]:
     """The stores of what the engine will have computed (``computed_tokens``, this step
     included) and kvtrio does not hold: the prompt's partial chunk once the prompt is
     computed, and the whole chunks beyond ``plan.held_tokens``. In hash mode
     (``block_hashes``: the engine's, one per block) only the blocks hashed so far.
-    ``event_hashes()`` gives the engine's block hashes as its KV events name them (they go
-    with the stores, for the server's KV events). Updates ``plan``."""
+    ``event_hashes(first, stop)`` gives the engine's block hashes of blocks ``[first, stop)``
+    as its KV events name them (they go with the stores, for the server's KV events). Updates
+    ``plan``."""
     if not plan.save:
         return []
     end = min(computed_tokens, len(tokens), len(block_ids) * block_size)
@@ -179,18 +180,20 @@ def _store(
     start: int,
     end: int,
     block_hashes: Sequence[bytes] | None,
-    event_hashes: Callable[[], Sequence[bytes | int] | None] | None = None,
+    event_hashes: Callable[[int, int], Sequence[bytes | int]] | None = None,
 ) -> PlannedTransfer:
     """The store of tokens ``[start, end)``: full chunks, then the partial chunk of the whole
     blocks after them if ``end`` is not at a chunk boundary."""
-    named = event_hashes() if event_hashes is not None else None
+    # Only this store's blocks: converting a long prompt's every hash at each step costs the
+    # scheduler ~0.6 µs a block (1.3 ms for 2,048 blocks).
+    named = None if event_hashes is None else event_hashes(start // block_size, end // block_size)
     op = LoadStoreOp(
         block_ids=tuple(block_ids[: end // block_size]),
         token_ids=tuple(tokens[:end]),
         block_hashes=None if block_hashes is None else tuple(block_hashes[: end // block_size]),
         start=start,
         end=end,
-        event_hashes=None if named is None else tuple(named[: end // block_size]),
+        event_hashes=None if named is None else tuple(named),
     )
     plan.stores += 1
     return PlannedTransfer(plan.request_id, "store", op)

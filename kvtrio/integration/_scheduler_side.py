@@ -72,7 +72,8 @@ class SchedulerSide:
         self.costs = CostModel(min_step_tokens=max(64, 2 * block_size))
         self.policy = LoadPolicy(options.load_policy, self.costs)
         self.event_hashes: Any = None
-        """``event_hashes(request)``: its block hashes as the engine's KV events name them
+        """``event_hashes(request, first, stop)``: its block hashes of blocks ``[first, stop)``
+        as the engine's KV events name them
         (set by the engine's connector; stores carry them for the server's KV events)."""
 
     def matched_tokens(

@@ -31,6 +31,9 @@ __all__ = ["EventRelay"]
 log = logging.getLogger("kvtrio.client")
 
 _REPLAY_TIMEOUT_MS = 2000
+"""How long a replay may go quiet before the batches it did not send count as lost."""
+_POLL_MS = 100
+"""How often the thread looks at its stop flag."""
 
 
 class EventRelay:
@@ -76,26 +79,29 @@ class EventRelay:
         return events
 
     def close(self) -> None:
-        """Stop the thread (within a poll interval) and close the sockets."""
+        """Stop the thread, waiting for it a bounded time; the thread closes its sockets as it
+        ends (a ZeroMQ socket is never touched by two threads, even when a replay it is
+        waiting for holds it past the join)."""
         self._stop.set()
-        self._thread.join(timeout=2.0)
-        self._sub.close(linger=0)
-        self._replay.close(linger=0)
+        self._thread.join(timeout=_POLL_MS / 1000 + 1.0)
 
     # ----------------------------------------------------------------- the thread
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if not self._sub.poll(100):
+                if not self._sub.poll(_POLL_MS):
                     continue
                 frames = self._sub.recv_multipart()
                 if len(frames) == 3:
                     self._message(decode_seq(frames[1]), frames[2])
-        except zmq.ZMQError:  # closed under us
+        except zmq.ZMQError:  # the context was terminated under us
             pass
         except Exception:  # pragma: no cover - a bug: say so, stop relaying
             log.exception("the KV event relay stopped")
+        finally:
+            self._sub.close(linger=0)
+            self._replay.close(linger=0)
 
     def _message(self, seq: int, payload: bytes) -> None:
         if seq < self._next and seq == 0:  # the server started again
@@ -112,7 +118,12 @@ class EventRelay:
     def _fill(self, seq: int) -> None:
         """Replay ``[next, seq)`` (in this thread; the engine's step never waits for it)."""
         self._replay.send_multipart([b"", encode_seq(self._next), self.topic])
-        while self._replay.poll(_REPLAY_TIMEOUT_MS):
+        waited = 0
+        while not self._stop.is_set() and waited < _REPLAY_TIMEOUT_MS:
+            if not self._replay.poll(_POLL_MS):
+                waited += _POLL_MS
+                continue
+            waited = 0
             frames = self._replay.recv_multipart()
             if len(frames) < 4 or frames[-2] == END_SEQ:
                 break
@@ -120,6 +131,8 @@ class EventRelay:
             if self._next <= got < seq:
                 self._apply(frames[-1])
                 self._next = got + 1
+        if self._stop.is_set():
+            return  # closing: nothing was lost
         if self._next < seq:
             self.lost += seq - self._next
             log.warning("KV events: %d batches lost (beyond the replay buffer)", seq - self._next)

@@ -57,7 +57,7 @@ async def test_an_impossible_registration_is_a_one_line_bad_request(
             await client.request(Register("w", "m", 1, 0, layout, "tokens/sha256-128/v1"))
         assert message in str(info.value)
         assert "\n" not in str(info.value)
-        with pytest.raises(BadRequest, match="world_size must be an integer in 1…256"):
+        with pytest.raises(BadRequest, match="world_size must be an integer in 1…256 "):
             await client.request(Register("w", "m", 2**20, 0, LAYOUT, "tokens/sha256-128/v1"))
         odd = attrs.evolve(LAYOUT, block_size=48)  # (still the registry's own message)
         with pytest.raises(BadRequest, match="block size 48 does not divide"):
@@ -108,7 +108,9 @@ async def test_a_world_size_beyond_the_limit_is_refused(server_config: ServerCon
     """Was: rank 0 of world 4096 registered, and each lookup then made 4096 × hashes keys and
     4096 L2 probe tasks (a 32 × 63 batch took 64 s of the loop)."""
     async with running(server_config, MemoryBackend()) as (_, worker, scheduler):
-        with pytest.raises(BadRequest, match=r"world_size must be an integer in 1…256, got 4096"):
+        with pytest.raises(
+            BadRequest, match=r"world_size must be an integer in 1…256 .*, got 4096"
+        ):
             await worker.request(Register("", "m", 4096, 0, LAYOUT, "tokens/sha256-128/v1"))
         with pytest.raises(BadRequest, match=r"1…256 \(MAX_WORLD_SIZE\), got 4096"):
             await scheduler.request(Lookup("r", "m", 4096, HASHES[:1]))

@@ -9,7 +9,8 @@ Validation is strict but cheap: scalars must already have the right msgpack type
 ``"12"`` → ``12`` coercion), and arrays of integers (token ids, block ids, hashes) are *trusted
 containers*: their hook checks the container once instead of structuring every element, because a
 per-int hook costs more than the whole rest of a lookup's decoding. The elements are type-checked
-where they are used, by the C code that packs them (see :func:`as_int_array`).
+where they are used, by the C code that packs them (see :func:`as_int_array`). A decoded request
+is then checked against its fields' declared ranges and lengths (:mod:`._bounds`).
 """
 
 from __future__ import annotations

@@ -63,8 +63,9 @@ request id that holds a pin, so the length bounds its memory (1,200 lookups with
 it by 1.2 GB)."""
 MAX_MODEL_LENGTH = 1024
 """Characters of a model name: a Hugging Face repository id (at most 96) or a local path."""
-MAX_TENANT_LENGTH = 256
-"""Characters of a tenant name (its alphabet is checked where tenants are resolved)."""
+MAX_TENANT_LENGTH = 64
+"""Characters of a tenant name (the length here; its alphabet where tenant names are
+checked)."""
 MAX_NAME_LENGTH = 256
 """Characters of the other free-text fields: client name and version, hash scheme and seed,
 the GPU's UUID."""

@@ -9,7 +9,8 @@ Validation is strict but cheap: scalars must already have the right msgpack type
 ``"12"`` → ``12`` coercion), and arrays of integers (token ids, block ids, hashes) are *trusted
 containers*: their hook checks the container once instead of structuring every element, because a
 per-int hook costs more than the whole rest of a lookup's decoding. The elements are type-checked
-where they are used, by the C code that packs them (see :func:`as_int_array`).
+where they are used, by the C code that packs them (see :func:`as_int_array`). A decoded request
+is then checked against its fields' declared ranges and lengths (:mod:`._bounds`).
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ from cattrs.preconf.msgpack import make_converter
 from cattrs.v import format_exception
 
 from ..errors import ErrorCode, ProtocolError
+from ._bounds import MAX_EVENT_HASHES, MAX_LAYERS, BoundError, check_request
 from ._cache import MAX_HASHES, MAX_LOOKUP_BATCH, MAX_LOOKUP_KEYS
 from ._events import MAX_BLOCK_HASH_BYTES
 from ._messages import PROTOCOL_VERSION, ErrorReply, Header, Reply, Request
 from ._operations import OPERATIONS
+from ._registration import CudaLayer
 
 __all__ = [
     "ERROR_KIND",
@@ -56,8 +59,7 @@ IntTuple = tuple[int, ...]
 BytesTuple = tuple[bytes, ...]
 StrTuple = tuple[str, ...]
 EventHashTuple = tuple[int | bytes, ...]
-MAX_EVENT_HASHES = 1 << 17
-"""Engine block hashes one store may carry (``MAX_HASHES`` chunks of 16 blocks)."""
+LayerTuple = tuple[CudaLayer, ...]
 
 
 class HeaderError(ProtocolError):
@@ -155,9 +157,25 @@ def _structure_event_hashes(value: Any, _: Any) -> EventHashTuple:
 
 
 def _structure_str_tuple(value: Any, _: Any) -> StrTuple:
+    # The one array of strings is a lookup_batch's request ids: counted before it is walked.
+    if type(value) is tuple and len(value) > MAX_LOOKUP_BATCH:
+        raise TypeError(
+            f"expected at most {MAX_LOOKUP_BATCH} request ids (MAX_LOOKUP_BATCH), got "
+            f"{len(value)}: send the rest in another batch"
+        )
     if type(value) is tuple and all(type(item) is str for item in value):
         return cast(StrTuple, value)
     raise TypeError(f"expected an array of strings, got {_msgpack_type(value)}")
+
+
+def _structure_layers(value: Any, _: Any) -> LayerTuple:
+    """A CUDA registration's layers: counted (``MAX_LAYERS``) before any is structured."""
+    if type(value) is not tuple:
+        raise TypeError(f"expected an array of layer maps, got {_msgpack_type(value)}")
+    if len(value) > MAX_LAYERS:
+        raise TypeError(f"expected at most {MAX_LAYERS} layers (MAX_LAYERS), got {len(value)}")
+    structure = converter.get_structure_hook(CudaLayer)
+    return tuple(structure(item, CudaLayer) for item in value)
 
 
 def _msgpack_type(value: object) -> str:
@@ -190,6 +208,7 @@ def _make_converter() -> cattrs.Converter:
     conv.register_unstructure_hook_func(lambda t: t == StrTuple, lambda v: v)
     conv.register_structure_hook_func(lambda t: t == EventHashTuple, _structure_event_hashes)
     conv.register_unstructure_hook_func(lambda t: t == EventHashTuple, lambda v: v)
+    conv.register_structure_hook_func(lambda t: t == LayerTuple, _structure_layers)
     return cast(cattrs.Converter, conv)
 
 
@@ -337,7 +356,12 @@ def decode_request(op: str, body: bytes) -> Request:
         raw = _unpack(body)
     except Exception:
         raise ProtocolError(f"invalid {cls.op!r} request: the body is not valid msgpack") from None
-    return _structure(raw, cls, f"invalid {cls.op!r} request")
+    request = _structure(raw, cls, f"invalid {cls.op!r} request")
+    try:
+        check_request(request)  # every field within its declared bound (_bounds.py)
+    except BoundError as exc:
+        raise ProtocolError(f"invalid {cls.op!r} request: {exc}") from None
+    return request
 
 
 # --------------------------------------------------------------------------- replies

@@ -128,8 +128,11 @@ class L1Cache:
     def pin(self, key: bytes, count: int = 1) -> Entry:
         """Pin the ready entry of ``key`` ``count`` times (it cannot be evicted until unpinned).
 
-        Raises ``KeyError`` if it is not ready.
+        Raises ``KeyError`` if it is not ready, ``ValueError`` if ``count`` is below 1 (a pin
+        count never goes down here: only :meth:`unpin` takes pins away).
         """
+        if count < 1:
+            raise ValueError(f"pinning {count} times: a pin count is at least 1")
         entry = self.get(key)
         if entry is None:
             raise KeyError(key)
@@ -141,10 +144,13 @@ class L1Cache:
         return entry
 
     def unpin(self, key: bytes, count: int = 1) -> None:
-        """Undo ``count`` pins; an entry with no pins left becomes evictable again."""
+        """Undo ``count`` pins; an entry with no pins left becomes evictable again.
+        ``ValueError`` if ``count`` is negative or more than it holds (0 does nothing)."""
         entry = self._entries[key]
-        if count > entry.pins:
+        if not 0 <= count <= entry.pins:
             raise ValueError(f"unpinning {count} of {entry.pins} pins")
+        if not count:
+            return
         entry.pins -= count
         self._pins -= count
         if entry.pins == 0:

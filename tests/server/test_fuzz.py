@@ -1,7 +1,10 @@
 """Thousands of random and mutated frames against a live server process.
 
 Every message whose header carries a readable request id gets exactly one reply, never an
-``internal`` error; the rest are dropped and counted; the server keeps answering ping.
+``internal`` error; the rest are dropped and counted; the server keeps answering ping. And every
+field of every request at and beyond its declared bounds (``FIELD_BOUNDS``, issue 32): a value
+outside gets exactly one error reply, ``bad_request`` naming the field (or
+``message_too_large`` for a value larger than the message limit).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from kvtrio.protocol import (
     decode_reply_header,
     encode_request,
 )
+
+from .._support.bounds import boundary_cases
 
 BARRIER_ID = 2**64 - 1
 OPS = [cls.op for cls in REQUEST_TYPES]
@@ -130,3 +135,26 @@ def test_fuzzed_frames_get_one_reply_or_none(
         if kind == "error":
             assert isinstance(body, dict)
             assert body["code"] != "internal", body
+
+
+def test_every_field_at_and_beyond_its_declared_bounds(fuzz_socket: zmq.Socket[bytes]) -> None:
+    """Each client-sent field at min-1, min, max, max+1 and a huge value (issue 32: a
+    ``num_readers`` of -3 was a hit that unpinned other engines' chunks)."""
+    refused = 0
+    for request_id, (label, op, body, ok) in enumerate(boundary_cases(), start=1):
+        header = msgpack.packb([PROTOCOL_VERSION, request_id, op])
+        replies = exchange(fuzz_socket, [header, body])
+        assert [r[0] for r in replies] == [request_id], label
+        _, kind, reply = replies[0]
+        if kind == "error":
+            assert isinstance(reply, dict)
+            assert reply["code"] != "internal", (label, reply)
+        if not ok:
+            assert kind == "error", (label, reply)
+            assert isinstance(reply, dict)
+            assert reply["code"] in ("bad_request", "message_too_large"), (label, reply)
+            field = label.split("=")[0].split(".")[-1]
+            if reply["code"] == "bad_request":
+                assert field in reply["message"], (label, reply)
+            refused += 1
+    assert refused == sum(not ok for *_, ok in boundary_cases())

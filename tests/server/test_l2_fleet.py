@@ -15,11 +15,13 @@ from kvtrio.config import ServerConfig
 from kvtrio.errors import ConfigError
 from kvtrio.l2 import BackendMisconfigured, Buffers
 from kvtrio.l2.memory import MemoryBackend
+from kvtrio.protocol import Register
 from kvtrio.server import open_server
+from kvtrio.server.l2tier import _fleet
 from kvtrio.server.l2tier._fleet import FleetRecord, record_key
 from kvtrio.testing import FaultBackend
 
-from .._support.l2_tier import running, stats, store
+from .._support.l2_tier import LAYOUT, running, stats, store
 from .._support.waiting import await_async
 
 
@@ -171,3 +173,24 @@ async def test_a_chunk_not_written_during_an_outage_is_written_when_used_again(
             return fault.inner.statistics()["objects"] == 2
 
         await await_async(written, what="the chunks written when used again")
+
+
+async def test_the_models_checked_are_bounded_in_count_and_bytes(
+    config: ServerConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32 item 7: was, with any shared L2, every model name registered kept for the
+    server's life (800 registrations of 1 MiB names: +800 MB). Now 32-byte digests, the latest
+    ``MAX_SEEN``; and no more than ``MAX_CHECKS`` checks at once (the rest are skipped)."""
+    monkeypatch.setattr(_fleet, "MAX_SEEN", 8, raising=False)
+    monkeypatch.setattr(_fleet, "MAX_CHECKS", 4, raising=False)
+    shared = SharedMemory()
+    async with running(config, shared) as (server, worker, _):
+        fleet = server.state.cache.core.l2.fleet  # type: ignore[union-attr]
+        fleet.verify_delay = 60.0  # (each check stays running, waiting to read back)
+        for index in range(20):
+            model = f"model-{index}-" + "x" * 1000
+            await worker.request(Register("", model, 1, 0, LAYOUT, "tokens/sha256-128/v1"))
+        assert len(fleet._seen) <= 8
+        assert all(type(item) is bytes and len(item) == 32 for item in fleet._seen)
+        assert fleet.checks <= 4
+        assert fleet.skipped >= 20 - 4

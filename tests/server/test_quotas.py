@@ -10,20 +10,28 @@ import pytest
 
 from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import ServerConfig
-from kvtrio.errors import QuotaExceeded
+from kvtrio.errors import BadRequest, QuotaExceeded, RequestError
 from kvtrio.protocol import (
+    CacheStats,
     Commit,
     CommitReply,
+    FreeLookupLocks,
+    GetStats,
     LayoutSpec,
     Lookup,
     LookupReply,
     Register,
     Registered,
+    Release,
+    Released,
+    Retrieve,
+    RetrieveReply,
+    StatsReply,
     Store,
     StoreReply,
 )
 from kvtrio.server import open_server
-from kvtrio.server.cache._quotas import scrub
+from kvtrio.server.cache._quotas import Quotas, scrub
 from kvtrio.shm import SharedArena
 from kvtrio.storage import Entry, EntryState
 from kvtrio.storage.keys import token_chunk_hashes
@@ -44,9 +52,9 @@ def prompt(seed: int, chunks: int) -> tuple[int, ...]:
     return tuple(range(seed * 1_000_000, seed * 1_000_000 + chunks * CHUNK))
 
 
-async def register(client: AsyncClient, tenant: str = "") -> Registered:
+async def register(client: AsyncClient, tenant: str = "", engine: str = "w") -> Registered:
     reply = await client.call(
-        Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant), Registered
+        Register(engine, "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant), Registered
     )
     assert reply.chunk_bytes == CHUNK_BYTES
     return reply
@@ -63,10 +71,72 @@ async def test_num_readers_is_capped_at_the_world_size(endpoint: str) -> None:
             Lookup("b", "m", 1, chunk_hashes=hashes(tokens), engine="w", num_readers=1), LookupReply
         )
         assert found.hit_chunks == 2
-        with pytest.raises(QuotaExceeded, match="num_readers 1000"):
+        with pytest.raises(QuotaExceeded, match="num_readers 2"):
             await client.request(
-                Lookup("c", "m", 1, chunk_hashes=hashes(tokens), engine="w", num_readers=1000)
+                Lookup("c", "m", 1, chunk_hashes=hashes(tokens), engine="w", num_readers=2)
             )
+
+
+async def _cache(client: AsyncClient) -> CacheStats:
+    reply = await client.call(GetStats(), StatsReply)
+    assert reply.cache is not None
+    return reply.cache
+
+
+async def test_a_negative_reader_count_cannot_take_another_engines_pin(endpoint: str) -> None:
+    """Issue 32 item 1 (and item 9's negative ``l1_pins``), as reproduced: engine V retrieves
+    X; engine H of the same tenant looks X up with ``num_readers=-3``, frees its lookup locks
+    and stores more than L1 holds. Was: a hit, ``l1_pins`` at -3, V's slot refilled with H's
+    bytes while V read it, V's release ``internal``. Now: refused, V's pin and bytes intact."""
+    config = ServerConfig(endpoint=endpoint, l1_size=L1, l2=())
+    async with (
+        open_server(config) as server,
+        open_client(server.endpoint) as v,
+        open_client(server.endpoint) as h,
+    ):
+        registered = await register(v, engine="v")
+        await register(h, engine="h")
+        arena = SharedArena.attach(registered.arena_path, registered.arena_size, populate=False)
+        try:
+            x = hashes(prompt(7, 4))
+            reply = await v.call(Store("x", 0, 4 * CHUNK, chunk_hashes=x), StoreReply)
+            for slot in reply.slots:
+                arena.view(slot.offset, slot.nbytes).fill(0xCD)
+            await v.call(Commit("x", written=x), CommitReply)
+            found = await v.call(Lookup("rv", "m", 1, x, engine="v"), LookupReply)
+            assert found.hit_chunks == 4
+            read = await v.call(Retrieve("rv", 0, 4 * CHUNK, chunk_hashes=x), RetrieveReply)
+            assert [slot.status for slot in read.slots] == ["read"] * 4
+            pins = (await _cache(v)).l1_pins
+            assert pins == 4
+
+            with pytest.raises(BadRequest, match=r"num_readers must be an integer in 0…256"):
+                await h.request(Lookup("rh", "m", 1, x, num_readers=-3, engine="h"))
+            assert (await _cache(h)).l1_pins == pins
+            await h.request(FreeLookupLocks("rh", "m", engine="h"))
+            for seed in range(20):  # more than L1 holds: whatever is not pinned is evicted
+                other = hashes(prompt(300 + seed, 32))
+                await h.call(Store(f"h{seed}", 0, 32 * CHUNK, chunk_hashes=other), StoreReply)
+                await h.call(Commit(f"h{seed}", written=other), CommitReply)
+                assert (await _cache(h)).l1_pins >= pins
+            for slot in read.slots:
+                assert np.all(arena.view(slot.offset, slot.nbytes) == 0xCD)
+            released = await v.call(Release("rv", x), Released)
+            assert released.released == 4
+            assert (await _cache(v)).l1_pins == 0
+        finally:
+            arena.close()
+
+
+def test_the_reader_quota_refuses_negative_counts() -> None:
+    """Defense behind the codec's bound: a count below 0 never reaches a pin."""
+    quotas = Quotas.__new__(Quotas)
+    quotas.refused = 0
+    with pytest.raises(RequestError, match=r"num_readers must be in 0…4 .*got -3") as info:
+        quotas.readers(-3, 4)
+    assert info.value.code.value == "bad_request"
+    quotas.readers(0, 4)
+    quotas.readers(4, 4)
 
 
 async def test_reservation_flooding_by_one_key_leaves_room_for_another(short_dir: Path) -> None:

@@ -82,6 +82,24 @@ def test_pin_accounting() -> None:
         l1.pin(b"missing")
 
 
+def test_a_pin_count_never_goes_negative() -> None:
+    """Issue 32 items 1 and 9: ``pin(key, -3)`` was accepted; ``pins`` read -3 and another
+    pin's entry became evictable while it was read."""
+    l1 = L1Cache(4 * KB)
+    ready(l1, b"a")
+    l1.pin(b"a")
+    for count in (0, -3):
+        with pytest.raises(ValueError, match="at least 1"):
+            l1.pin(b"a", count)
+    with pytest.raises(ValueError, match="unpinning -1 of 1"):
+        l1.unpin(b"a", -1)
+    assert (l1.stats().pins, l1.stats().pinned_entries) == (1, 1)
+    l1.unpin(b"a", 0)  # (nothing)
+    assert (l1.stats().pins, l1.stats().pinned_entries) == (1, 1)
+    l1.unpin(b"a")
+    assert (l1.stats().pins, l1.stats().pinned_entries) == (0, 0)
+
+
 def test_no_eviction_when_it_cannot_make_room() -> None:
     l1 = L1Cache(4 * KB)
     ready(l1, b"a", 2 * KB)

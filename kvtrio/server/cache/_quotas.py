@@ -43,7 +43,15 @@ class Quotas:
         """Requests refused with ``quota_exceeded`` (for stats)."""
 
     def readers(self, num_readers: int, world_size: int) -> None:
-        """A lookup may pin an object for at most ``world_size`` readers (every rank once)."""
+        """A lookup may pin an object for at most ``world_size`` readers (every rank once), and
+        never for fewer than none: 0 means the default, a negative count is ``bad_request``
+        (the codec refuses it first; this is the line behind it: a count of -3 once unpinned
+        other engines' chunks, issue 32)."""
+        if type(num_readers) is not int or num_readers < 0:
+            raise RequestError(
+                ErrorCode.BAD_REQUEST,
+                f"num_readers must be in 0…{world_size} (0: the default), got {num_readers!r}",
+            )
         if num_readers > world_size:
             self._refuse(
                 f"num_readers {num_readers} is more than the registration's world size {world_size}"

@@ -19,12 +19,19 @@ another server instance: the two are compared, and a difference is logged as a w
 as it is (the first server's settings stay the reference). Registration never waits for any of
 this, and a backend that fails here counts a failure like any other call.
 
+What the server remembers of this is bounded (issue 32: with any L2, 800 registrations of
+distinct 1 MiB model names kept 800 MB for the server's life): the models already checked are
+kept as 32-byte digests, the latest :data:`MAX_SEEN` of them (a model forgotten is checked again
+at its next registration: one more read of its record), and at most :data:`MAX_CHECKS` checks
+run at once (a registration beyond them is not checked, logged once a minute).
+
 The record is not a kvtrio frame: a load of it as a chunk would fail verification, and no
 chunk key can equal it.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import socket
@@ -47,6 +54,11 @@ RECORD_SIZE = 512
 a known size only)."""
 VERIFY_DELAY = 2.0
 """Seconds after writing a record before reading it back (see the module docstring)."""
+MAX_SEEN = 4096
+"""Models (with tenant and scheme) remembered as checked: a fleet serves a few dozen."""
+MAX_CHECKS = 64
+"""Checks of models' records running at once (each reads, maybe writes and reads again)."""
+_SKIP_LOG_INTERVAL = 60.0
 
 
 def record_key(model: str, tenant: str) -> bytes:
@@ -104,20 +116,58 @@ class Fleet:
         self.host = socket.gethostname()
         self.nursery: trio.Nursery | None = None
         """Where the checks run; set by the tier while it serves."""
-        self._seen: set[tuple[str, str, str, int]] = set()
+        self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        """Digests of the (model, tenant, scheme, block size) checked, oldest first."""
+        self.checks = 0
+        """Checks running now (at most :data:`MAX_CHECKS`)."""
+        self.skipped = 0
+        """Registrations not checked because :data:`MAX_CHECKS` were running."""
+        self._skip_logged = -_SKIP_LOG_INTERVAL
         self.verify_delay = VERIFY_DELAY
 
     def announce(self, model: str, tenant: str, hash_scheme: str, block_size: int) -> None:
         """A worker registered ``model``: check (once per model, tenant and scheme in this
         process) the model's record in every backend, in a task; never waits."""
-        seen = (model, tenant, hash_scheme, block_size)
-        if self.nursery is None or not self.backends or seen in self._seen:
+        if self.nursery is None or not self.backends:
             return
-        self._seen.add(seen)
+        seen = hashlib.sha256(msgpack.packb([model, tenant, hash_scheme, block_size])).digest()
+        if seen in self._seen:
+            self._seen.move_to_end(seen)
+            return
+        shared = [b for b in self.backends if b.capabilities.shared]
+        if self.checks + len(shared) > MAX_CHECKS:
+            self._skip(model)
+            return  # (not remembered: its next registration is checked)
+        self._seen[seen] = None
+        if len(self._seen) > MAX_SEEN:
+            self._seen.popitem(last=False)
         mine = FleetRecord(self.chunk_size, hash_scheme, block_size, self.instance, self.host)
-        for tier_backend in self.backends:
-            if tier_backend.capabilities.shared:
-                self.nursery.start_soon(self._check, tier_backend, model, tenant, mine)
+        for tier_backend in shared:
+            self.checks += 1
+            self.nursery.start_soon(self._counted_check, tier_backend, model, tenant, mine)
+
+    def _skip(self, model: str) -> None:
+        self.skipped += 1
+        now = trio.current_time()
+        if now - self._skip_logged < _SKIP_LOG_INTERVAL:
+            return
+        self._skip_logged = now
+        log.warning(
+            "%d fleet record checks are running: model %r's is skipped (%d skipped so far; "
+            "it is checked at a later registration)",
+            MAX_CHECKS,
+            model[:128],
+            self.skipped,
+            extra=event("fleet_check_skipped", model=model[:128], skipped=self.skipped),
+        )
+
+    async def _counted_check(
+        self, tier_backend: TierBackend, model: str, tenant: str, mine: FleetRecord
+    ) -> None:
+        try:
+            await self._check(tier_backend, model, tenant, mine)
+        finally:
+            self.checks -= 1
 
     async def _check(
         self, tier_backend: TierBackend, model: str, tenant: str, mine: FleetRecord
@@ -146,13 +196,13 @@ class Fleet:
             "the other. Give every server of the fleet the same --chunk-size and the engines "
             "the same hash scheme and block size",
             tier_backend.name,
-            model,
+            model[:128],
             text,
             theirs.host,
             extra=event(
                 "fleet_mismatch",
                 backend=tier_backend.label,
-                model=model,
+                model=model[:128],
                 differences=text,
                 other_host=theirs.host,
                 other_instance=theirs.instance,

@@ -99,6 +99,7 @@ from ._registration import (
     Released,
     Unregister,
 )
+from ._tenant import MAX_TENANT_LENGTH, TENANT_PATTERN, check_tenant_name, tenant_problem
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -108,10 +109,12 @@ __all__ = [
     "MAX_HASHES",
     "MAX_LOOKUP_BATCH",
     "MAX_LOOKUP_KEYS",
+    "MAX_TENANT_LENGTH",
     "MAX_WORLD_SIZE",
     "OPERATIONS",
     "PROTOCOL_VERSION",
     "REQUEST_TYPES",
+    "TENANT_PATTERN",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -164,6 +167,7 @@ __all__ = [
     "as_int_array",
     "block_chunk_hashes",
     "block_hash_scheme",
+    "check_tenant_name",
     "chunk_hashes",
     "converter",
     "decode_batch",
@@ -184,5 +188,6 @@ __all__ = [
     "read_reply_header",
     "read_request_header",
     "replay_endpoint",
+    "tenant_problem",
     "token_chunk_hashes",
 ]

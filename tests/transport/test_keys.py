@@ -116,8 +116,8 @@ def test_zap_accepts_only_allowed_curve_keys() -> None:
     public, _ = zmq.curve_keypair()
     raw = z85.decode(public)
 
-    def authorize(key: bytes) -> str | None:
-        return "user" if key == public else None
+    def authorize(key: bytes, domain: bytes) -> str | None:
+        return "user" if key == public and domain == b"kvtrio" else None
 
     def request(mechanism: bytes, *creds: bytes) -> list[bytes]:
         return [b"1.0", b"7", b"kvtrio", b"127.0.0.1", b"", mechanism, *creds]
@@ -126,6 +126,8 @@ def test_zap_accepts_only_allowed_curve_keys() -> None:
     other, _ = zmq.curve_keypair()
     assert zap_reply(request(b"CURVE", z85.decode(other)), authorize)[2] == b"400"
     assert zap_reply(request(b"NULL"), authorize)[2] == b"400"
+    refused_there = [b"1.0", b"7", b"kvtrio-events", b"127.0.0.1", b"", b"CURVE", raw]
+    assert zap_reply(refused_there, authorize)[2] == b"400"  # the domain reaches authorize
     assert zap_reply(request(b"PLAIN", b"u", b"p"), authorize)[2] == b"400"
     assert zap_reply([b"2.0", b"1"], authorize)[2] == b"500"
     assert zap_reply([], authorize)[2] == b"500"

@@ -231,6 +231,8 @@ class EventPublisher:
                 delay = min(2 * delay, 1.0)
 
     async def _send_loop(self, pub: Socket) -> None:
+        if self._queue:  # queued while the socket was replaced
+            self._wake.set()
         while True:
             await self._wake.wait()
             self._wake = trio.Event()

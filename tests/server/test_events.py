@@ -389,3 +389,78 @@ async def test_messages_that_are_not_subscriptions_never_move_a_subscription(
             leaks.append(await _attack(publisher, endpoint, acme, victim))
         assert leaks == [0] * 20
         assert publisher.counters["not_subscriptions"] >= 20
+
+
+async def test_insecure_tenant_topic_may_be_subscribed() -> None:
+    """Issue 32, item 9: with ``--insecure``, tenant ""'s topic ``kvtrio//`` is subscribed (as
+    docs/events.md says); another tenant's topic and the prefix ``kvtrio/`` are not."""
+    from kvtrio.protocol import BlockStored
+
+    config = ServerConfig(
+        endpoint="tcp://127.0.0.1:0", l1_size=16 << 20, l2=(), insecure=True,
+        events="tcp://127.0.0.1:0", events_interval=0.002,
+    )  # fmt: skip
+    async with open_server(config) as server:
+        publisher = server.state.events
+        assert publisher is not None
+        assert publisher.bound is not None
+        sub = _connect(zmq.SUB, publisher.bound[0], {})
+        try:
+            for topic in (b"kvtrio/", events_topic("acme"), events_topic("")):
+                sub.setsockopt(zmq.SUBSCRIBE, topic)
+            await await_condition(
+                lambda: (
+                    publisher.counters["subscriptions"] >= 1
+                    and publisher.counters["refused_subscriptions"] >= 2
+                ),
+                what="the subscriptions handled",
+            )
+            assert publisher.counters["subscriptions"] == 1
+            got: list[bytes] = []
+
+            def received() -> bool:
+                publisher.publish("", BlockStored((1,), None, (), 16, "CPU"))
+                publisher.publish("acme", BlockStored((2,), None, (), 16, "CPU"))
+                got.extend(_topics(sub))
+                return len(got) >= 3
+
+            await await_condition(received, what='tenant ""\'s events')
+            assert set(got) == {events_topic("")}
+        finally:
+            sub.close(linger=0)
+
+
+async def test_a_flood_of_refused_subscriptions_logs_a_few_lines(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 32, item 4: 5,000 refused subscriptions (another tenant's topics) are logged in a
+    line or two, not one line each; the server answers requests meanwhile."""
+    from kvtrio.client import curve_options
+    from kvtrio.protocol import Ping, Pong
+
+    from .._support import tenants
+
+    caplog.set_level("INFO", logger="kvtrio.events")
+    config = tenants.tcp_config(events="tcp://127.0.0.1:0", events_interval=0.002)
+    keys = short_dir / "tenants"
+    async with tenants.tenant_clients(short_dir, config) as (server, acme, _):
+        publisher = server.state.events
+        assert publisher is not None
+        assert publisher.bound is not None
+        endpoint = publisher.bound[0]
+        options = curve_options(endpoint, str(keys / "server.key"), str(keys / "acme.key_secret"))
+        sub = _connect(zmq.XSUB, endpoint, options)
+        try:
+            for n in range(0, 5000, 500):  # paced: libzmq drops what is beyond its queues
+                for m in range(n, n + 500):
+                    sub.send(b"\x01kvtrio/victim%d/" % m)
+                await await_condition(
+                    lambda: publisher.counters["refused_subscriptions"] >= n + 500,  # noqa: B023
+                    what="the subscriptions refused",
+                )
+                assert isinstance(await acme.request(Ping()), Pong)
+        finally:
+            sub.close(linger=0)
+    lines = [r for r in caplog.records if r.name == "kvtrio.events" and "subscri" in r.message]
+    assert publisher.counters["subscriptions"] == 0
+    assert 1 <= len(lines) <= 3

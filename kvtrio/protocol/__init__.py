@@ -99,7 +99,7 @@ from ._registration import (
     Released,
     Unregister,
 )
-from ._tenant import MAX_TENANT_LENGTH, TENANT_PATTERN, check_tenant_name, tenant_problem
+from ._tenant import TENANT_PATTERN, check_tenant_name, tenant_problem
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -109,7 +109,6 @@ __all__ = [
     "MAX_HASHES",
     "MAX_LOOKUP_BATCH",
     "MAX_LOOKUP_KEYS",
-    "MAX_TENANT_LENGTH",
     "MAX_WORLD_SIZE",
     "OPERATIONS",
     "PROTOCOL_VERSION",

@@ -14,9 +14,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["MAX_TENANT_LENGTH", "TENANT_PATTERN", "check_tenant_name", "tenant_problem"]
+__all__ = ["TENANT_NAME_LENGTH", "TENANT_PATTERN", "check_tenant_name", "tenant_problem"]
 
-MAX_TENANT_LENGTH = 64
+TENANT_NAME_LENGTH = 64
+"""The longest tenant name, in characters."""
 TENANT_PATTERN = r"[A-Za-z0-9._-]{0,64}"
 """A tenant name, whole (``re.fullmatch``)."""
 
@@ -27,8 +28,8 @@ def tenant_problem(name: str) -> str | None:
     """Why ``name`` is not a tenant name, or None if it is one."""
     if _TENANT.fullmatch(name) is not None:
         return None
-    if len(name) > MAX_TENANT_LENGTH:
-        return f"a tenant name is at most {MAX_TENANT_LENGTH} characters, got {len(name)}"
+    if len(name) > TENANT_NAME_LENGTH:
+        return f"a tenant name is at most {TENANT_NAME_LENGTH} characters, got {len(name)}"
     return f"a tenant name is made of A-Z a-z 0-9 . _ - only, got {name[:80]!r}"
 
 

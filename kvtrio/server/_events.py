@@ -36,7 +36,8 @@ a ZeroMQ XPUB socket, one topic per tenant, and a replay ROUTER socket.
   logged at most once per :data:`LOG_INTERVAL` per kind, with the count of those not logged.
 - **Replay**: a request ``[b"", start_seq]`` (vLLM's) or ``[b"", start_seq, topic]`` is answered
   with the topic's buffered batches from ``start_seq`` on, then the end marker; the topic
-  defaults to the key's only tenant. The last ``events_buffer`` batches of each topic are kept.
+  defaults to the key's only tenant. The last ``events_buffer`` batches of each topic are kept,
+  at most :data:`BUFFER_BYTES` of them.
 - CURVE as on the request socket (the same server keys and allowed keys), with a ZAP domain of
   their own (``kvtrio-events``) so that a key can be refused here alone.
 """
@@ -79,6 +80,9 @@ REPLAY_RATE, REPLAY_BURST = 20.0, 50.0
 BAN_SECONDS = 60.0
 """How long the events sockets refuse a key that sent them a message that is not a
 subscription."""
+BUFFER_BYTES = 64 << 20
+"""The most bytes of batches a topic's replay buffer keeps (besides ``events_buffer``
+batches): a batch of stores carrying 64-byte block hashes is about a megabyte."""
 GRACE = 60.0
 """Seconds a tenant's events are still announced (and names kept) after its last subscriber
 left: a subscriber that reconnects, or comes late, replays what it missed."""
@@ -114,6 +118,7 @@ class EventPublisher:
         self._queue: list[tuple[str, KVEvent]] = []
         self._seq: dict[bytes, int] = {}
         self._buffers: dict[bytes, collections.deque[tuple[int, bytes]]] = {}
+        self._buffer_bytes: collections.Counter[bytes] = collections.Counter()
         self.counters: collections.Counter[str] = collections.Counter()
         """``published`` events, ``batches`` sent, ``dropped`` (queue full), ``replays``
         answered (``replays_refused`` beyond the rate), ``subscriptions`` applied,
@@ -255,8 +260,12 @@ class EventPublisher:
         self._seq[topic] = seq + 1
         buffer = self._buffers.get(topic)
         if buffer is None:
-            buffer = self._buffers[topic] = collections.deque(maxlen=self._buffer_size)
+            buffer = self._buffers[topic] = collections.deque()
         buffer.append((seq, payload))
+        size = self._buffer_bytes[topic] = self._buffer_bytes[topic] + len(payload)
+        while len(buffer) > self._buffer_size or (size > BUFFER_BYTES and len(buffer) > 1):
+            size -= len(buffer.popleft()[1])
+        self._buffer_bytes[topic] = size
         self.counters["batches"] += 1
         if not pub.try_send_multipart((topic, encode_seq(seq), payload)):
             self.counters["send_refused"] += 1  # (PUB drops, never refuses; be safe)

@@ -172,7 +172,8 @@ def _build_parser() -> argparse.ArgumentParser:
     keygen.add_argument(
         "--tenants",
         default=None,
-        help="tenants a client key may use: NAME,NAME or * (required in an allowed-keys dir)",
+        help="tenants a client key may use: NAME,NAME (each 1-64 of A-Z a-z 0-9 . _ -) or * "
+        "(required in an allowed-keys dir)",
     )
     return parser
 

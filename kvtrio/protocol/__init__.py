@@ -113,6 +113,7 @@ from ._registration import (
     Released,
     Unregister,
 )
+from ._tenant import TENANT_PATTERN, check_tenant_name, tenant_problem
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
@@ -134,6 +135,7 @@ __all__ = [
     "OPERATIONS",
     "PROTOCOL_VERSION",
     "REQUEST_TYPES",
+    "TENANT_PATTERN",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -190,6 +192,7 @@ __all__ = [
     "block_hash_scheme",
     "bound_rows",
     "check_request",
+    "check_tenant_name",
     "chunk_hashes",
     "converter",
     "decode_batch",
@@ -210,5 +213,6 @@ __all__ = [
     "read_reply_header",
     "read_request_header",
     "replay_endpoint",
+    "tenant_problem",
     "token_chunk_hashes",
 ]

@@ -40,6 +40,7 @@ from ._cache import (
 from ._events import MAX_BLOCK_HASH_BYTES
 from ._messages import Hello, Probe, Request
 from ._registration import CudaCache, CudaLayer, LayoutSpec, Register
+from ._tenant import TENANT_NAME_LENGTH
 
 __all__ = [
     "FIELD_BOUNDS",
@@ -63,9 +64,8 @@ request id that holds a pin, so the length bounds its memory (1,200 lookups with
 it by 1.2 GB)."""
 MAX_MODEL_LENGTH = 1024
 """Characters of a model name: a Hugging Face repository id (at most 96) or a local path."""
-MAX_TENANT_LENGTH = 64
-"""Characters of a tenant name (the length here; its alphabet where tenant names are
-checked)."""
+MAX_TENANT_LENGTH = TENANT_NAME_LENGTH
+"""Characters of a tenant name (its alphabet: ``_tenant.py``, checked by ``Register``)."""
 MAX_NAME_LENGTH = 256
 """Characters of the other free-text fields: client name and version, hash scheme and seed,
 the GPU's UUID."""

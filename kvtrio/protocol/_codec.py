@@ -257,6 +257,9 @@ def _format_error(exc: BaseException, type_: Any) -> str:
     # Our hooks raise TypeErrors that already say what was expected and what came.
     if isinstance(exc, TypeError) and str(exc).startswith("expected "):
         return str(exc)
+    # Field validators (the tenant alphabet) raise ValueErrors that name the field.
+    if isinstance(exc, ValueError) and str(exc):
+        return str(exc)
     return format_exception(exc, type_)
 
 

@@ -63,7 +63,8 @@ def event_block_hash(block_hash: bytes, *, as_int: bool = True) -> BlockHash:
 
 def events_topic(tenant: str) -> bytes:
     """The topic of ``tenant``'s events: ``kvtrio/<tenant>/`` (a ZeroMQ subscription matches
-    a prefix; the closing ``/`` keeps one tenant's topic from matching another's)."""
+    a prefix; tenant names never hold ``/``, ``protocol._tenant``, so the closing ``/`` keeps
+    one tenant's topic from matching another's)."""
     return b"kvtrio/" + tenant.encode() + b"/"
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from attrs import frozen
+from attrs import field, frozen
 
 from ._messages import Reply, Request
+from ._tenant import check_tenant_name
 
 __all__ = [
     "CudaCache",
@@ -114,7 +115,8 @@ class Register(Request):
     """``tokens/sha256-128/v1`` (token mode) or ``blocks/<engine hash>/v1`` (hash mode)."""
     device: str = "cpu"
     """``cpu`` (the worker copies through the L1 arena) or ``cuda`` (give ``cuda``)."""
-    tenant: str = ""
+    tenant: str = field(default="", validator=check_tenant_name)
+    """Its tenant's name (``protocol._tenant``: ``[A-Za-z0-9._-]{0,64}``)."""
     cuda: CudaCache | None = None
     hash_seed: str = ""  # hash mode: a fingerprint of the engine's root block hash, not its seed
 

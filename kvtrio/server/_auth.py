@@ -18,6 +18,7 @@ import collections
 import functools
 import ipaddress
 import logging
+import time
 from pathlib import Path
 
 import attrs
@@ -36,7 +37,7 @@ from ..transport import (
     load_keypair,
 )
 
-__all__ = ["Principal", "ServerAuth", "configure_auth", "is_loopback"]
+__all__ = ["EVENTS_ZAP_DOMAIN", "Principal", "ServerAuth", "configure_auth", "is_loopback"]
 
 log = logging.getLogger("kvtrio.server")
 
@@ -53,6 +54,11 @@ class Principal:
     def may_use(self, tenant: str) -> bool:
         return ANY_TENANT in self.tenants or tenant in self.tenants
 
+
+ZAP_DOMAIN = b"kvtrio"
+"""The request socket's ZAP domain."""
+EVENTS_ZAP_DOMAIN = b"kvtrio-events"
+"""The KV events sockets' ZAP domain (so that a key can be refused there alone)."""
 
 _LOCAL = Principal("local user", "", frozenset({ANY_TENANT}))
 _ANONYMOUS = Principal("anonymous", "", frozenset({""}))
@@ -90,13 +96,17 @@ class ServerAuth:
         self.max_sessions_per_key = max_sessions_per_key
         self.sessions_by_user: collections.Counter[str] = collections.Counter()
         self.handshakes_refused = 0
+        self.events_banned: dict[bytes, float] = {}
+        """Client keys (Z85) refused by the KV events sockets until a ``time.monotonic()``:
+        keys whose connection sent them a message that is not a subscription (``_events``)."""
 
     @property
     def curve(self) -> bool:
         return self.mode == "curve"
 
-    def socket_options(self) -> dict[int, int | bytes]:
-        """Options of the ROUTER socket for this mode (CURVE server keys, ZAP domain)."""
+    def socket_options(self, domain: bytes = ZAP_DOMAIN) -> dict[int, int | bytes]:
+        """Options of a server socket for this mode (CURVE server keys, ZAP ``domain``: the
+        request socket's, or :data:`EVENTS_ZAP_DOMAIN` for the KV events sockets)."""
         if not self.curve:
             return {}
         assert self.server_keys is not None
@@ -104,15 +114,31 @@ class ServerAuth:
         return {
             zmq.CURVE_SERVER: 1,
             zmq.CURVE_SECRETKEY: self.server_keys.secret,
-            zmq.ZAP_DOMAIN: b"kvtrio",
+            zmq.ZAP_DOMAIN: domain,
         }
 
-    def authorize(self, public: bytes) -> str | None:
-        """ZAP decision for a client public key (Z85): its user id, or None to refuse."""
-        if public in self.allowed:
+    def authorize(self, public: bytes, domain: bytes = ZAP_DOMAIN) -> str | None:
+        """ZAP decision for a client public key (Z85) on a socket of ``domain``: its user id,
+        or None to refuse (a key the events sockets banned is refused there alone)."""
+        banned = domain == EVENTS_ZAP_DOMAIN and self._events_banned(public)
+        if public in self.allowed and not banned:
             return public.decode()
         self.handshakes_refused += 1
         return None
+
+    def ban_from_events(self, user_id: str, seconds: float) -> None:
+        """Refuse key ``user_id``'s handshakes on the KV events sockets for ``seconds``."""
+        if user_id:
+            self.events_banned[user_id.encode()] = time.monotonic() + seconds
+
+    def _events_banned(self, public: bytes) -> bool:
+        until = self.events_banned.get(public)
+        if until is None:
+            return False
+        if until > time.monotonic():
+            return True
+        del self.events_banned[public]
+        return False
 
     def principal(self, user_id: str) -> Principal | None:
         """The principal of a connection with this ZAP user id; None if it is not (any more)

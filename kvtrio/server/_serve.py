@@ -261,7 +261,7 @@ def _events(
         interval=config.events_interval,
         ipc_group=config.ipc_group,
     )
-    return publisher, Announcer(publisher.publish, config.chunk_size)
+    return publisher, Announcer(publisher.publish, config.chunk_size, publisher.subscribed)
 
 
 _CONTEXT_LIMITER = trio.CapacityLimiter(4)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -122,6 +123,8 @@ def write_keypair(directory: Path, name: str, tenants: str | None = None) -> Key
     (created 0700; files 0600) and return it. ``tenants``: comma-separated names or ``*``."""
     if not name or "/" in name or name.startswith("."):
         raise ConfigError(f"{name!r} is not a key name (a plain file name, e.g. engine-a)")
+    if tenants is not None:
+        tenants = ",".join(sorted(_tenant_set(tenants, "--tenants")))
     public, secret = zmq.curve_keypair()
     pair = KeyPair(public, secret)
     _private_dir(directory)
@@ -170,10 +173,24 @@ def load_public_key(value: str) -> bytes:
     return pair.public
 
 
+TENANT_PATTERN = r"[A-Za-z0-9._-]{0,64}"
+"""A tenant name (``kvtrio.protocol.TENANT_PATTERN``, which this layer may not import; a test
+keeps the two equal): 0-64 of ``A-Z a-z 0-9 . _ -``, so no events topic prefixes another."""
+
+_TENANT = re.compile(TENANT_PATTERN)
+
+
 def _tenant_set(text: str | None, where: str) -> frozenset[str]:
+    """The tenants of a comma-separated list (``*``: any); ``ConfigError`` if it names none
+    or a name outside the tenant alphabet."""
     tenants = frozenset(t.strip() for t in (text or "").split(",") if t.strip())
     if not tenants:
         raise ConfigError(f'{where}: no tenants (add tenants = "NAME,..." or "*")')
+    for tenant in sorted(tenants - {ANY_TENANT}):
+        if _TENANT.fullmatch(tenant) is None:
+            raise ConfigError(
+                f"{where}: {tenant[:80]!r} is not a tenant name (at most 64 of A-Z a-z 0-9 . _ -)"
+            )
     return tenants
 
 

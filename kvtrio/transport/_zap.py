@@ -29,8 +29,10 @@ log = logging.getLogger("kvtrio.transport")
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 
-Authorize = Callable[[bytes], "str | None"]
-"""``authorize(client public key, Z85) -> user id``, or None to refuse the handshake."""
+Authorize = Callable[[bytes, bytes], "str | None"]
+"""``authorize(client public key (Z85), ZAP domain) -> user id``, or None to refuse the
+handshake. The domain is the server socket's ``ZAP_DOMAIN`` (the KV events sockets have their
+own, so a key can be refused there alone)."""
 
 
 def zap_reply(frames: list[bytes], authorize: Authorize) -> list[bytes]:
@@ -38,11 +40,11 @@ def zap_reply(frames: list[bytes], authorize: Authorize) -> list[bytes]:
     if len(frames) < 6 or frames[0] != b"1.0":
         request_id = frames[1] if len(frames) > 1 else b""
         return [b"1.0", request_id, b"500", b"malformed ZAP request", b"", b""]
-    request_id, mechanism = frames[1], frames[5]
+    request_id, domain, mechanism = frames[1], frames[2], frames[5]
     if mechanism != b"CURVE" or len(frames) != 7 or len(frames[6]) != 32:
         return [b"1.0", request_id, b"400", b"CURVE only", b"", b""]
     public = z85.encode(frames[6])
-    user = authorize(public)
+    user = authorize(public, domain)
     if user is None:
         return [b"1.0", request_id, b"400", b"unknown key", b"", b""]
     return [b"1.0", request_id, b"200", b"OK", user.encode(), b""]

@@ -36,3 +36,18 @@ def test_security_flags_parse() -> None:
     assert not hasattr(_build_parser().parse_args(["serve"]), "insecure")
     ping = _build_parser().parse_args(["ping", "--server-key", "s.key", "--client-key", "c"])
     assert (ping.server_key, ping.client_key) == ("s.key", "c")
+
+
+@pytest.mark.parametrize("tenants", ["a/b", "acme,a b", "x" * 65, "caf\u00e9"])
+def test_keygen_refuses_a_tenant_outside_the_alphabet(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tenants: str
+) -> None:
+    """Issue 32, item 3: tenant names are [A-Za-z0-9._-]{0,64} (docs/security.md): ``a/b``
+    would have received tenant ``a``'s KV events. One line, no key written."""
+    with pytest.raises(SystemExit) as exited:
+        main(["keygen", "engine-a", "--dir", str(tmp_path), "--tenants", tenants])
+    assert exited.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert "not a tenant name" in err
+    assert len(err.splitlines()) == 1
+    assert not list(tmp_path.iterdir())

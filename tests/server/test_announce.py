@@ -47,3 +47,62 @@ def test_unnamed_chunks_use_the_chunk_hash_and_other_ranks_are_silent() -> None:
     ]
     a.seen([key(5)], 0, "disk")  # now missed there
     assert published[-1] == ("acme", BlockRemoved((key(5)[16:],), "disk"))
+
+
+def test_nothing_is_kept_or_announced_for_a_tenant_nobody_subscribes_to() -> None:
+    """Issue 32, item 5: with no subscriber, stores' names are not kept (they grew the server
+    by ~35 KiB per chunk of 64-byte hashes at block_size 1, with no subscriber at all)."""
+    published: list[tuple[str, KVEvent]] = []
+    a = Announcer(lambda t, e: published.append((t, e)), 64, subscribed=lambda t: False)
+    a.announce_space(SPACE, "acme")
+    for n in range(100):
+        a.names([key(n)], [bytes(64)] * 64, block_size=1)
+        a.ready(key(n), None)
+    assert (len(a), a.names_size("acme"), published) == (0, 0, [])
+
+
+def test_names_are_bounded_in_bytes_per_tenant() -> None:
+    """Issue 32, item 5: 64-byte hashes at block_size 1 (64 a chunk here) for 4,000 chunks
+    stay within the tenant's bound in bytes, as Python allocates them (tracemalloc); the
+    chunks announced first are announced removed when their names are forgotten."""
+    import tracemalloc
+
+    published: list[tuple[str, KVEvent]] = []
+    bound = 1 << 20
+    a = Announcer(lambda t, e: published.append((t, e)), 64, names_bytes=bound)
+    a.announce_space(SPACE, "acme")
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for n in range(4000):
+            a.names([key(n)], [n.to_bytes(64, "big")] * 64, block_size=1)
+            a.ready(key(n), None)
+            published.clear()  # (the events themselves are the publisher's, bounded there)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert a.names_size("acme") <= bound
+    assert grown <= 1.5 * bound, f"{grown} bytes for a bound of {bound}"
+    assert 0 < len(a) < 4000
+    a.removed(key(0))  # forgotten: nothing to say
+    assert published == []
+    a.names([key(5000)], [bytes(64)] * 64, block_size=1)
+    a.ready(key(5000), None)
+    removed = [e for _, e in published if isinstance(e, BlockRemoved)]
+    assert removed  # the oldest names made room, announced removed
+    assert all(e.medium == "CPU" for e in removed)
+
+
+def test_a_tenant_nobody_wants_any_more_is_forgotten_and_cleared() -> None:
+    from kvtrio.protocol import AllBlocksCleared
+
+    wanted = {"acme": True}
+    published: list[tuple[str, KVEvent]] = []
+    a = Announcer(lambda t, e: published.append((t, e)), 64, subscribed=wanted.__getitem__)
+    a.announce_space(SPACE, "acme")
+    a.names([key(1)], (10, 11, 12, 13), block_size=16)
+    a.ready(key(1), None)
+    wanted["acme"] = False
+    a.ready(key(2), None)
+    assert published[-1] == ("acme", AllBlocksCleared())
+    assert (len(a), a.names_size("acme")) == (0, 0)

@@ -7,12 +7,15 @@ Real servers in the test's loop over a real disk L2; the consumer subscribes ove
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
+import zmq
 
 from kvtrio.client import AsyncClient, EventIndex, open_client, subscribe
 from kvtrio.config import ServerConfig
@@ -259,16 +262,18 @@ async def test_a_subscriber_sees_only_its_keys_tenants(short_dir: Path) -> None:
         assert publisher.bound is not None
         events, replay = publisher.bound
         options = curve_options(events, str(keys / "server.key"), str(keys / "acme.key_secret"))
-        mine, theirs = EventIndex(), EventIndex()
+        victims = curve_options(events, str(keys / "server.key"), str(keys / "victim.key_secret"))
+        mine, theirs, own = EventIndex(), EventIndex(), EventIndex()
         async with (
             subscribe(mine, events, replay, events_topic("acme"), options=options),
             subscribe(theirs, events, replay, events_topic("victim"), options=options),
+            subscribe(own, events, replay, events_topic("victim"), options=victims),
         ):
             await await_condition(
                 lambda: publisher.counters["refused_subscriptions"] >= 1,
                 what="the foreign subscription refused",
             )
-            await subscribed(server, 1)
+            await subscribed(server, 2)
             for client, tenant, seed in ((acme, "acme", 1), (victim, "victim", 2)):
                 registered = await tenants.register(client, tenant)
                 arena = SharedArena.attach(
@@ -281,10 +286,181 @@ async def test_a_subscriber_sees_only_its_keys_tenants(short_dir: Path) -> None:
             await await_condition(
                 lambda: mine.media().get("CPU") == 4, what="acme's stores announced"
             )
-            # victim's 4 stores went out on victim's topic (besides acme's AllBlocksCleared and
-            # 4 stores), and this key's subscription to that topic never got them.
+            # victim's 4 stores went out on victim's topic (to victim's own subscriber), and
+            # acme's subscription to that topic never got them.
             await await_condition(
-                lambda: publisher.counters["published"] >= 9, what="victim's stores announced"
+                lambda: own.media().get("CPU") == 4, what="victim's stores announced"
             )
             assert theirs.media() == {}
             assert theirs.applied == 0
+
+
+def _connect(kind: int, endpoint: str, options: dict[int, Any]) -> zmq.Socket[bytes]:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    for option, value in options.items():
+        sock.setsockopt(option, value)
+    sock.connect(endpoint)
+    return sock
+
+
+def _topics(sock: zmq.Socket[bytes]) -> list[bytes]:
+    got = []
+    while sock.poll(0):
+        got.append(sock.recv_multipart()[0])
+    return got
+
+
+async def _attack(
+    publisher: Any, endpoint: str, acme: dict[int, Any], victim: dict[int, Any]
+) -> int:
+    """One round of item 2's attack: the acme topic messages victim's connections received."""
+    from kvtrio.protocol import BlockStored
+
+    a = _connect(zmq.SUB, endpoint, acme)
+    b1, b2 = _connect(zmq.XSUB, endpoint, victim), _connect(zmq.XSUB, endpoint, victim)
+    try:
+        # Every connection up (a's first subscription is refused: another tenant's topic).
+        refused = publisher.counters["refused_subscriptions"]
+        applied = publisher.counters["subscriptions"]
+        a.setsockopt(zmq.SUBSCRIBE, events_topic("victim"))
+        b1.send(b"\x01" + events_topic("victim"))
+        b2.send(b"\x01" + events_topic("victim"))
+        await await_condition(
+            lambda: (
+                publisher.counters["refused_subscriptions"] > refused
+                and publisher.counters["subscriptions"] >= applied + 2
+            ),
+            what="three connections up",
+        )
+        # Hold this loop (so the server reads nothing) while libzmq queues, in this order:
+        # victim's junk, acme's subscription, victim's second subscription.
+        b1.send(b"not a subscription")
+        time.sleep(0.01)  # noqa: ASYNC251  (holding the loop is the point)
+        a.setsockopt(zmq.SUBSCRIBE, events_topic("acme"))
+        time.sleep(0.01)  # noqa: ASYNC251
+        b2.send(b"\x01kvtrio/x/")
+        time.sleep(0.01)  # noqa: ASYNC251
+        got: list[bytes] = []
+        leaked = 0
+
+        def acme_received() -> bool:
+            nonlocal leaked
+            publisher.publish("acme", BlockStored((1,), None, (), 16, "CPU"))
+            leaked += sum(events_topic("acme") == t for t in _topics(b1) + _topics(b2))
+            got.extend(_topics(a))
+            return events_topic("acme") in got
+
+        await await_condition(acme_received, what="acme's events")
+        return leaked
+    finally:
+        for sock in (a, b1, b2):
+            sock.close(linger=0)
+
+
+async def test_messages_that_are_not_subscriptions_never_move_a_subscription(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32, item 2. Tenant victim's key sends a message that is not a subscription, then
+    acme subscribes (a plain SUB socket, as vLLM's consumers), then victim's second connection
+    subscribes: libzmq's queue of pipes is shifted by one, and before the fix acme's approved
+    subscription was applied to victim's pipe. Over 20 rounds victim never receives acme's
+    events and acme always does (after the reset, by ZeroMQ's own reconnect)."""
+    from kvtrio.client import curve_options
+    from kvtrio.server import _events
+
+    from .._support import tenants
+
+    monkeypatch.setattr(_events, "RESET_INTERVAL", 0.0, raising=False)
+    config = tenants.tcp_config(events="tcp://127.0.0.1:0", events_interval=0.002)
+    keys = short_dir / "tenants"
+    async with tenants.tenant_clients(short_dir, config) as (server, _, _):
+        publisher = server.state.events
+        assert publisher is not None
+        assert publisher.bound is not None
+        endpoint = publisher.bound[0]
+        acme, victim = (
+            curve_options(endpoint, str(keys / "server.key"), str(keys / f"{n}.key_secret"))
+            for n in ("acme", "victim")
+        )
+        leaks = []
+        for _ in range(20):
+            getattr(publisher.auth, "events_banned", {}).clear()  # the offender comes back
+            leaks.append(await _attack(publisher, endpoint, acme, victim))
+        assert leaks == [0] * 20
+        assert publisher.counters["not_subscriptions"] >= 20
+
+
+async def test_insecure_tenant_topic_may_be_subscribed() -> None:
+    """Issue 32, item 9: with ``--insecure``, tenant ""'s topic ``kvtrio//`` is subscribed (as
+    docs/events.md says); another tenant's topic and the prefix ``kvtrio/`` are not."""
+    from kvtrio.protocol import BlockStored
+
+    config = ServerConfig(
+        endpoint="tcp://127.0.0.1:0", l1_size=16 << 20, l2=(), insecure=True,
+        events="tcp://127.0.0.1:0", events_interval=0.002,
+    )  # fmt: skip
+    async with open_server(config) as server:
+        publisher = server.state.events
+        assert publisher is not None
+        assert publisher.bound is not None
+        sub = _connect(zmq.SUB, publisher.bound[0], {})
+        try:
+            for topic in (b"kvtrio/", events_topic("acme"), events_topic("")):
+                sub.setsockopt(zmq.SUBSCRIBE, topic)
+            await await_condition(
+                lambda: (
+                    publisher.counters["subscriptions"] >= 1
+                    and publisher.counters["refused_subscriptions"] >= 2
+                ),
+                what="the subscriptions handled",
+            )
+            assert publisher.counters["subscriptions"] == 1
+            got: list[bytes] = []
+
+            def received() -> bool:
+                publisher.publish("", BlockStored((1,), None, (), 16, "CPU"))
+                publisher.publish("acme", BlockStored((2,), None, (), 16, "CPU"))
+                got.extend(_topics(sub))
+                return len(got) >= 3
+
+            await await_condition(received, what='tenant ""\'s events')
+            assert set(got) == {events_topic("")}
+        finally:
+            sub.close(linger=0)
+
+
+async def test_a_flood_of_refused_subscriptions_logs_a_few_lines(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 32, item 4: 5,000 refused subscriptions (another tenant's topics) are logged in a
+    line or two, not one line each; the server answers requests meanwhile."""
+    from kvtrio.client import curve_options
+    from kvtrio.protocol import Ping, Pong
+
+    from .._support import tenants
+
+    caplog.set_level("INFO", logger="kvtrio.events")
+    config = tenants.tcp_config(events="tcp://127.0.0.1:0", events_interval=0.002)
+    keys = short_dir / "tenants"
+    async with tenants.tenant_clients(short_dir, config) as (server, acme, _):
+        publisher = server.state.events
+        assert publisher is not None
+        assert publisher.bound is not None
+        endpoint = publisher.bound[0]
+        options = curve_options(endpoint, str(keys / "server.key"), str(keys / "acme.key_secret"))
+        sub = _connect(zmq.XSUB, endpoint, options)
+        try:
+            for n in range(0, 5000, 500):  # paced: libzmq drops what is beyond its queues
+                for m in range(n, n + 500):
+                    sub.send(b"\x01kvtrio/victim%d/" % m)
+                await await_condition(
+                    lambda: publisher.counters["refused_subscriptions"] >= n + 500,  # noqa: B023
+                    what="the subscriptions refused",
+                )
+                assert isinstance(await acme.request(Ping()), Pong)
+        finally:
+            sub.close(linger=0)
+    lines = [r for r in caplog.records if r.name == "kvtrio.events" and "subscri" in r.message]
+    assert publisher.counters["subscriptions"] == 0
+    assert 1 <= len(lines) <= 3

@@ -116,8 +116,8 @@ def test_zap_accepts_only_allowed_curve_keys() -> None:
     public, _ = zmq.curve_keypair()
     raw = z85.decode(public)
 
-    def authorize(key: bytes) -> str | None:
-        return "user" if key == public else None
+    def authorize(key: bytes, domain: bytes) -> str | None:
+        return "user" if key == public and domain == b"kvtrio" else None
 
     def request(mechanism: bytes, *creds: bytes) -> list[bytes]:
         return [b"1.0", b"7", b"kvtrio", b"127.0.0.1", b"", mechanism, *creds]
@@ -126,6 +126,37 @@ def test_zap_accepts_only_allowed_curve_keys() -> None:
     other, _ = zmq.curve_keypair()
     assert zap_reply(request(b"CURVE", z85.decode(other)), authorize)[2] == b"400"
     assert zap_reply(request(b"NULL"), authorize)[2] == b"400"
+    refused_there = [b"1.0", b"7", b"kvtrio-events", b"127.0.0.1", b"", b"CURVE", raw]
+    assert zap_reply(refused_there, authorize)[2] == b"400"  # the domain reaches authorize
     assert zap_reply(request(b"PLAIN", b"u", b"p"), authorize)[2] == b"400"
     assert zap_reply([b"2.0", b"1"], authorize)[2] == b"500"
     assert zap_reply([], authorize)[2] == b"500"
+
+
+def test_key_files_refuse_tenants_outside_the_alphabet(tmp_path: Path) -> None:
+    """Issue 32, item 3: an allowed key whose tenants hold ``/`` (or anything outside
+    ``[A-Za-z0-9._-]{0,64}``) is refused at start, in a directory or a list file."""
+    from kvtrio.transport import write_keypair
+
+    good = write_keypair(tmp_path / "ok", "e", "acme,beta-2,x.y_z")
+    assert load_allowed_keys(tmp_path / "ok")[good.public].tenants == {"acme", "beta-2", "x.y_z"}
+    with pytest.raises(ConfigError, match="not a tenant name"):
+        write_keypair(tmp_path / "bad", "e", "a/b")
+    listing = tmp_path / "allowed.txt"
+    listing.write_text(f"{good.public.decode()} acme,a/b\n")
+    with pytest.raises(ConfigError, match="not a tenant name"):
+        load_allowed_keys(listing)
+    listing.write_text(f"{good.public.decode()} *\n")
+    assert load_allowed_keys(listing)[good.public].tenants == {"*"}
+    pair = (tmp_path / "ok" / "e.key").read_text().replace('"acme,beta-2,x.y_z"', '"a/b"')
+    (tmp_path / "ok" / "e.key").write_text(pair)
+    with pytest.raises(ConfigError, match="not a tenant name"):
+        load_allowed_keys(tmp_path / "ok")
+
+
+def test_the_tenant_alphabet_is_the_protocols() -> None:
+    """transport may not import protocol (tests/test_layers.py): one pattern, kept equal."""
+    from kvtrio import protocol
+    from kvtrio.transport import _keys
+
+    assert protocol.TENANT_PATTERN == _keys.TENANT_PATTERN

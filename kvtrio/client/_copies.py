@@ -120,17 +120,6 @@ class Span:
         per = self.blocks_per_chunk
         return self.block_ids[chunk * per : min((chunk + 1) * per, self.stop_block)]
 
-    def whole(self) -> Span:
-        """The span without its partial chunk (for paths that store whole chunks only)."""
-        if not self.partial:
-            return self
-        return attrs.evolve(
-            self,
-            hashes=self.hashes[:-1],
-            stop_block=(self.first + self.chunks - 1) * self.blocks_per_chunk,
-            partial=False,
-        )
-
     def batches(self, limit: int = BATCH_BYTES) -> list[range]:
         """Consecutive ranges of ``range(len(hashes))``: 1 chunk, then doubling, at most
         ``limit`` bytes of chunks each (but at least one chunk). The first reply comes back

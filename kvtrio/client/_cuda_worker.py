@@ -106,7 +106,8 @@ class CudaCopies:
 
     def block_ids(self, span: Span, keep_before: int) -> tuple[int, ...]:
         """The engine blocks of the span's chunks, -1 for those before token ``keep_before``
-        (the engine has them already) and from ``span.stop_block`` on (it computes them)."""
+        (the engine has them already) and from ``span.stop_block`` on (a retrieve: the engine
+        computes them; a store: the tail of the prompt's partial chunk, zeros in its slot)."""
         size = self.layout.block_size
         first, per = span.first * span.blocks_per_chunk, span.blocks_per_chunk
         return tuple(
@@ -118,15 +119,8 @@ class CudaCopies:
         """Send the blocks and the engine's event; wait for the server's event (the server
         commits the chunks itself). Raises what the store request raised.
 
-        Whole chunks only: the server's CUDA store copies every block of a chunk, so the
-        prompt's partial chunk is counted as not stored (``partial_on_cuda``)."""
-        if span.partial:
-            self.failures.store(
-                span.request_id, "partial_on_cuda", 1, "CUDA workers store whole chunks only"
-            )
-            span = span.whole()
-            if not span.hashes:
-                return []
+        The prompt's partial chunk is stored as on the CPU path: its blocks, then -1 for the
+        rest of the chunk, which the server's kernel fills with zeros."""
         request = span.store(block_ids=self.block_ids(span, 0), event=event)
         reply = self.client.call(request, StoreReply, fail_fast=True)
         count_failed_slots(self.failures, span.request_id, reply)

@@ -171,7 +171,8 @@ _POSITION = integer(0, MAX_TOKEN_POSITION)
 _BLOCK_IDS = array(
     MAX_BLOCK_IDS,
     integer(-1, (1 << 32) - 1),
-    note="each checked where used: against the registration's `num_blocks`, -1 in a retrieve",
+    note="each checked where used: against the registration's `num_blocks`; -1 in a retrieve, "
+    "or for a store's partial chunk's tail",
 )
 _EVENT = binary(MAX_HANDLE_BYTES, note="a CUDA IPC event handle (64 bytes), or empty")
 _SCOPE = {"request": _ID, "model": _MODEL, "tenant": _TENANT, "engine": _ID}

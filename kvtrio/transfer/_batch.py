@@ -53,7 +53,8 @@ class Operation:
     a loop over tuples and one ``np.array`` costs less than a dozen numpy calls."""
 
     ids: npt.NDArray[np.int32]
-    """Every chunk's block ids, in order (-1: a block the engine keeps, retrieves only)."""
+    """Every chunk's block ids, in order (-1: no engine block: a retrieve leaves that block
+    alone, a store writes zeros for it, the tail of a prompt's partial chunk)."""
     rows: tuple[Chunk, ...]
     """Per chunk: (host offset, bytes, where its ids start in :attr:`ids`, how many)."""
 

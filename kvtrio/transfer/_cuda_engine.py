@@ -261,7 +261,8 @@ class CopyPipeline:
         self, layers: Any, op: Operation, host: PinnedHost, after: Event | None, done: Event
     ) -> None:
         """Queue engine → host copies of ``op``'s chunks into ``host``; ``done`` completes when
-        all are there. ``after`` (the engine's event) is waited for first."""
+        all are there. ``after`` (the engine's event) is waited for first; block id -1 puts
+        zeros in that block's bytes of the chunk (every byte of each chunk is written)."""
         self._queue(layers, op, host, after, done, gather=True)
 
     def retrieve(

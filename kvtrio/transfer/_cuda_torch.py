@@ -182,7 +182,8 @@ class TorchDevice:
         stream: Any,
     ) -> None:  # fmt: skip
         """``n`` chunks of equal size, packed in ``staging``: two torch operations per layer
-        (an index and a strided copy), one where ``n`` is 1."""
+        (an index and a strided copy), one where ``n`` is 1. Block id -1: a gather writes zeros
+        for it (one more operation per layer), a scatter leaves that engine block alone."""
         layout = layers.layout
         per = len(ids) // n
         tail = (layout.block_size, layout.num_heads, layout.head_dim)
@@ -191,13 +192,19 @@ class TorchDevice:
         chunks = staging[:nbytes].view(layers.views[0].dtype)
         chunks = chunks.view(n, layout.num_layers, layout.kv, per, *tail)
         if gather:
-            device_ids = self._upload(ids)
+            skipped = np.flatnonzero(ids < 0)  # -1: no engine block, zeros in the chunk
+            device_ids = self._upload(np.where(ids < 0, 0, ids) if len(skipped) else ids)
+            zeros = self._upload(skipped) if len(skipped) else None
             for layer, view in enumerate(layers.views):
                 if n == 1:
                     self.torch.index_select(view, 1, device_ids, out=chunks[0, layer])
-                else:
-                    picked = view.index_select(1, device_ids).view(layout.kv, n, per, *tail)
-                    chunks[:, layer].copy_(picked.transpose(0, 1))
+                    if zeros is not None:
+                        chunks[0, layer].index_fill_(1, zeros, 0)
+                    continue
+                picked = view.index_select(1, device_ids)
+                if zeros is not None:
+                    picked.index_fill_(1, zeros, 0)
+                chunks[:, layer].copy_(picked.view(layout.kv, n, per, *tail).transpose(0, 1))
             return
         keep = np.flatnonzero(ids >= 0)  # -1: a block the engine keeps
         device_ids = self._upload(ids[keep])

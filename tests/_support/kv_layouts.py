@@ -102,7 +102,7 @@ def reference_gather(layout: KVLayout, layers: Sequence[Array], ids: Sequence[in
     for layer_no, layer in enumerate(layers):
         for k in range(layout.kv):
             for i, block in enumerate(ids):
-                if block == -1:  # the engine keeps this block (retrieves only)
+                if block == -1:  # no engine block (a partial chunk's tail): zeros
                     continue
                 for offset in range(layout.block_size):
                     token = i * layout.block_size + offset
@@ -120,7 +120,7 @@ def reference_scatter(
     for layer_no, layer in enumerate(layers):
         for k in range(layout.kv):
             for i, block in enumerate(ids):
-                if block == -1:  # the engine keeps this block (retrieves only)
+                if block == -1:  # no engine block (a partial chunk's tail): zeros
                     continue
                 for offset in range(layout.block_size):
                     token = i * layout.block_size + offset

@@ -1,7 +1,8 @@
 """End to end on a GPU: a kvtrio server process and a CUDA engine worker process.
 
 The worker registers its KV cache by CUDA IPC, stores a prompt from some blocks and retrieves it
-into others; every layer's bytes must be equal. Skipped where torch sees no CUDA GPU.
+into others; every layer's bytes must be equal. The same for a prompt whose last chunk is partial
+(stored and loaded to its last whole block). Skipped where torch sees no CUDA GPU.
 """
 
 from __future__ import annotations
@@ -43,3 +44,7 @@ def test_store_and_retrieve_through_cuda_ipc(
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["failed"] == []
     assert report["target"] == report["source"]  # per layer
+    # Issue 38: the partial chunk is stored and loaded to its last whole block, no further.
+    assert report["store_failures"] == {}
+    assert report["partial_target"] == report["partial_source"]
+    assert report["after_partial"][1] == report["after_partial"][0]

@@ -31,9 +31,11 @@ from kvtrio.protocol import (
 from kvtrio.server import ServerHandle, serve
 from kvtrio.server.cache import CudaTransfers
 from kvtrio.shm import SharedArena
+from kvtrio.storage import token_chunk_hashes
 from kvtrio.testing import FakeCuda
 
 from .._support.cuda_worker import (
+    BLOCK,
     HASHES,
     LAYERS,
     PER_CHUNK,
@@ -190,6 +192,60 @@ async def test_retrieve_leaves_blocks_marked_minus_one_alone(
     assert worker.per_layer(TARGET[PER_CHUNK:]) == worker.per_layer(SOURCE[PER_CHUNK:])
 
 
+@pytest.mark.parametrize("mode", ["mapped", "staged"])
+async def test_a_partial_chunk_is_stored_with_zeros_after_its_blocks(
+    client: AsyncClient, gpus: Gpus, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store's last chunk may name -1 for its trailing blocks (the prompt's partial chunk):
+    its slot holds those blocks, then zeros, whatever L1 or the staging buffers held before
+    (the GPU writes every byte of the slot); it is committed, and loads back block for block."""
+    monkeypatch.setenv("KVTRIO_CUDA_COPY", mode)
+    worker = Worker(client, gpus.worker)
+    worker.fill(1)
+    registered = await worker.register()
+    arena = SharedArena.attach(registered.arena_path, registered.arena_size)
+    try:
+        arena.view(0, arena.size).fill(0xA5)  # what earlier chunks could have left there
+        for other in (1, 2):  # fill both staging buffers with other chunks first
+            hashes = tuple(token_chunk_hashes([t + other for t in PROMPT], PER_CHUNK * BLOCK))
+            done = await worker.client.call(
+                Store(f"o{other}", 0, len(PROMPT), hashes, block_ids=tuple(TARGET),
+                      event=worker.record()),
+                StoreReply,
+            )  # fmt: skip
+            await worker.wait(done.done_event)
+        kept = 2 * PER_CHUNK + 5  # two full chunks, then 5 blocks of the third
+        blocks = SOURCE[:kept] + [-1] * (3 * PER_CHUNK - kept)
+        reply = await worker.store("p", blocks)
+        assert [s.status for s in reply.slots] == ["write"] * 3
+        await worker.wait(reply.done_event)
+        await wait_hits(client, 3)
+        last = reply.slots[2]
+        partial = arena.view(last.offset, last.nbytes)
+        assert partial.tobytes() == partial_bytes(worker, SOURCE[2 * PER_CHUNK : kept])
+        tokens = partial.view(np.uint16).reshape(worker.layout.chunk_shape(PER_CHUNK * BLOCK))
+        assert not tokens[:, :, (kept - 2 * PER_CHUNK) * BLOCK :].any()  # zeros after the blocks
+    finally:
+        arena.close()
+
+    targets = TARGET[:kept] + [-1] * (3 * PER_CHUNK - kept)
+    untouched = worker.per_layer(TARGET[kept:])
+    got = await worker.retrieve("p", targets)
+    assert [s.status for s in got.slots] == ["read"] * 3
+    await worker.wait(got.done_event)
+    assert worker.per_layer(TARGET[:kept]) == worker.per_layer(SOURCE[:kept])
+    assert worker.per_layer(TARGET[kept:]) == untouched
+
+
+def partial_bytes(worker: Worker, blocks: list[int]) -> bytes:
+    """The canonical partial chunk of ``blocks``: their tokens, then zeros to a full chunk."""
+    layout = worker.layout
+    whole = np.zeros(layout.chunk_shape(PER_CHUNK * BLOCK), np.uint16)
+    part = np.frombuffer(worker.canonical(blocks), np.uint16)
+    whole[:, :, : len(blocks) * BLOCK] = part.reshape(layout.chunk_shape(len(blocks) * BLOCK))
+    return whole.tobytes()
+
+
 async def test_handles_are_opened_once_and_closed_with_the_registration(
     client: AsyncClient, gpus: Gpus
 ) -> None:
@@ -291,8 +347,19 @@ async def test_bad_block_ids_are_refused_and_leave_nothing_behind(
     await worker.register()
     with pytest.raises(BadRequest, match="need 48 block ids, got 47"):
         await worker.store("r5", SOURCE[:-1])
-    with pytest.raises(BadRequest, match=r"ints in \[0, 128\)"):
+    with pytest.raises(BadRequest, match=r"ints in \[-1, 128\)"):
         await worker.store("r5", [*SOURCE[:-1], 128])
+    with pytest.raises(BadRequest, match=r"ints in \[-1, 128\)"):
+        await worker.store("r5", [*SOURCE[:-1], -2])
+    tail = 3 * PER_CHUNK - 5
+    for blocks in (
+        [-1, *SOURCE[1:]],  # -1 in a chunk that is not the last
+        [*SOURCE[:PER_CHUNK], -1, *SOURCE[PER_CHUNK + 1 :]],
+        [*SOURCE[: 2 * PER_CHUNK], *[-1] * PER_CHUNK],  # a last chunk of no block
+        [*SOURCE[:tail], -1, SOURCE[tail + 1], -1, -1, -1],  # a hole in the last chunk
+    ):
+        with pytest.raises(BadRequest, match="-1 only for the trailing blocks of its last"):
+            await worker.store("r5", blocks)
     with pytest.raises(BadRequest, match="cannot open the engine's CUDA event"):
         await worker.client.call(
             Store("r5", 0, len(PROMPT), HASHES, block_ids=tuple(SOURCE),

@@ -3,8 +3,9 @@
 One launch copies every chunk of an operation (``kvt_move_unit`` of ``cuda_ext/kvtrio_batch.h``
 for every segment and unit). The host library runs that body over host memory, so these tests
 check what the kernel would copy: several chunks at scattered places in host memory (as L1 slots
-are), chunks cut where two pinned pieces of the arena meet, partial retrieves (block id -1), every
-layout kind the kernels copy, and the checks the launcher makes before launching anything.
+are), chunks cut where two pinned pieces of the arena meet, partial retrieves and partial chunks
+(block id -1: left alone in a scatter, zeros in a gather), every layout kind the kernels copy,
+and the checks the launcher makes before launching anything.
 """
 
 from __future__ import annotations
@@ -190,6 +191,49 @@ def test_a_partial_retrieve_leaves_the_engines_blocks_alone(
     assert [a.tobytes() for a in layers] == [a.tobytes() for a in expected]
 
 
+@pytest.mark.parametrize("piece_bytes", [64, 96, 1 << 20])
+@pytest.mark.parametrize("kind", GPU_LAYOUT_KINDS)
+def test_a_partial_chunk_is_gathered_with_zeros_after_its_blocks(
+    host_library: HostLibrary, kind: str, piece_bytes: int
+) -> None:
+    """A store's last chunk may be the prompt's partial chunk: its trailing block ids are -1,
+    and the launch writes zeros for them, so the slot holds the canonical partial chunk (its
+    blocks, then zeros) whatever it held before, also where pinned pieces cut the slot."""
+    layout = make_layout(kind, 2, 4)
+    layers, g, bases = layer_setup(layout)
+    chunks = [[5, 0, 2], [6, 1, -1], [3, -1, -1]]
+    offsets = scattered_offsets(layout, chunks, gap=16)
+    op = operation(layout, chunks, offsets)
+    host = PinnedHost(Pinner(), np.zeros(int((op.offsets + op.nbytes).max()) + 64, np.uint8),
+                      piece_bytes)  # fmt: skip
+    shadow = Shadow(host)
+    host.map(0, shadow.mapped_address)
+    shadow.buffer[...] = np.random.default_rng(5).integers(0, 256, shadow.buffer.nbytes, np.uint8)
+    host_library.run(g, bases, op.ids, host.segments(op, 0), gather=True)
+    for ids, offset, nbytes in zip(chunks, offsets, op.nbytes.tolist(), strict=True):
+        got = shadow.buffer[shadow.positions(offset, nbytes)].tobytes()
+        assert got == reference_gather(layout, layers, ids).tobytes(), ids
+    last = shadow.buffer[shadow.positions(offsets[2], int(op.nbytes[2]))]
+    tokens = last.reshape((*layout.chunk_shape(3 * layout.block_size), -1))
+    assert not tokens[:, :, layout.block_size :].any()  # zeros after its one block
+
+
+def test_staged_partial_chunks_hide_what_the_staging_buffer_held(
+    host_library: HostLibrary,
+) -> None:
+    """Staged: a partial chunk gathered into a staging buffer that held another chunk shows
+    zeros after its blocks, not the other chunk's bytes (the copy engine moves whole slots)."""
+    layout = make_layout("flash_attn", 2, 16)
+    layers, g, bases = layer_setup(layout)
+    staging = np.zeros(layout.chunk_nbytes(3 * layout.block_size), np.uint8)
+    full = operation(layout, [[1, 3, 4]], [0])
+    host_library.run(g, bases, full.ids, staged_segments(full, staging.ctypes.data), gather=True)
+    assert staging.any()
+    part = operation(layout, [[6, -1, -1]], [0])
+    host_library.run(g, bases, part.ids, staged_segments(part, staging.ctypes.data), gather=True)
+    assert staging.tobytes() == reference_gather(layout, layers, [6, -1, -1]).tobytes()
+
+
 @pytest.mark.parametrize(
     ("max_segments", "max_ids", "launches"), [(128, 2048, 1), (2, 2048, 3), (128, 4, 3), (1, 3, 5)]
 )
@@ -261,7 +305,9 @@ def test_the_launcher_checks_ids_and_segments(host_library: HostLibrary) -> None
     with pytest.raises(ValueError, match="out of range"):
         run([[1, 7]], gather=True)
     with pytest.raises(ValueError, match="out of range"):
-        run([[1, -1]], gather=True)  # -1 only in a scatter
+        run([[1, -2]], gather=True)  # -1 is the only negative id (no block: zeros)
+    with pytest.raises(ValueError, match="out of range"):
+        run([[1, -2]], gather=False)
     with pytest.raises(ValueError, match="segment"):
         run([[1, 2]], gather=True, length=1 << 20)  # beyond its chunk
     with pytest.raises(ValueError, match="segment"):

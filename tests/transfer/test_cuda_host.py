@@ -178,13 +178,31 @@ def test_scatter_skips_blocks_marked_minus_one(host_library: HostLibrary, kind: 
     assert as_bytes(layers) == as_bytes(expected)
 
 
+@pytest.mark.parametrize("kind", GPU_LAYOUT_KINDS)
+def test_gather_writes_zeros_for_blocks_marked_minus_one(
+    host_library: HostLibrary, kind: str
+) -> None:
+    """-1 in a gather's block ids (the tail of a prompt's partial chunk): its chunk bytes are
+    zeros, whatever the buffer held (the canonical partial chunk: its blocks, then zeros)."""
+    layout = make_layout(kind, 2, 4)
+    layers = random_layers(layout)
+    out = random_chunk(layout, 4)
+    host_library.gather(layout, layers, [5, 2, -1, -1], out)
+    assert out.tobytes() == reference_gather(layout, layers, [5, 2, -1, -1]).tobytes()
+    expected = reference_gather(layout, layers, [5, 2, 0, 0])
+    expected[:, :, 2 * layout.block_size :] = 0
+    assert out.tobytes() == expected.tobytes()
+
+
 def test_bad_block_ids_and_geometries_are_refused(host_library: HostLibrary) -> None:
     layout = make_layout("flash_attn", 2, 4)
     layers = random_layers(layout)
     with pytest.raises(ValueError, match="block id is out of range"):
         host_library.gather(layout, layers, [1, NUM_BLOCKS], empty_chunk(layout, 2))
     with pytest.raises(ValueError, match="block id is out of range"):
-        host_library.gather(layout, layers, [-1], empty_chunk(layout, 1))  # no skipping in gathers
+        host_library.gather(layout, layers, [1, -2], empty_chunk(layout, 2))  # -1 only
+    with pytest.raises(ValueError, match="block id is out of range"):
+        host_library.scatter(layout, layers, [-2], random_chunk(layout, 1))
     with pytest.raises(ValueError, match="no block ids"):
         host_library.copy(geometry(layout), [0, 0], [], 0, gather=True)
     bad = list(geometry(layout))

@@ -72,3 +72,21 @@ def test_fallback_gathers_and_scatters_operations(
         position += nbytes
     device.run(prepared, op_of(layout, targets), np.zeros(0), staging, gather=False, stream=None)
     assert [t.numpy().tobytes() for t in layers] == [a.tobytes() for a in want]
+
+
+@pytest.mark.parametrize("chunks", [[[5, 0, -1]], [[5, 0, 2], [6, -1, -1]]], ids=["one", "equal"])
+@pytest.mark.parametrize("kind", ["flash_attn", "flash_infer", "mla"])
+def test_fallback_gathers_zeros_for_blocks_marked_minus_one(
+    kind: str, chunks: list[list[int]]
+) -> None:
+    """A partial chunk's tail (block id -1) is gathered as zeros, whatever the staging buffer
+    held: the copy engine then moves the whole slot."""
+    layout = make_layout(kind, 2, 4)
+    arrays = random_layers(layout)
+    device = CpuTorchDevice()
+    prepared = device.prepare_layers(layout, tensors(layout, arrays))
+    op = op_of(layout, chunks)
+    staging = torch.full((int(op.nbytes.sum()),), 0xA5, dtype=torch.uint8)
+    device.run(prepared, op, np.zeros(0), staging, gather=True, stream=None)
+    expected = b"".join(reference_gather(layout, arrays, ids).tobytes() for ids in chunks)
+    assert staging.numpy().tobytes() == expected

@@ -24,8 +24,11 @@ from kvtrio.transfer.cuda import (
     GPU_LAYOUT_KINDS,
     CopyPipeline,
     CudaTransfer,
+    Operation,
+    PinnedHost,
     TorchDevice,
     kernel_choice,
+    page_aligned,
     torch_runtime,
 )
 
@@ -200,6 +203,37 @@ def test_bad_block_ids_are_refused(engine: Engine) -> None:
     with pytest.raises(ValueError, match="distinct"):
         engine.transfer.scatter(layout, layers, [1, 1], random_chunk(layout, 2))
     assert same_bytes(engine.download(layers), arrays)
+
+
+def test_a_store_of_a_partial_chunk_writes_zeros_after_its_blocks(engine: Engine) -> None:
+    """Issue 38: the server's store of a prompt's partial chunk names -1 for the chunk's
+    trailing blocks; every CUDA engine (both copy modes, the torch fallback) writes zeros there,
+    in the same operation as whole chunks, whatever the pinned slot or the staging buffers held
+    before (the slot is committed as written)."""
+    transfer = engine.transfer
+    if not isinstance(transfer, CudaTransfer):
+        pytest.skip("a CPU worker writes its partial chunk itself (client/_arena_worker.py)")
+    layout = make_layout("flash_attn", 2, 16)
+    arrays = random_layers(layout)
+    device, pipeline = transfer.device, transfer.pipeline
+    prepared = device.prepare_layers(layout, engine.upload(layout, arrays))
+    nbytes = layout.chunk_nbytes(3 * layout.block_size)
+    host = PinnedHost(device, page_aligned(2 * nbytes))
+    done = device.new_event()
+    try:
+        for ids in ([4, 1, 6], [0, 2, 3]):  # both staging buffers first hold whole chunks
+            whole = Operation.of([(ids, 0, nbytes), ([5, 3, 0], nbytes, nbytes)])
+            pipeline.store(prepared, whole, host, None, done)
+            done.synchronize()
+        host.memory[...] = 0xA5  # what earlier chunks left in the slots
+        op = Operation.of([([4, 1, 6], 0, nbytes), ([2, 5, -1], nbytes, nbytes)])
+        pipeline.store(prepared, op, host, None, done)
+        done.synchronize()
+        got = host.memory.tobytes()
+    finally:
+        host.close()
+    assert got[:nbytes] == reference_gather(layout, arrays, [4, 1, 6]).tobytes()
+    assert got[nbytes:] == reference_gather(layout, arrays, [2, 5, -1]).tobytes()
 
 
 def test_the_copy_mode_comes_from_the_environment(

@@ -54,8 +54,12 @@ class CudaCopy:
         )
 
     def check(self, op: Store | Retrieve, chunks: range) -> Blocks:
-        """The engine blocks of each chunk of a store or retrieve, checked: ints in range; a
-        retrieve may name -1 (a block the engine keeps), and its blocks must differ."""
+        """The engine blocks of each chunk of a store or retrieve, checked: ints in
+        ``[-1, num_blocks)``. A retrieve may name -1 anywhere (a block the engine keeps), and
+        its blocks must differ. A store may name -1 only for the trailing blocks of its last
+        chunk, after at least one real block: the prompt's partial chunk, whose slot the
+        kernel fills with zeros after its blocks (a chunk of nothing, or with a hole, would be
+        stored as if the engine had computed it)."""
         store = isinstance(op, Store)
         per_chunk = self._chunk_size // self._layout.block_size
         ids = op.block_ids
@@ -66,15 +70,22 @@ class CudaCopy:
                 f"{len(chunks) * per_chunk} block ids, got {len(ids)}",
             )
         used = list(ids[: len(chunks) * per_chunk])
-        lowest = -1 if not store else 0
         num_blocks = self._layout.num_blocks
-        if any(type(b) is not int or not lowest <= b < num_blocks for b in used):
+        if any(type(b) is not int or not -1 <= b < num_blocks for b in used):
             raise RequestError(
                 ErrorCode.BAD_REQUEST,
-                f"block_ids must be ints in [{lowest}, {num_blocks})"
-                + ("" if store else " (-1: a block the engine keeps)"),
+                f"block_ids must be ints in [-1, {num_blocks})"
+                + (" (-1: a partial chunk's tail)" if store else " (-1: a block the engine keeps)"),
             )
-        if not store:
+        if store:
+            tail = used.index(-1) if -1 in used else len(used)  # where the zeros start
+            if tail <= len(used) - per_chunk or any(b != -1 for b in used[tail:]):
+                raise RequestError(
+                    ErrorCode.BAD_REQUEST,
+                    "block_ids of a store may be -1 only for the trailing blocks of its last "
+                    "chunk (a partial chunk), after at least one block",
+                )
+        else:
             named = [b for b in used if b >= 0]
             if len(set(named)) != len(named):
                 raise RequestError(ErrorCode.BAD_REQUEST, "block_ids of a retrieve must differ")
@@ -82,7 +93,8 @@ class CudaCopy:
 
     def store(self, job: Job, reserved: Sequence[Entry]) -> StoreReply:
         """Queue the GPU → L1 copies of the ``write`` slots; commit them once they are done
-        (quarantine them if the copies failed). No zeroing: only what the GPU wrote is
+        (quarantine them if the copies failed). No zeroing here: the GPU writes every byte of
+        each slot (zeros for a partial chunk's blocks -1), and only what it wrote is
         committed."""
         end_write, owner, request = self._ends.end_write, job.owner, job.request
         fingerprint = job.fingerprint

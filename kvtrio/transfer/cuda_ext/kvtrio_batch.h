@@ -8,7 +8,8 @@
  * staging buffer (the copy engine then moves it). A chunk is one segment, or two or more where
  * its L1 slot straddles two separately pinned pieces of the arena (their device addresses need
  * not be contiguous). Each segment names its chunk's block ids: `n_ids` ids from `first_id` in
- * the operation's id array (int32; -1 in a scatter: a block the engine keeps).
+ * the operation's id array (int32; -1: no engine block, see kvtrio_index.h: a scatter leaves
+ * it alone, a gather writes zeros for its bytes).
  *
  * The work unit is `vec * k` bytes (kvt_unit_vectors): k vectors of one run, so a thread issues
  * k independent loads before its stores (bytes in flight is what zero-copy reads over PCIe need)
@@ -49,10 +50,9 @@ KVT_HD int64_t kvt_segment_units(const kvt_segment& s, int64_t unit) {
     return last - first + 1;
 }
 
-/* Check an operation's segments and ids; -1 is allowed in a scatter only. */
+/* Check an operation's segments and ids (each id in [0, num_blocks) or -1). */
 KVT_HOST int kvt_check_segments(const kvt_plan* p, int64_t n_layers, const int32_t* ids,
-                                int64_t n_ids, const kvt_segment* segments, int64_t n_segments,
-                                int allow_skip) {
+                                int64_t n_ids, const kvt_segment* segments, int64_t n_segments) {
     if (n_segments < 1) return KVT_E_NO_BLOCKS;
     for (int64_t i = 0; i < n_segments; ++i) {
         const kvt_segment& s = segments[i];
@@ -62,7 +62,7 @@ KVT_HOST int kvt_check_segments(const kvt_plan* p, int64_t n_layers, const int32
         if (s.start < 0 || s.length < 1 || s.start + s.length > chunk) return KVT_E_SEGMENT;
         for (int32_t j = 0; j < s.n_ids; ++j) {
             const int64_t id = ids[s.first_id + j];
-            if (id == -1 && allow_skip) continue;
+            if (id == -1) continue;
             if (id < 0 || id >= p->num_blocks) return KVT_E_BLOCK_ID;
         }
     }
@@ -119,10 +119,23 @@ KVT_HD void kvt_move_unit(const kvt_plan& p, const uint64_t* bases, const int32_
     const int64_t r = in_layer / p.run;
     int64_t block;
     const int64_t start = kvt_run_offset(p, ids + s.first_id, (int64_t)s.n_ids, r, &block);
-    if (block < 0) return; /* a block the engine keeps */
-    uint8_t* engine = reinterpret_cast<uint8_t*>(bases[layer]) + start + (in_layer - r * p.run);
     uint8_t* memory = reinterpret_cast<uint8_t*>(s.address) + (pos - s.start);
     const int64_t end = s.start + s.length;
+    if (block < 0) { /* no engine block: the engine keeps it (scatter), zeros (gather) */
+        if constexpr (Gather) {
+            for (int k = 0; k < K; ++k) {
+                const int64_t at = pos + k * (int64_t)sizeof(V);
+                if (at < s.start || at >= end) continue;
+#if defined(__CUDA_ARCH__)
+                reinterpret_cast<V*>(memory)[k] = V{};
+#else
+                memset(memory + k * sizeof(V), 0, sizeof(V));
+#endif
+            }
+        }
+        return;
+    }
+    uint8_t* engine = reinterpret_cast<uint8_t*>(bases[layer]) + start + (in_layer - r * p.run);
     if (pos >= s.start && pos + unit <= end) { /* the whole unit: K loads, then K stores */
         V values[K];
 #if defined(__CUDA_ARCH__)

@@ -92,7 +92,7 @@ int kvt_host_run(const int64_t* geometry, int64_t n_layers, const uint64_t* base
     kvt_plan p;
     int rc = n_layers < 1 ? KVT_E_GEOMETRY : kvt_make_plan(geometry, bits, &p);
     if (rc == KVT_OK)
-        rc = kvt_check_segments(&p, n_layers, ids, n_ids, segments, n_segments, !gather);
+        rc = kvt_check_segments(&p, n_layers, ids, n_ids, segments, n_segments);
     if (rc != KVT_OK) return rc;
     if (out) {
         out[0] = p.vec;
@@ -126,7 +126,7 @@ int kvt_host_engine_offsets(const int64_t* geometry, const int64_t* ids, int64_t
                             int64_t first, int64_t count, int64_t* out) {
     kvt_plan p;
     int rc = kvt_make_plan(geometry, 0, &p);
-    if (rc == KVT_OK) rc = kvt_check_ids(&p, ids, n_ids, 1);
+    if (rc == KVT_OK) rc = kvt_check_ids(&p, ids, n_ids);
     if (rc != KVT_OK) return rc;
     for (int64_t i = 0; i < count; ++i) out[i] = kvt_engine_offset(p, ids, n_ids, first + i);
     return KVT_OK;
@@ -148,7 +148,7 @@ int kvt_host_copy(const int64_t* geometry, int64_t n_layers, const uint64_t* bas
     for (int64_t layer = 0; layer < n_layers; ++layer) bits |= bases[layer];
     kvt_plan p;
     int rc = kvt_make_plan(geometry, bits, &p);
-    if (rc == KVT_OK) rc = kvt_check_ids(&p, ids, n_ids, !gather);
+    if (rc == KVT_OK) rc = kvt_check_ids(&p, ids, n_ids);
     if (rc != KVT_OK) return rc;
     if (vec_out) *vec_out = p.vec;
     if (gather)
@@ -170,7 +170,7 @@ int kvt_host_run_launches(const int64_t* geometry, int64_t n_layers, const uint6
     kvt_plan p;
     int rc = n_layers < 1 ? KVT_E_GEOMETRY : kvt_make_plan(geometry, bits, &p);
     if (rc == KVT_OK)
-        rc = kvt_check_segments(&p, n_layers, ids, n_ids, segments, n_segments, !gather);
+        rc = kvt_check_segments(&p, n_layers, ids, n_ids, segments, n_segments);
     if (rc != KVT_OK) return rc;
     std::vector<kvt_segment> part((size_t)max_segments);
     std::vector<int32_t> part_ids((size_t)max_ids);

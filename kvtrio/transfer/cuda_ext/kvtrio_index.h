@@ -22,8 +22,11 @@
  * it. The kernel runs kvt_move for every (layer, vector) in one launch; the host library runs
  * the same function in a loop.
  *
- * Block ids are int64. In a scatter, id -1 means "leave this block alone" (the engine already
- * has it): its bytes of the chunk are skipped. Gathers never get -1 (checked by kvt_check_ids).
+ * Block ids are int64. Id -1 names no engine block: a scatter leaves that block alone (the
+ * engine already has it, or computes it), so its bytes of the chunk are skipped; a gather writes
+ * zeros for its bytes of the chunk (the tail of a prompt's partial chunk: its blocks first, then
+ * zeros, whatever the chunk's memory held before). Any other negative id is refused
+ * (kvt_check_ids).
  */
 #ifndef KVTRIO_INDEX_H
 #define KVTRIO_INDEX_H
@@ -60,7 +63,7 @@ enum {
     KVT_OK = 0,
     KVT_E_GEOMETRY = 1,  /* a size is not positive, kv is not 1 or 2, a bad element size */
     KVT_E_STRIDE = 2,    /* a negative stride */
-    KVT_E_BLOCK_ID = 3,  /* a block id outside [0, num_blocks) (or -1 in a gather) */
+    KVT_E_BLOCK_ID = 3,  /* a block id outside [0, num_blocks) and not -1 */
     KVT_E_NO_BLOCKS = 4, /* an empty block id list */
     KVT_E_CUDA = 5,      /* a CUDA call failed (launchers only) */
     KVT_E_SEGMENT = 6    /* a segment outside its chunk, or ids outside the operation's */
@@ -149,11 +152,11 @@ KVT_HOST int kvt_make_plan(const int64_t* g, uint64_t pointer_bits, kvt_plan* p)
     return KVT_OK;
 }
 
-/* Check block ids against the plan; -1 is allowed where the engine keeps a block (scatter). */
-KVT_HOST int kvt_check_ids(const kvt_plan* p, const int64_t* ids, int64_t n_ids, int allow_skip) {
+/* Check block ids against the plan: each in [0, num_blocks) or -1 (no engine block). */
+KVT_HOST int kvt_check_ids(const kvt_plan* p, const int64_t* ids, int64_t n_ids) {
     if (n_ids < 1) return KVT_E_NO_BLOCKS;
     for (int64_t i = 0; i < n_ids; ++i) {
-        if (ids[i] == -1 && allow_skip) continue;
+        if (ids[i] == -1) continue;
         if (ids[i] < 0 || ids[i] >= p->num_blocks) return KVT_E_BLOCK_ID;
     }
     return KVT_OK;
@@ -198,15 +201,25 @@ KVT_HD int64_t kvt_engine_offset(const kvt_plan& p, const int64_t* ids, int64_t 
 /*
  * Copy vector v of one layer: engine -> chunk (Gather) or chunk -> engine. V is a type of
  * sizeof(V) == p.vec bytes; layer_base and chunk_layer point at the layer and its chunk share.
+ * A vector of block -1: a gather writes zeros, a scatter nothing.
  */
 template <typename V, bool Gather>
 KVT_HD void kvt_move(const kvt_plan& p, uint8_t* layer_base, const int64_t* ids, int64_t n_ids,
                      uint8_t* chunk_layer, int64_t v) {
     const int64_t pos = v * (int64_t)sizeof(V);
     const int64_t offset = kvt_engine_offset(p, ids, n_ids, pos);
-    if (offset < 0) return; /* a block the engine keeps */
-    uint8_t* engine = layer_base + offset;
     uint8_t* chunk = chunk_layer + pos;
+    if (offset < 0) { /* no engine block: the engine keeps it (scatter), zeros (gather) */
+        if constexpr (Gather) {
+#if defined(__CUDA_ARCH__)
+            *reinterpret_cast<V*>(chunk) = V{};
+#else
+            memset(chunk, 0, sizeof(V));
+#endif
+        }
+        return;
+    }
+    uint8_t* engine = layer_base + offset;
 #if defined(__CUDA_ARCH__)
     if (Gather)
         *reinterpret_cast<V*>(chunk) = *reinterpret_cast<const V*>(engine);

@@ -73,7 +73,7 @@ int kvt_cuda_run(const int64_t* geometry, uint64_t layer_bits, int64_t n_layers,
     int rc = kvt_make_plan(geometry, layer_bits | kvt_segment_bits(segments, n_segments),
                            &a.plan);
     if (rc == KVT_OK)
-        rc = kvt_check_segments(&a.plan, n_layers, ids, n_ids, segments, n_segments, !gather);
+        rc = kvt_check_segments(&a.plan, n_layers, ids, n_ids, segments, n_segments);
     if (rc != KVT_OK) return rc;
     a.bases = bases;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);

@@ -9,10 +9,11 @@ table is storage-agnostic and has no I/O).
 
 from __future__ import annotations
 
+import collections
 import enum
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 
@@ -38,9 +39,16 @@ class Lease:
 
 
 class LeaseTable:
-    """All live leases, indexed by request, by owner and by expiry."""
+    """All live leases, indexed by request, by owner and by expiry.
 
-    def __init__(self) -> None:
+    ``groups_of`` names the groups (say a tenant, a client key) a request counts in, from its
+    first lease; :attr:`requests_by_group` counts the requests holding leases per group.
+    """
+
+    def __init__(self, groups_of: Callable[[Lease], tuple[str, ...]] | None = None) -> None:
+        self._groups_of = groups_of
+        self._request_groups: dict[str, tuple[str, ...]] = {}
+        self.requests_by_group: collections.Counter[str] = collections.Counter()
         self._by_request: dict[str, dict[tuple[LeaseKind, str, bytes], Lease]] = {}
         self._by_owner: dict[str, set[Lease]] = {}
         self._lookups: dict[tuple[str, bytes], Lease] = {}  # (request, key) → LOOKUP lease
@@ -62,6 +70,10 @@ class LeaseTable:
             lease.expires_at = max(lease.expires_at, expires_at)
         else:
             lease = Lease(kind, request, owner, key, count, expires_at)
+            if not leases and self._groups_of is not None:  # the request's first lease
+                groups = self._groups_of(lease)
+                self._request_groups[request] = groups
+                self.requests_by_group.update(groups)
             leases[slot] = lease
             self._by_owner.setdefault(owner, set()).add(lease)
             if kind is LeaseKind.LOOKUP:
@@ -96,6 +108,12 @@ class LeaseTable:
         del leases[(lease.kind, lease.owner, lease.key)]
         if not leases:
             del self._by_request[lease.request]
+            groups = self._request_groups.pop(lease.request, ())
+            by_group = self.requests_by_group
+            for group in groups:
+                by_group[group] -= 1
+                if by_group[group] <= 0:
+                    del by_group[group]
         owned = self._by_owner[lease.owner]
         owned.discard(lease)
         if not owned:

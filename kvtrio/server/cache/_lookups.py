@@ -57,7 +57,7 @@ class Lookups:
             )
         now = trio.current_time()
         request = request_key(lookup.engine, lookup.model, lookup.tenant, lookup.request)
-        core.limits.admit_request(core.leases, request)
+        core.admit(session, request, lookup.tenant)
         # A new lookup of the request replaces the previous one: its pins and its loads.
         core.end_lookup(request)
         core.quotas.readers(lookup.num_readers, model.world_size)

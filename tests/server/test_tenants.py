@@ -334,3 +334,51 @@ async def test_a_key_for_two_tenants_gives_back_the_arena_of_the_one_it_left(
         again = await register(two, "a")  # b's, renewed for a (back again)
         assert again.arena_path not in (first.arena_path, third.arena_path)
         assert server.state.cache.core.arenas.renewed == 2
+
+
+async def test_a_renewed_arena_keeps_no_index_offsets_or_names_of_the_old_tenant(
+    tmp_path: Path,
+) -> None:
+    removed: list[bytes] = []
+
+    class Listener:
+        def ready(self, key: bytes, parent: bytes | None) -> None:
+            pass
+
+        def removed(self, key: bytes) -> None:
+            removed.append(key)
+
+    def make_l1(size: int, base: int) -> L1Cache:
+        l1 = L1Cache(size, base=base)
+        l1.listener = Listener()
+        return l1
+
+    first = SharedArena.create(8 * CHUNK_BYTES, directory=str(tmp_path))
+    arenas = TenantArenas(first, make_l1, limit=1, directory=str(tmp_path))
+    try:
+        async with arenas.opened("a") as a:
+            arenas.bind(b"A" * 16, a)
+        keys = [b"A" * 16 + bytes([i]) * 16 for i in range(5)]
+        for key in keys:
+            entry = arenas.l1.reserve(key, CHUNK_BYTES)
+            assert isinstance(entry, Entry)
+            arenas.memory.view(entry.offset, CHUNK_BYTES).fill(0xA5)
+            arenas.l1.commit(key)
+        old_offset = entry.offset
+        arenas.l1.pin(keys[0])
+        with pytest.raises(RequestError, match="all in use"):  # (no idle tenant)
+            arenas.for_tenant("b", lambda _: False)
+        arenas.l1.unpin(keys[0])
+        async with arenas.opened("b", lambda arena: arena.tenant == "a") as b:
+            assert b.index == 1
+            assert b.arena.path != a.arena.path
+            assert not b.arena.buffer.any()
+        assert sorted(removed) == keys  # KV events hear that a's chunks are gone
+        assert arenas.l1.get(keys[1]) is None  # a's namespace is bound to no arena now
+        with pytest.raises(ValueError, match="in no arena"):
+            arenas.of_offset(old_offset)  # an old offset names no arena, never b's bytes
+        assert arenas.tenant_count() == 1
+        assert len(os.listdir(tmp_path)) == 1  # a's file is gone
+    finally:
+        arenas.close()
+    assert not os.listdir(tmp_path)

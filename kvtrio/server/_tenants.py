@@ -107,6 +107,9 @@ class TenantArenas:
         self._by_space: dict[bytes, TenantArena] = {}
         self._gone: list[tuple[L1Listener, list[bytes]]] = []
         """Listeners of renewed arenas' indexes, and the keys they are yet to hear are gone."""
+        self.retired = L1Stats(0, 0, 0, 0, 0, 0, 0, 0, 0)
+        """The counters (evictions, store failures) of renewed arenas' indexes, kept so that
+        the sums in ``stats`` never go down."""
         self.renewed = 0
         """Arenas taken from an idle tenant and renewed for another."""
         self.l1 = TenantL1(self)
@@ -197,6 +200,12 @@ class TenantArenas:
             del self._by_space[space]
         if old.l1.listener is not None:  # (told by :meth:`_tell_gone`, a slice at a time)
             self._gone.append((old.l1.listener, old.l1.entry_keys()))
+        gone = old.l1.stats()
+        self.retired = attrs.evolve(
+            self.retired,
+            evictions=self.retired.evictions + gone.evictions,
+            store_failures=self.retired.store_failures + gone.store_failures,
+        )
         del self._by_index[old.index]
         self.all[self.all.index(old)] = fresh
         old.arena.close()
@@ -348,8 +357,8 @@ class TenantL1(L1Cache):
         return tenant_arena is not None and tenant_arena.l1.discard(key)
 
     def stats(self) -> L1Stats:
-        """The sum over the arenas."""
-        parts = [a.l1.stats() for a in self._arenas.all]
+        """The sum over the arenas (and the counters of renewed ones)."""
+        parts = [a.l1.stats() for a in self._arenas.all] + [self._arenas.retired]
         fields = attrs.fields(L1Stats)
         return L1Stats(**{f.name: sum(getattr(p, f.name) for p in parts) for f in fields})
 

@@ -173,6 +173,20 @@ def test_requests_are_counted_per_tenant_and_per_key_and_freed_with_their_leases
     assert leases.requests == 10
 
 
+def test_a_tenants_pins_are_bounded_by_its_share_of_max_pins() -> None:
+    leases = LeaseTable(lambda lease: (tenant_group(lease.key[:1].decode()),))
+    limits = RequestLimits(max_requests=100, max_pins=8, tenants=2)
+    limits.admit_pins(leases, 4, tenant="a")
+    for n in range(4):
+        leases.add(LeaseKind.LOOKUP, f"r{n}", "s", b"a%d" % n, 1, 60.0)
+    with pytest.raises(RequestError, match="its share of max_pins"):
+        limits.admit_pins(leases, 1, tenant="a")
+    limits.admit_pins(leases, 4, tenant="b")  # tenant b's share is untouched
+    leases.pop_request("r0")
+    assert leases.leases_by_group[tenant_group("a")] == 3
+    limits.admit_pins(leases, 1, tenant="a")
+
+
 # --------------------------------------------------------------------------- issue 22
 
 

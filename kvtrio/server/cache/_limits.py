@@ -7,7 +7,8 @@ Requests holding leases and the leases themselves (pins, reservations) are bound
 holds nothing costs nothing (the server keeps no prompts). ``max_requests`` is shared fairly
 (issue 32): each tenant may hold at most ``max_requests / l1_tenants`` of them (only tenants
 with an arena can hold any, so no tenant's flood can take what another's share needs), and
-within it each CURVE client key at most ``lease_share_per_key`` of its tenant's share.
+within it each CURVE client key at most ``lease_share_per_key`` of its tenant's share; a
+tenant's leases likewise at most ``max_pins / l1_tenants``.
 
 The work of a lookup is bounded before it starts (issue 22): it names ``world_size`` × hashes
 object keys, at most ``MAX_LOOKUP_KEYS`` per message (a batch's summed), and the keys whose L2
@@ -173,6 +174,8 @@ class RequestLimits:
         """Requests one tenant may hold (its share of ``max_requests``)."""
         self.per_key = max(1, int(self.per_tenant * share_per_key))
         """Requests one CURVE client key may hold (its share of its tenant's)."""
+        self.pins_per_tenant = max(1, max_pins // tenants)
+        """Pins (leases) one tenant may hold (its share of ``max_pins``)."""
         self.refused = 0
         """Requests answered ``busy`` because a limit was reached."""
 
@@ -203,13 +206,26 @@ class RequestLimits:
             "finished requests, or retry later",
         )
 
-    def admit_pins(self, leases: LeaseTable, count: int, pending: int = 0) -> None:
+    def admit_pins(
+        self, leases: LeaseTable, count: int, pending: int = 0, tenant: str | None = None
+    ) -> None:
         """Raise ``busy`` if ``count`` more pins would exceed ``max_pins``, counting the
-        ``pending`` pins that lookups still in their L2 part may take."""
-        if count and leases.live + pending + count > self.max_pins:
+        ``pending`` pins that lookups still in their L2 part may take, or ``tenant``'s share of
+        it (``max_pins / l1_tenants`` leases, as for requests)."""
+        if not count:
+            return
+        if leases.live + pending + count > self.max_pins:
             self.refused += 1
             raise RequestError(
                 ErrorCode.BUSY,
                 f"the server holds {leases.live} pins and lookups under way may take {pending} "
                 f"more (max_pins {self.max_pins}): release or end requests, or retry later",
+            )
+        held = 0 if tenant is None else leases.leases_by_group[tenant_group(tenant)]
+        if held + count > self.pins_per_tenant:
+            self.refused += 1
+            raise RequestError(
+                ErrorCode.BUSY,
+                f"this tenant holds {held} pins ({self.pins_per_tenant} at most: its share of "
+                "max_pins): release or end requests, or retry later",
             )

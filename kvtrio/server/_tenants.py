@@ -48,11 +48,11 @@ _SHIFT = 44
 _ALLOCATE_LIMITER = trio.CapacityLimiter(1)
 """Allocating the pages of tenants' arenas runs one arena at a time."""
 _NAMESPACE_SIZE = 16
+"""An object key is a 16-byte namespace (model, tenant, profile, rank) and a chunk hash."""
 _GONE_SLICE = 4096
 """Chunks of a renewed arena whose end the KV events' listener hears between two yields."""
 _MAX_INDEX = 1 << 19
 """Arena indices stay below this (virtual offsets below 2**63): renewals beyond it are refused."""
-"""An object key is a 16-byte namespace (model, tenant, profile, rank) and a chunk hash."""
 
 
 @attrs.define(eq=False)

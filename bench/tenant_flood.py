@@ -51,7 +51,9 @@ def lookup(request, tenant):
     return Lookup(request, "m", 1, chunk_hashes=(HASH,), tenant=tenant, engine="w")
 """
 
-VICTIM = COMMON + r"""
+VICTIM = (
+    COMMON
+    + r"""
 endpoint, stop = sys.argv[1], sys.argv[2]
 pings, lookups, refused = [], [], []
 with Client(endpoint, timeout=60, client_name="victim") as client:
@@ -75,8 +77,11 @@ with Client(endpoint, timeout=60, client_name="victim") as client:
         time.sleep(0.002)
 print(json.dumps({"pings": pings, "lookups": lookups, "refused": refused}))
 """
+)
 
-FLOODER = COMMON + r"""
+FLOODER = (
+    COMMON
+    + r"""
 endpoint, count, hold = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 client = Client(endpoint, timeout=60, client_name="flooder")
 setup(client, "b")
@@ -94,6 +99,7 @@ print(json.dumps({"admitted": admitted, "refused": refused, "began": began,
 time.sleep(hold)
 os._exit(0)  # the socket vanishes: no goodbye, no end_session
 """
+)
 
 
 def run_tree(tree: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -3,13 +3,21 @@
 Each tenant gets a shared-memory file of its own (``--l1-size / --l1-tenants`` bytes), with its
 own L1 index, allocator and eviction policy. The first arena is created at the server's start
 (so a single-tenant server is what it always was) and goes to the first tenant that registers;
-later tenants' arenas are created at their first registration, up to ``--l1-tenants``; beyond
-that a new tenant's registration gets ``quota_exceeded``. Arenas live as long as the server.
+later tenants' arenas are created at their first registration, up to ``--l1-tenants``. Beyond
+that a new tenant gets the arena of a tenant that is *idle* (nothing registered, nothing pinned
+or being written in its arena: the cache core decides, :meth:`TenantArenas.for_tenant`'s
+``idle``), or ``quota_exceeded`` if none is. Such an arena is *renewed*, never handed over: its
+index is dropped (the KV events' listener told of each chunk, in slices), its file unlinked and
+unmapped, and a fresh file (zeros, from the kernel) with a new index takes its place, so no
+byte of the old tenant reaches the new one, even through a worker of the old tenant that still
+maps the old file. An arena pinned for GPU copies (``keep``) is never renewed.
 
 Inside the server every arena's offsets live in one *virtual* offset space: arena ``i`` starts
-at ``i << 44``. :class:`TenantL1` (the index) and :class:`TenantMemory` (the bytes) route by
-object key and by offset, so the L2 tier, the prefetcher, quotas and scrubbing work unchanged;
-only replies to workers carry offsets local to the worker's own arena (:meth:`TenantArena.local`).
+at ``i << 44`` (a renewed arena gets the next unused ``i``: an offset of the old one held
+anywhere names no arena, never the new tenant's bytes). :class:`TenantL1` (the index) and
+:class:`TenantMemory` (the bytes) route by object key and by offset, so the L2 tier, the
+prefetcher, quotas and scrubbing work unchanged; only replies to workers carry offsets local to
+the worker's own arena (:meth:`TenantArena.local`).
 No I/O in the routing; creating an arena creates and sizes a file.
 """
 
@@ -19,7 +27,7 @@ import contextlib
 import grp
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import attrs
 import numpy as np
@@ -29,7 +37,7 @@ import trio
 from .._logging import event
 from ..errors import ErrorCode, RequestError
 from ..shm import SharedArena
-from ..storage import Entry, L1Cache, L1Stats, Reservation
+from ..storage import Entry, L1Cache, L1Listener, L1Stats, Reservation
 
 __all__ = ["TenantArena", "TenantArenas", "TenantL1", "TenantMemory"]
 
@@ -41,6 +49,10 @@ _ALLOCATE_LIMITER = trio.CapacityLimiter(1)
 """Allocating the pages of tenants' arenas runs one arena at a time."""
 _NAMESPACE_SIZE = 16
 """An object key is a 16-byte namespace (model, tenant, profile, rank) and a chunk hash."""
+_GONE_SLICE = 4096
+"""Chunks of a renewed arena whose end the KV events' listener hears between two yields."""
+_MAX_INDEX = 1 << 19
+"""Arena indices stay below this (virtual offsets below 2**63): renewals beyond it are refused."""
 
 
 @attrs.define(eq=False)
@@ -54,6 +66,11 @@ class TenantArena:
     allocated: bool = True
     """False until the pages of an arena created for a tenant are allocated (the first one's
     are allocated by the server's start)."""
+    claims: int = 0
+    """Registrations of its tenant under way (:meth:`TenantArenas.opened`): never renewed then."""
+    keep: bool = False
+    """Pinned for GPU copies (a CUDA registration's server-side copies use its mapping): never
+    renewed for another tenant."""
 
     @property
     def base(self) -> int:
@@ -83,8 +100,18 @@ class TenantArenas:
         self._group = group
         share(first, group)
         self.all: list[TenantArena] = [TenantArena(0, first, make_l1(first.size, 0))]
+        """The live arenas (at most ``limit``)."""
+        self._by_index: dict[int, TenantArena] = {0: self.all[0]}
+        self._next_index = 1
         self._by_tenant: dict[str, TenantArena] = {}
         self._by_space: dict[bytes, TenantArena] = {}
+        self._gone: list[tuple[L1Listener, list[bytes]]] = []
+        """Listeners of renewed arenas' indexes, and the keys they are yet to hear are gone."""
+        self.retired = L1Stats(0, 0, 0, 0, 0, 0, 0, 0, 0)
+        """The counters (evictions, store failures) of renewed arenas' indexes, kept so that
+        the sums in ``stats`` never go down."""
+        self.renewed = 0
+        """Arenas taken from an idle tenant and renewed for another."""
         self.l1 = TenantL1(self)
         self.memory = TenantMemory(self)
 
@@ -93,38 +120,39 @@ class TenantArenas:
         return self.all[0].arena
 
     def tenant_count(self) -> int:
-        """Tenants that have an arena now (registered since the start)."""
+        """Tenants that have an arena now."""
         return len(self._by_tenant)
 
-    def for_tenant(self, tenant: str) -> TenantArena:
-        """The tenant's arena, created (or the start's arena assigned) on its first use.
+    def for_tenant(
+        self, tenant: str, idle: Callable[[TenantArena], bool] = lambda _: False
+    ) -> TenantArena:
+        """The tenant's arena: its own, else an unassigned one, else a new one (up to
+        ``limit``), else the arena of a tenant for which ``idle`` is true, renewed
+        (:meth:`_renew`).
 
-        Raises ``quota_exceeded`` beyond ``limit`` tenants, ``internal`` if the file cannot be
-        created. Synchronous: creating and sizing a tmpfs file takes microseconds.
+        Raises ``quota_exceeded`` if none is left, ``internal`` if a file cannot be created.
+        Synchronous: creating and sizing a tmpfs file takes microseconds.
         """
         found = self._by_tenant.get(tenant)
         if found is not None:
             return found
         spare = next((a for a in self.all if a.tenant is None), None)
+        if spare is None and len(self.all) < self.limit:
+            spare = self._new_arena()
+            self.all.append(spare)
         if spare is None:
-            if len(self.all) >= self.limit:
+            old = next(
+                (a for a in self.all if not a.keep and a.claims == 0 and idle(a)),
+                None,
+            )
+            if old is None:
                 raise RequestError(
                     ErrorCode.QUOTA_EXCEEDED,
-                    f"this server's L1 is split into {self.limit} tenant arena(s), all in use: "
-                    "start it with a larger --l1-tenants",
+                    f"this server's L1 is split into {self.limit} tenant arena(s), all in use "
+                    "(each by a tenant with registered workers or chunks in use): start it "
+                    "with a larger --l1-tenants, or retry once a tenant's workers are gone",
                 )
-            try:
-                arena = SharedArena.create(self.arena_size, directory=self._directory)
-                share(arena, self._group)
-            except OSError as exc:
-                raise RequestError(
-                    ErrorCode.INTERNAL, f"cannot create a tenant's L1 arena: {exc.strerror}"
-                ) from None
-            index = len(self.all)
-            spare = TenantArena(
-                index, arena, self._make_l1(arena.size, index << _SHIFT), allocated=False
-            )
-            self.all.append(spare)
+            spare = self._renew(old)
         spare.tenant = tenant
         self._by_tenant[tenant] = spare
         log.info(
@@ -135,25 +163,102 @@ class TenantArenas:
         )
         return spare
 
-    async def open(self, tenant: str) -> TenantArena:
-        """:meth:`for_tenant`, then allocate a new arena's pages in a worker thread (tmpfs
-        allocates on first write otherwise: a full ``/dev/shm`` would SIGBUS the writer later).
+    def _new_arena(self) -> TenantArena:
+        """A new arena file with the next index (its pages not allocated yet)."""
+        index = self._next_index
+        if index >= _MAX_INDEX:
+            raise RequestError(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"this server has renewed tenant arenas {self.renewed} times: restart it",
+            )
+        try:
+            arena = SharedArena.create(self.arena_size, directory=self._directory)
+            share(arena, self._group)
+        except OSError as exc:
+            raise RequestError(
+                ErrorCode.INTERNAL, f"cannot create a tenant's L1 arena: {exc.strerror}"
+            ) from None
+        self._next_index += 1
+        created = TenantArena(
+            index, arena, self._make_l1(arena.size, index << _SHIFT), allocated=False
+        )
+        self._by_index[index] = created
+        return created
+
+    def _renew(self, old: TenantArena) -> TenantArena:
+        """Replace an idle tenant's arena by a fresh one in its place (see the module doc).
+
+        The caller checked that nothing in it is pinned or being written: no task holds an
+        offset into it. Its index is dropped whole (O(1): dropping 100k entries one by one
+        held the loop 1–3 s) and its listener told of each chunk later (:meth:`_tell_gone`),
+        its namespaces unbound, its file unlinked and unmapped.
+        """
+        fresh = self._new_arena()
+        if old.tenant is not None:
+            del self._by_tenant[old.tenant]
+        for space in [s for s, a in self._by_space.items() if a is old]:
+            del self._by_space[space]
+        if old.l1.listener is not None:  # (told by :meth:`_tell_gone`, a slice at a time)
+            self._gone.append((old.l1.listener, old.l1.entry_keys()))
+        gone = old.l1.stats()
+        self.retired = attrs.evolve(
+            self.retired,
+            evictions=self.retired.evictions + gone.evictions,
+            store_failures=self.retired.store_failures + gone.store_failures,
+        )
+        del self._by_index[old.index]
+        self.all[self.all.index(old)] = fresh
+        old.arena.close()
+        self.renewed += 1
+        log.info(
+            "tenant arena %d renewed as %d: its tenant had nothing registered or in use",
+            old.index,
+            fresh.index,
+            extra=event("tenant_arena_renewed", index=old.index, new_index=fresh.index),
+        )
+        return fresh
+
+    @contextlib.asynccontextmanager
+    async def opened(
+        self, tenant: str, idle: Callable[[TenantArena], bool] = lambda _: False
+    ) -> AsyncIterator[TenantArena]:
+        """:meth:`for_tenant`, claimed (never renewed) until the block ends; a new arena's
+        pages are allocated first, in a worker thread (tmpfs allocates on first write
+        otherwise: a full ``/dev/shm`` would SIGBUS the writer later).
 
         A failure to allocate is logged, not raised, as at the start. Cancellation: the thread
-        is abandoned and finishes by itself.
+        is abandoned and finishes by itself; the claim ends.
         """
-        tenant_arena = self.for_tenant(tenant)
-        if not tenant_arena.allocated:
-            tenant_arena.allocated = True
-            try:
-                await trio.to_thread.run_sync(
-                    tenant_arena.arena.preallocate,
-                    limiter=_ALLOCATE_LIMITER,
-                    abandon_on_cancel=True,
-                )
-            except OSError as exc:
-                log.error("could not allocate a tenant L1 arena's memory: %s", exc.strerror)
-        return tenant_arena
+        tenant_arena = self.for_tenant(tenant, idle)
+        tenant_arena.claims += 1
+        try:
+            await self._tell_gone()
+            if not tenant_arena.allocated:
+                tenant_arena.allocated = True
+                try:
+                    await trio.to_thread.run_sync(
+                        tenant_arena.arena.preallocate,
+                        limiter=_ALLOCATE_LIMITER,
+                        abandon_on_cancel=True,
+                    )
+                except OSError as exc:
+                    log.error("could not allocate a tenant L1 arena's memory: %s", exc.strerror)
+            yield tenant_arena
+        finally:
+            tenant_arena.claims -= 1
+
+    async def _tell_gone(self) -> None:
+        """Tell the listeners (KV events) of renewed arenas that their chunks are gone,
+        :data:`_GONE_SLICE` at a time with a yield in between. Cancellation: at a yield; the
+        rest is told by the next call."""
+        while self._gone:
+            listener, keys = self._gone[-1]
+            for key in keys[-_GONE_SLICE:]:
+                listener.removed(key)
+            del keys[-_GONE_SLICE:]
+            if not keys:
+                self._gone.pop()
+            await trio.lowlevel.checkpoint()
 
     def bind(self, space: bytes, tenant_arena: TenantArena) -> None:
         """Objects of namespace ``space`` live in ``tenant_arena`` (a space names one tenant)."""
@@ -163,10 +268,10 @@ class TenantArenas:
         return self._by_space.get(key[:_NAMESPACE_SIZE])
 
     def of_offset(self, offset: int) -> TenantArena:
-        index = offset >> _SHIFT
-        if not 0 <= index < len(self.all):
+        found = self._by_index.get(offset >> _SHIFT)
+        if found is None:
             raise ValueError(f"offset {offset} is in no arena")
-        return self.all[index]
+        return found
 
     def close(self) -> None:
         """Unmap and remove every arena file (the start's one too)."""
@@ -252,8 +357,8 @@ class TenantL1(L1Cache):
         return tenant_arena is not None and tenant_arena.l1.discard(key)
 
     def stats(self) -> L1Stats:
-        """The sum over the arenas."""
-        parts = [a.l1.stats() for a in self._arenas.all]
+        """The sum over the arenas (and the counters of renewed ones)."""
+        parts = [a.l1.stats() for a in self._arenas.all] + [self._arenas.retired]
         fields = attrs.fields(L1Stats)
         return L1Stats(**{f.name: sum(getattr(p, f.name) for p in parts) for f in fields})
 

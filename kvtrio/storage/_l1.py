@@ -100,6 +100,10 @@ class L1Cache:
         """The index that holds ``key``: this one (a server's per-tenant L1 has several)."""
         return self
 
+    def entry_keys(self) -> list[bytes]:
+        """The keys of every entry (ready or being written), in no particular order."""
+        return list(self._entries)
+
     # ----------------------------------------------------------------- reading
 
     def get(self, key: bytes) -> Entry | None:

@@ -9,10 +9,11 @@ table is storage-agnostic and has no I/O).
 
 from __future__ import annotations
 
+import collections
 import enum
 import heapq
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 
@@ -38,9 +39,18 @@ class Lease:
 
 
 class LeaseTable:
-    """All live leases, indexed by request, by owner and by expiry."""
+    """All live leases, indexed by request, by owner and by expiry.
 
-    def __init__(self) -> None:
+    ``groups_of`` names the groups (say a tenant, a client key) a request counts in, from its
+    first lease; :attr:`requests_by_group` counts the requests holding leases per group, and
+    :attr:`leases_by_group` their leases.
+    """
+
+    def __init__(self, groups_of: Callable[[Lease], tuple[str, ...]] | None = None) -> None:
+        self._groups_of = groups_of
+        self._request_groups: dict[str, tuple[str, ...]] = {}
+        self.requests_by_group: collections.Counter[str] = collections.Counter()
+        self.leases_by_group: collections.Counter[str] = collections.Counter()
         self._by_request: dict[str, dict[tuple[LeaseKind, str, bytes], Lease]] = {}
         self._by_owner: dict[str, set[Lease]] = {}
         self._lookups: dict[tuple[str, bytes], Lease] = {}  # (request, key) → LOOKUP lease
@@ -62,6 +72,11 @@ class LeaseTable:
             lease.expires_at = max(lease.expires_at, expires_at)
         else:
             lease = Lease(kind, request, owner, key, count, expires_at)
+            if self._groups_of is not None:
+                if not leases:  # the request's first lease
+                    self._request_groups[request] = self._groups_of(lease)
+                    self.requests_by_group.update(self._request_groups[request])
+                self.leases_by_group.update(self._request_groups[request])
             leases[slot] = lease
             self._by_owner.setdefault(owner, set()).add(lease)
             if kind is LeaseKind.LOOKUP:
@@ -94,8 +109,12 @@ class LeaseTable:
         self.live -= 1
         leases = self._by_request[lease.request]
         del leases[(lease.kind, lease.owner, lease.key)]
+        groups = self._request_groups.get(lease.request, ())
+        _subtract(self.leases_by_group, groups)
         if not leases:
             del self._by_request[lease.request]
+            self._request_groups.pop(lease.request, None)
+            _subtract(self.requests_by_group, groups)
         owned = self._by_owner[lease.owner]
         owned.discard(lease)
         if not owned:
@@ -169,3 +188,11 @@ class LeaseTable:
             for lease in leases.values()
             if lease.kind is kind
         )
+
+
+def _subtract(counter: collections.Counter[str], groups: Iterable[str]) -> None:
+    """One less of each of ``groups`` (a group at 0 is removed)."""
+    for group in groups:
+        counter[group] -= 1
+        if counter[group] <= 0:
+            del counter[group]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -25,14 +26,21 @@ from kvtrio.protocol import (
     LookupReply,
     Register,
     Release,
+    Released,
     Request,
     Retrieve,
     Store,
 )
 from kvtrio.server import open_server
+from kvtrio.server.cache._limits import RequestLimits, key_group, tenant_group
+from kvtrio.shm import SharedArena
+from kvtrio.storage import Lease, LeaseKind, LeaseTable
 from kvtrio.testing import FaultBackend
 
 from .._support.l2_tier import CHUNK, HASHES, LAYOUT, cache, lookup, running, store
+from .._support.tenants import ARENA_CHUNKS, CHUNK_BYTES, hashes, tcp_config, tenant_clients
+from .._support.tenants import register as register_tenant
+from .._support.tenants import store as tenant_store
 from .._support.waiting import await_condition
 
 
@@ -92,6 +100,92 @@ async def test_pins_are_bounded(server_config: ServerConfig) -> None:
             await lookup(scheduler, "r2", 4)
         await scheduler.request(EndSession("r1", "m"))
         assert await lookup(scheduler, "r2", 4) == LookupReply(4 * CHUNK, 4)
+
+
+# --------------------------------------------------------------------------- issue 32
+
+
+async def test_one_tenants_flood_of_lookups_leaves_another_tenant_served(
+    short_dir: Path,
+) -> None:
+    """Was: one global count: tenant victim's held lookups took all of ``max_requests`` and
+    tenant acme got ``busy`` until they ended (11 s after the socket vanished)."""
+    config = tcp_config(l1_size=2 * ARENA_CHUNKS * CHUNK_BYTES, l1_tenants=2, max_requests=8)
+    async with tenant_clients(short_dir, config) as (server, acme, victim):
+        chunks = hashes(1, 1)
+        for client, tenant in ((acme, "acme"), (victim, "victim")):
+            reply = await register_tenant(client, tenant)
+            arena = SharedArena.attach(reply.arena_path, reply.arena_size, populate=False)
+            try:
+                assert await tenant_store(client, arena, "s", chunks, 1) == 1
+            finally:
+                arena.close()
+
+        def one_chunk(request: str, tenant: str) -> Lookup:
+            return Lookup(request, "m", 1, chunk_hashes=chunks, tenant=tenant, engine="w")
+
+        for n in range(2):  # 8 / 2 tenants, half of that for its one key (lease_share_per_key)
+            assert (await victim.call(one_chunk(f"f{n}", "victim"), LookupReply)).hit_chunks
+        for n in range(2, 8):  # the flood ends at its share
+            with pytest.raises(ServerBusy, match="share of"):
+                await victim.call(one_chunk(f"f{n}", "victim"), LookupReply)
+        for n in range(2):  # acme's own share is whole
+            assert (await acme.call(one_chunk(f"a{n}", "acme"), LookupReply)).hit_chunks == 1
+        assert _core(server).leases.requests == 4
+        with pytest.raises(ServerBusy, match="share of"):
+            await acme.call(one_chunk("a2", "acme"), LookupReply)
+        await acme.call(EndSession("a0", "m", tenant="acme", engine="w"), Released)
+        assert (await acme.call(one_chunk("a2", "acme"), LookupReply)).hit_chunks == 1
+
+
+def test_requests_are_counted_per_tenant_and_per_key_and_freed_with_their_leases() -> None:
+    owners = {"s1": "k1", "s2": "k2", "s3": "k3"}  # session → client key
+    tenants = {b"A": "a", b"B": "b"}  # a key's first byte → its tenant
+
+    def groups(lease: Lease) -> tuple[str, ...]:
+        tenant = tenants[lease.key[:1]]
+        return tenant_group(tenant), key_group(tenant, owners[lease.owner])
+
+    leases = LeaseTable(groups)
+    limits = RequestLimits(max_requests=12, max_pins=100, tenants=2, share_per_key=0.5)
+    assert (limits.per_tenant, limits.per_key) == (6, 3)
+
+    def take(request: str, session: str, key: bytes) -> None:
+        limits.admit_request(leases, request, tenants[key[:1]], owners[session])
+        leases.add(LeaseKind.LOOKUP, request, session, key, 1, 60.0)
+
+    for n in range(3):  # k1 takes its share of tenant a...
+        take(f"r{n}", "s1", b"A%d" % n)
+    with pytest.raises(RequestError, match="client key's share"):
+        take("r3", "s1", b"A3")
+    take("r0", "s1", b"A9")  # (a request it holds already is not a new one)
+    for n in range(3):  # ...and k2, of the same tenant, still gets its own
+        take(f"q{n}", "s2", b"A%d" % n)
+    with pytest.raises(RequestError, match="tenant's share"):
+        take("q3", "s3", b"A3")
+    for n in range(6):  # tenant b is untouched by tenant a's six (k2's share there is whole)
+        take(f"b{n}", "s3" if n < 3 else "s2", b"B%d" % n)
+    with pytest.raises(RequestError, match=r"12 at most: max_requests\)"):  # all 12 taken
+        take("b6", "s1", b"B6")
+    assert len(leases.pop_owner("s1")) == 4  # s1's session ends: its 3 requests are free again
+    assert leases.requests_by_group[tenant_group("a")] == 3
+    assert key_group("a", "k1") not in leases.requests_by_group
+    take("r4", "s1", b"A4")
+    assert leases.requests == 10
+
+
+def test_a_tenants_pins_are_bounded_by_its_share_of_max_pins() -> None:
+    leases = LeaseTable(lambda lease: (tenant_group(lease.key[:1].decode()),))
+    limits = RequestLimits(max_requests=100, max_pins=8, tenants=2)
+    limits.admit_pins(leases, 4, tenant="a")
+    for n in range(4):
+        leases.add(LeaseKind.LOOKUP, f"r{n}", "s", b"a%d" % n, 1, 60.0)
+    with pytest.raises(RequestError, match="its share of max_pins"):
+        limits.admit_pins(leases, 1, tenant="a")
+    limits.admit_pins(leases, 4, tenant="b")  # tenant b's share is untouched
+    leases.pop_request("r0")
+    assert leases.leases_by_group[tenant_group("a")] == 3
+    limits.admit_pins(leases, 1, tenant="a")
 
 
 # --------------------------------------------------------------------------- issue 22

@@ -16,6 +16,7 @@ from kvtrio.config import BackendSpec, ServerConfig
 from kvtrio.errors import ErrorCode, QuotaExceeded, RequestError
 from kvtrio.launch import ServerProcess
 from kvtrio.protocol import (
+    EndSession,
     GetStats,
     Lookup,
     LookupReply,
@@ -26,6 +27,7 @@ from kvtrio.protocol import (
     Retrieve,
     RetrieveReply,
     StatsReply,
+    Unregister,
 )
 from kvtrio.server import open_server
 from kvtrio.server._tenants import TenantArenas
@@ -230,3 +232,153 @@ def test_a_killed_servers_tenant_arenas_are_reclaimed_at_the_next_start(
     assert len(list(shm.iterdir())) == 2  # nobody removed them
     server.start()  # its own first arena reclaims both leftovers
     assert len(list(shm.iterdir())) == 1
+
+
+# --------------------------------------------------------------------------- issue 32
+
+
+def _lookup(request: str, chunk_hashes: tuple[bytes, ...], tenant: str) -> Lookup:
+    return Lookup(request, "m", 1, chunk_hashes=chunk_hashes, tenant=tenant, engine="w")
+
+
+async def test_an_idle_tenants_arena_is_renewed_for_another_with_none_of_its_bytes(
+    short_dir: Path,
+) -> None:
+    """Was: the one arena (``--l1-tenants 1``) stayed acme's for the server's life, so the
+    victim tenant's registration got ``quota_exceeded`` once acme had registered once."""
+    config = tcp_config(l1_size=ARENA_CHUNKS * CHUNK_BYTES)  # --l1-tenants 1
+    async with tenant_clients(short_dir, config) as (server, acme, victim):
+        mine = await register(acme, "acme")
+        old = SharedArena.attach(mine.arena_path, mine.arena_size, populate=False)
+        try:
+            secret = hashes(3, ARENA_CHUNKS // 2)
+            assert await store(acme, old, "s", secret, 0xA5) == len(secret)
+            # While acme's chunks are pinned (a lookup holds them), its arena is in use.
+            assert (await acme.call(_lookup("p", secret, "acme"), LookupReply)).hit_chunks > 0
+            await acme.call(Unregister(), Released)  # (its session's leases go with it)
+            assert (await acme.call(_lookup("p", secret, "acme"), LookupReply)).hit_chunks == 0
+            theirs = await register(victim, "victim")
+            assert theirs.arena_path != mine.arena_path
+            # Unlinked: nobody can open it again.
+            assert not Path(mine.arena_path).exists()  # noqa: ASYNC240
+            new = SharedArena.attach(theirs.arena_path, theirs.arena_size, populate=False)
+            try:
+                assert not new.buffer.any()  # a fresh file: not a byte of acme's
+                # acme's worker still maps the old file: what it writes there stays there.
+                old.buffer.fill(0x77)
+                assert not (new.buffer == 0x77).any()
+                assert await store(victim, new, "v", hashes(4, 8), 0x3C) == 8
+                assert not (old.buffer == 0x3C).any()
+                # acme comes back: the arena is the victim's now (registered), so it waits.
+                with pytest.raises(QuotaExceeded, match="--l1-tenants"):
+                    await acme.request(
+                        Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant="acme")
+                    )
+            finally:
+                new.close()
+        finally:
+            old.close()
+        assert server.state.cache.core.arenas.renewed == 1
+
+
+async def test_an_arena_with_pins_or_a_registration_is_not_renewed(short_dir: Path) -> None:
+    config = tcp_config(l1_size=ARENA_CHUNKS * CHUNK_BYTES)  # --l1-tenants 1
+    keys = short_dir / "tenants"
+    async with tenant_clients(short_dir, config) as (server, acme, victim):
+        mine = await register(acme, "acme")
+        arena = SharedArena.attach(mine.arena_path, mine.arena_size, populate=False)
+        try:
+            secret = hashes(5, 4)
+            assert await store(acme, arena, "s", secret, 0x11) == 4
+        finally:
+            arena.close()
+        refused = Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant="victim")
+        with pytest.raises(QuotaExceeded, match="--l1-tenants"):  # acme is registered
+            await victim.request(refused)
+        # acme's scheduler (another session of its key) pins the chunks; the worker leaves.
+        async with open_client(
+            server.endpoint,
+            server_key=str(keys / "server.key"),
+            client_key=str(keys / "acme.key_secret"),
+        ) as scheduler:
+            assert (await scheduler.call(_lookup("p", secret, "acme"), LookupReply)).hit_chunks
+            await acme.call(Unregister(), Released)
+            with pytest.raises(QuotaExceeded, match="--l1-tenants"):  # pinned
+                await victim.request(refused)
+            await scheduler.call(EndSession("p", "m", tenant="acme", engine="w"), Released)
+            assert isinstance(await victim.call(refused, Registered), Registered)
+        assert server.state.cache.core.arenas.renewed == 1
+
+
+async def test_a_key_for_two_tenants_gives_back_the_arena_of_the_one_it_left(
+    endpoint: str,
+) -> None:
+    """Was (issue 32, item 9): a key for two tenants on an ``--l1-tenants 2`` server kept both
+    arenas for the server's life: a third tenant was refused after the first had left."""
+    config = ServerConfig(endpoint=endpoint, l1_size=2 * ARENA_CHUNKS * CHUNK_BYTES, l2=(),
+                          l1_tenants=2)  # fmt: skip
+    async with (
+        open_server(config) as server,
+        open_client(server.endpoint) as one,
+        open_client(server.endpoint) as two,
+    ):  # ipc peers may use any tenant
+        first = await register(one, "a")
+        await register(two, "b")
+        with pytest.raises(QuotaExceeded, match="--l1-tenants"):
+            await one.request(Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant="c"))
+        await one.call(Unregister(), Released)
+        third = await register(one, "c")  # a's arena, renewed
+        assert third.arena_path != first.arena_path
+        assert len(server.state.cache.core.arenas.all) == 2
+        await two.call(Unregister(), Released)
+        again = await register(two, "a")  # b's, renewed for a (back again)
+        assert again.arena_path not in (first.arena_path, third.arena_path)
+        assert server.state.cache.core.arenas.renewed == 2
+
+
+async def test_a_renewed_arena_keeps_no_index_offsets_or_names_of_the_old_tenant(
+    tmp_path: Path,
+) -> None:
+    removed: list[bytes] = []
+
+    class Listener:
+        def ready(self, key: bytes, parent: bytes | None) -> None:
+            pass
+
+        def removed(self, key: bytes) -> None:
+            removed.append(key)
+
+    def make_l1(size: int, base: int) -> L1Cache:
+        l1 = L1Cache(size, base=base)
+        l1.listener = Listener()
+        return l1
+
+    first = SharedArena.create(8 * CHUNK_BYTES, directory=str(tmp_path))
+    arenas = TenantArenas(first, make_l1, limit=1, directory=str(tmp_path))
+    try:
+        async with arenas.opened("a") as a:
+            arenas.bind(b"A" * 16, a)
+        keys = [b"A" * 16 + bytes([i]) * 16 for i in range(5)]
+        for key in keys:
+            entry = arenas.l1.reserve(key, CHUNK_BYTES)
+            assert isinstance(entry, Entry)
+            arenas.memory.view(entry.offset, CHUNK_BYTES).fill(0xA5)
+            arenas.l1.commit(key)
+        old_offset = entry.offset
+        arenas.l1.pin(keys[0])
+        with pytest.raises(RequestError, match="all in use"):  # (no idle tenant)
+            arenas.for_tenant("b", lambda _: False)
+        arenas.l1.unpin(keys[0])
+        async with arenas.opened("b", lambda arena: arena.tenant == "a") as b:
+            assert b.index == 1
+            assert b.arena.path != a.arena.path
+            assert not b.arena.buffer.any()
+        assert sorted(removed) == keys  # KV events hear that a's chunks are gone
+        assert arenas.l1.get(keys[1]) is None  # a's namespace is bound to no arena now
+        with pytest.raises(ValueError, match="in no arena"):
+            arenas.of_offset(old_offset)  # an old offset names no arena, never b's bytes
+        assert arenas.tenant_count() == 1
+        assert len(os.listdir(tmp_path)) == 1  # a's file is gone
+    finally:
+        arenas.close()
+    assert not os.listdir(tmp_path)

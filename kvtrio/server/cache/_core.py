@@ -22,11 +22,11 @@ from ...errors import ErrorCode, RequestError
 from ...protocol import Retrieve, Store
 from ...storage import L1Cache, Lease, LeaseKind, LeaseTable
 from .._session import Session
-from .._tenants import TenantArenas
+from .._tenants import TenantArena, TenantArenas
 from ..l2tier import L2Tier
 from ._copy import WriteEnd
 from ._keys import RequestKey, checked_hashes, request_key
-from ._limits import KeyBudget, RequestLimits
+from ._limits import KeyBudget, RequestLimits, key_group, tenant_group
 from ._prefetch import Prefetcher
 from ._quotas import Quotas
 from ._registry import Registration, Registry
@@ -69,10 +69,14 @@ class CacheCore:
         self.arenas = arenas  # one per tenant (docs/security.md)
         self.l1: L1Cache = arenas.l1
         self.l2 = l2
-        self.leases = LeaseTable()
+        self.users: dict[str, str] = {}
+        """The client key of each watched session (its requests count against the key)."""
+        self.leases = LeaseTable(self._groups_of)
         self.quotas = Quotas(config, self.leases, self.l1)
         self.registry = Registry(config.chunk_size)
-        self.limits = RequestLimits(config.max_requests, config.max_pins)
+        self.limits = RequestLimits(
+            config.max_requests, config.max_pins, config.l1_tenants, config.lease_share_per_key
+        )
         self.budget = KeyBudget()
         """Keys of lookups still in their L2 part, per session and client key (issue 22)."""
         self.slices = trio.CapacityLimiter(1)
@@ -119,8 +123,35 @@ class CacheCore:
                 f"send exactly their {len(chunks)} chunk hashes (got {len(hashes)})",
             )
         request = self.worker_request(registration, op.request)
-        self.limits.admit_request(self.leases, request)
+        user = self.users.get(registration.session_id, "")
+        self.limits.admit_request(self.leases, request, registration.tenant, user)
         return request, hashes, chunks
+
+    def admit(self, session: Session, request: RequestKey, tenant: str) -> None:
+        """Admit ``request`` of ``tenant`` for ``session`` (``busy`` beyond the server's, the
+        tenant's or the client key's share of ``max_requests``); the session's end will
+        release what it takes (:meth:`watch`)."""
+        self.watch(session)
+        self.limits.admit_request(self.leases, request, tenant, session.principal.user_id)
+
+    def _groups_of(self, lease: Lease) -> tuple[str, ...]:
+        """The groups a request counts in, from its first lease: the tenant whose arena holds
+        the chunk, and the client key of the session that took it (if any)."""
+        arena = self.arenas.of_key(lease.key)
+        tenant = "" if arena is None or arena.tenant is None else arena.tenant
+        user = self.users.get(lease.owner, "")
+        if not user:
+            return (tenant_group(tenant),)
+        return tenant_group(tenant), key_group(tenant, user)
+
+    def arena_idle(self, tenant_arena: TenantArena) -> bool:
+        """Whether the arena's tenant has nothing registered and nothing pinned or being
+        written in it (nothing refers to its bytes): it may be renewed for another tenant."""
+        tenant = tenant_arena.tenant
+        stats = tenant_arena.l1.stats()
+        if stats.pinned_entries or stats.writing:
+            return False
+        return all(r.tenant != tenant for r in self.registry.by_session.values())
 
     async def turn(self) -> None:
         """Yield to the event loop, then wait for this task's turn to run the next slice of
@@ -211,9 +242,12 @@ class CacheCore:
         if session.id in self._watched:
             return
         self._watched.add(session.id)
+        if session.principal.user_id:
+            self.users[session.id] = session.principal.user_id
 
         async def session_ended() -> None:
             self._watched.discard(session.id)
+            self.users.pop(session.id, None)
             # The client may still be alive (silent, not dead): a late write must land in a
             # quarantined slot, never in one handed to someone else.
             await self.release_session(session.id, quarantine=True)

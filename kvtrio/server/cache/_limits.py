@@ -4,7 +4,11 @@ A registration whose shape could not be served (a chunk larger than the L1 arena
 counts that would overflow a computation further on) is refused with one ``bad_request`` line.
 Requests holding leases and the leases themselves (pins, reservations) are bounded by the
 ``max_requests`` and ``max_pins`` settings: beyond them a request gets ``busy``. A request that
-holds nothing costs nothing (the server keeps no prompts).
+holds nothing costs nothing (the server keeps no prompts). ``max_requests`` is shared fairly
+(issue 32): each tenant may hold at most ``max_requests / l1_tenants`` of them (only tenants
+with an arena can hold any, so no tenant's flood can take what another's share needs), and
+within it each CURVE client key at most ``lease_share_per_key`` of its tenant's share; a
+tenant's leases likewise at most ``max_pins / l1_tenants``.
 
 The work of a lookup is bounded before it starts (issue 22): it names ``world_size`` × hashes
 object keys, at most ``MAX_LOOKUP_KEYS`` per message (a batch's summed), and the keys whose L2
@@ -28,6 +32,8 @@ __all__ = [
     "RequestLimits",
     "check_lookup_keys",
     "check_registration",
+    "key_group",
+    "tenant_group",
 ]
 
 SESSION_KEYS = 2 * MAX_LOOKUP_KEYS
@@ -142,37 +148,84 @@ class KeyBudget:
                     del table[name]
 
 
-class RequestLimits:
-    """Admission of new tracked requests and of new pins (see the module docstring)."""
+def tenant_group(tenant: str) -> str:
+    """The lease table's group of a tenant's requests (see :class:`RequestLimits`)."""
+    return "t:" + tenant
 
-    def __init__(self, max_requests: int, max_pins: int) -> None:
+
+def key_group(tenant: str, user: str) -> str:
+    """The lease table's group of a client key's requests in a tenant ("" has none)."""
+    return f"k:{user}\x00{tenant}"
+
+
+class RequestLimits:
+    """Admission of new tracked requests and of new pins (see the module docstring).
+
+    The lease table counts the requests holding leases per tenant and per client key (its
+    groups, :func:`tenant_group` and :func:`key_group`, named from each request's first lease).
+    """
+
+    def __init__(
+        self, max_requests: int, max_pins: int, tenants: int = 1, share_per_key: float = 1.0
+    ) -> None:
         self.max_requests = max_requests
         self.max_pins = max_pins
+        self.per_tenant = max(1, max_requests // tenants)
+        """Requests one tenant may hold (its share of ``max_requests``)."""
+        self.per_key = max(1, int(self.per_tenant * share_per_key))
+        """Requests one CURVE client key may hold (its share of its tenant's)."""
+        self.pins_per_tenant = max(1, max_pins // tenants)
+        """Pins (leases) one tenant may hold (its share of ``max_pins``)."""
         self.refused = 0
         """Requests answered ``busy`` because a limit was reached."""
 
-    def admit_request(self, leases: LeaseTable, key: str) -> None:
-        """Raise ``busy`` if ``key`` would be one request too many holding leases.
+    def admit_request(self, leases: LeaseTable, key: str, tenant: str = "", user: str = "") -> None:
+        """Raise ``busy`` if ``key`` of ``tenant``, asked for by client key ``user``, would be
+        one request too many holding leases: for the server, for the tenant or for the key.
 
         A request that already holds leases passes; one that holds none costs the server nothing
         (protocol 2 keeps no prompts), so only requests holding pins or reservations count.
         """
-        if leases.requests < self.max_requests or leases.holds(key):
+        if leases.holds(key):
+            return
+        by_group = leases.requests_by_group
+        if leases.requests >= self.max_requests:
+            held, bound, whose = leases.requests, self.max_requests, "max_requests"
+        elif by_group[tenant_group(tenant)] >= self.per_tenant:
+            held, bound = by_group[tenant_group(tenant)], self.per_tenant
+            whose = "this tenant's share of max_requests"
+        elif user and by_group[key_group(tenant, user)] >= self.per_key:
+            held, bound = by_group[key_group(tenant, user)], self.per_key
+            whose = "this client key's share of its tenant's max_requests"
+        else:
             return
         self.refused += 1
         raise RequestError(
             ErrorCode.BUSY,
-            f"{self.max_requests} requests hold pins or reservations (max_requests): end "
+            f"{held} requests hold pins or reservations ({bound} at most: {whose}): end "
             "finished requests, or retry later",
         )
 
-    def admit_pins(self, leases: LeaseTable, count: int, pending: int = 0) -> None:
+    def admit_pins(
+        self, leases: LeaseTable, count: int, pending: int = 0, tenant: str | None = None
+    ) -> None:
         """Raise ``busy`` if ``count`` more pins would exceed ``max_pins``, counting the
-        ``pending`` pins that lookups still in their L2 part may take."""
-        if count and leases.live + pending + count > self.max_pins:
+        ``pending`` pins that lookups still in their L2 part may take, or ``tenant``'s share of
+        it (``max_pins / l1_tenants`` leases, as for requests)."""
+        if not count:
+            return
+        if leases.live + pending + count > self.max_pins:
             self.refused += 1
             raise RequestError(
                 ErrorCode.BUSY,
                 f"the server holds {leases.live} pins and lookups under way may take {pending} "
                 f"more (max_pins {self.max_pins}): release or end requests, or retry later",
+            )
+        held = 0 if tenant is None else leases.leases_by_group[tenant_group(tenant)]
+        if held + count > self.pins_per_tenant:
+            self.refused += 1
+            raise RequestError(
+                ErrorCode.BUSY,
+                f"this tenant holds {held} pins ({self.pins_per_tenant} at most: its share of "
+                "max_pins): release or end requests, or retry later",
             )

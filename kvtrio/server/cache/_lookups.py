@@ -57,7 +57,7 @@ class Lookups:
             )
         now = trio.current_time()
         request = request_key(lookup.engine, lookup.model, lookup.tenant, lookup.request)
-        core.limits.admit_request(core.leases, request)
+        core.admit(session, request, lookup.tenant)
         # A new lookup of the request replaces the previous one: its pins and its loads.
         core.end_lookup(request)
         core.quotas.readers(lookup.num_readers, model.world_size)
@@ -71,7 +71,7 @@ class Lookups:
         if core.l2.enabled or len(hashes) > first:  # (it may go on in a Later)
             core.budget.check(session.id, session.principal.user_id, keys)
         pending = core.budget.total  # (the L2 parts under way may pin that many)
-        core.limits.admit_pins(core.leases, len(hashes) * len(model.spaces), pending)
+        core.limits.admit_pins(core.leases, len(hashes) * len(model.spaces), pending, lookup.tenant)
         hit = self._pin_prefix(session, request, model, hashes[:first], readers, expires, True)
         more = hit == first < len(hashes)
         l2_part = core.l2.enabled and (more or hit < len(hashes))

@@ -1,11 +1,12 @@
 """Registrations: a worker says which KV cache it holds, and gets its copy path.
 
-``register`` checks the shapes (``_limits``), opens the tenant's L1 arena, records the worker
-in the registry (which refuses a profile its engine's other workers disagree with) and chooses
-the copy path once: the host path (the worker copies through the shared arena), or for a
-``cuda`` worker the CUDA path, after its layers' IPC handles are checked and opened
-(``_cuda``). A re-registration first drops the session's previous one; ``unregister`` and the
-session's end drop it (see :meth:`CacheCore.release_session`).
+``register`` checks the shapes (``_limits``), opens the tenant's L1 arena (claimed until the
+worker is recorded: an idle tenant's arena may be renewed for another, see ``_tenants``),
+records the worker in the registry (which refuses a profile its engine's other workers
+disagree with) and chooses the copy path once: the host path (the worker copies through the
+shared arena), or for a ``cuda`` worker the CUDA path, after its layers' IPC handles are
+checked and opened (``_cuda``). A re-registration first drops the session's previous one;
+``unregister`` and the session's end drop it (see :meth:`CacheCore.release_session`).
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ class Registrations:
         core = self.core
         config = core.config
         check_registration(register, config.chunk_size, core.arenas.arena_size)
-        tenant_arena = await core.arenas.open(register.tenant)
-        released = await core.release_session(session.id, quarantine=False)
-        registration = core.registry.register(session.id, register, self.host_copy)
-        core.arenas.bind(registration.space, tenant_arena)
+        async with core.arenas.opened(register.tenant, core.arena_idle) as tenant_arena:
+            released = await core.release_session(session.id, quarantine=False)
+            registration = core.registry.register(session.id, register, self.host_copy)
+            core.arenas.bind(registration.space, tenant_arena)
         if core.announcer is not None and register.rank == 0:
             # Rank 0's chunks stand for the engine's in KV events (every rank stores its own
             # part of each chunk; a router needs one name per chunk, not one per rank).
@@ -59,6 +60,7 @@ class Registrations:
         )
         core.watch(session)
         if registration.device == "cuda":
+            tenant_arena.keep = True  # its mapping is pinned for GPU copies: never renewed
             try:
                 registration.copy = await self._cuda_path(
                     registration, register, tenant_arena.arena

@@ -55,7 +55,7 @@ class Writes:
         blocks = copy.check(store, chunks)  # before anything is reserved
         core.quotas.admit(session, len(chunks), registration.chunk_bytes)
         expires = trio.current_time() + core.config.reservation_ttl
-        core.limits.admit_pins(core.leases, len(chunks))
+        core.limits.admit_pins(core.leases, len(chunks), tenant=registration.tenant)
         parent: bytes | None = None  # the range's first chunk's parent, if the client knows it
         if store.parent_hash:
             parent = registration.space + checked_hashes((store.parent_hash,), "parent_hash")[0]

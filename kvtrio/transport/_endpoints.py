@@ -161,8 +161,10 @@ def group_id(name: str) -> int:
         ) from None
 
 
-SocketFile = tuple[str, int, int]
-"""An ipc socket file this process bound: (path, device, inode)."""
+SocketFile = tuple[str, int, int, int]
+"""An ipc socket file this process bound: (path, device, inode, change time in ns). The
+change time tells a file bound there since apart even where its inode number is the freed one
+of ours (filesystems reuse them at once)."""
 
 
 def socket_file(path: str) -> SocketFile | None:
@@ -172,17 +174,18 @@ def socket_file(path: str) -> SocketFile | None:
         status = os.lstat(path)
     except OSError:
         return None
-    return (path, status.st_dev, status.st_ino)
+    return (path, status.st_dev, status.st_ino, status.st_ctime_ns)
 
 
 def remove_socket_file(bound: SocketFile) -> None:
     """Remove an ipc socket file this process bound, once nothing listens on it (libzmq leaves
     them behind): only if the file at its path is still the one bound (same device and inode),
-    so a file that another server bound there since is left alone. Never raises."""
-    path, device, inode = bound
+    so a file that another server bound there since is left alone. Never raises. (Record it
+    after the file's last chmod: that changes its change time.)"""
+    path, *identity = bound
     with contextlib.suppress(OSError):
         status = os.lstat(path)
-        if (status.st_dev, status.st_ino) == (device, inode):
+        if [status.st_dev, status.st_ino, status.st_ctime_ns] == identity:
             os.unlink(path)
 
 

@@ -112,9 +112,6 @@ class Socket:
         path = ipc_path(bound)
         if path is not None:
             self._ipc_paths.append(path)
-            bound_file = socket_file(path)
-            if bound_file is not None:
-                self._ipc_files.append(bound_file)
             try:
                 if gid is not None:
                     os.chown(path, -1, gid)
@@ -123,6 +120,9 @@ class Socket:
                 raise TransportError(
                     f"cannot set the permissions of {bound}: {exc.strerror}"
                 ) from None
+            bound_file = socket_file(path)  # (after the chmod: its change time is final)
+            if bound_file is not None:
+                self._ipc_files.append(bound_file)
         return bound
 
     def connect(self, endpoint: str) -> None:

@@ -72,6 +72,18 @@ def _http_address(instance: object, attribute: attrs.Attribute[Any], value: str)
             raise ValueError(f"{attribute.name}: {exc}") from None
 
 
+def _ipc_group(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    """A group name that exists here, or a numeric id (checked at load: a bad group stops the
+    start in one line, whatever the endpoint; it also owns the L1 arena files)."""
+    if value:
+        from .transport import group_id
+
+        try:
+            group_id(value)
+        except KvtrioError as exc:
+            raise ValueError(f"{attribute.name}: {str(exc).removeprefix('ipc_group: ')}") from None
+
+
 def _optional_endpoint(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if value:
         _endpoint(instance, attribute, value)
@@ -279,9 +291,10 @@ class ServerConfig:
     )
     ipc_group: str = field(
         default="",
+        validator=_ipc_group,
         metadata={
-            "help": "Group that may connect to an ipc:// endpoint too (socket 0660; default "
-            "0600: this user only)."
+            "help": "Group (name or numeric id) that may connect to an ipc:// endpoint too "
+            "(socket 0660; default 0600: this user only) and map the L1 arena files."
         },
     )
     max_sessions: int = field(

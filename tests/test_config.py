@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 from pathlib import Path
 
 import attrs
@@ -10,6 +11,7 @@ import pytest
 from kvtrio.config import ServerConfig, field_help, load_config
 from kvtrio.errors import ConfigError
 from kvtrio.options import parse_size
+from kvtrio.transport import group_id
 
 
 def test_defaults() -> None:
@@ -85,6 +87,12 @@ def test_sizes(text: str | int, size: int) -> None:
             {},
             "heartbeat_timeout = 0 (from --heartbeat-timeout): must be greater than 0",
         ),
+        (  # issue 32: was a 62-line traceback at the start on a tcp endpoint
+            {"ipc_group": "nosuchgroup"},
+            {},
+            "ipc_group = 'nosuchgroup' (from --ipc-group): no group named 'nosuchgroup'",
+        ),
+        ({}, {"KVTRIO_IPC_GROUP": "4294967295"}, "'4294967295' is not a group id"),
     ],
 )
 def test_invalid_settings_are_one_line_errors(overrides: dict, env: dict, message: str) -> None:
@@ -124,3 +132,12 @@ def test_security_settings_are_validated() -> None:
         load_config({"lease_share": "1.5"})
     with pytest.raises(ConfigError, match="max_sessions_per_key"):
         load_config({"max_sessions_per_key": "0"})
+
+
+def test_the_ipc_group_is_a_group_name_or_a_numeric_id() -> None:
+    """Issue 32: ``--ipc-group 1000`` (docs/fleet.md's DaemonSet) was refused: no such name."""
+    root = grp.getgrgid(0).gr_name
+    assert load_config({"ipc_group": root}).ipc_group == root
+    assert load_config({"ipc_group": "1000"}).ipc_group == "1000"  # (named or not)
+    assert group_id("1000") == 1000
+    assert group_id(root) == 0

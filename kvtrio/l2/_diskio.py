@@ -4,7 +4,7 @@ Objects live in **segment files** (``segments/<16 hex digits>.seg``), appended t
 segment is a sequence of records, each aligned to :data:`ALIGN` bytes::
 
     record header (128 B): magic "KVS2" | version u16 | key length u16 | key (32 B, zero-padded)
-                           | length u64 | owner (16 B) | MAC (16 B) | 48 zero bytes
+                           | length u64 | owner (16 B) | MAC (16 B) | key id (8 B) | 40 zeros
     the object (length bytes), then zeros up to the next multiple of ALIGN
 
 The MAC is BLAKE2b-128 of the first 64 bytes keyed with the L2's **secret** (32 random bytes in
@@ -12,7 +12,9 @@ The MAC is BLAKE2b-128 of the first 64 bytes keyed with the L2's **secret** (32 
 checks out. A record's object holds bytes a client chose (a chunk); without the key, no chunk can
 carry a header the scan would accept, so stepping over damage never turns a client's bytes into
 an object (issue 22: a planted record for another tenant's key). ``owner`` is the tenant tag the
-object was stored for (its share of the capacity; zeros when unknown).
+object was stored for (its share of the capacity; zeros when unknown). The **key id** (zeros in
+older records) names the secret that signed it, outside the MAC: never trusted, it only lets the
+scan say that records were signed with another secret (a replaced secret file), not damaged.
 
 A removed record's blocks are given back to the filesystem by punching a hole over it (it then
 reads as zeros: no longer a record); a segment whose records are all gone is unlinked. The scan
@@ -46,6 +48,8 @@ __all__ = [
     "filesystem_space",
     "free_ranges",
     "fsync_directory",
+    "key_id",
+    "key_id_of",
     "parse_record_header",
     "read_records",
     "reason",
@@ -62,7 +66,8 @@ blocks, and the scan can step from block to block over damage."""
 _MAGIC = b"KVS2"
 _VERSION = 2
 _FIELDS = struct.Struct("<4sHH32sQ16s")
-_HEAD = struct.Struct("<64s16s48x")
+_HEAD = struct.Struct("<64s16s8s40x")
+_KEY_ID = slice(80, 88)  # (in _HEAD)
 RECORD_HEADER = _HEAD.size
 OWNER_SIZE = 16
 _IOV_MAX = 1024
@@ -79,11 +84,26 @@ def _mac(secret: bytes, fields: bytes) -> bytes:
     return hashlib.blake2b(fields, digest_size=16, key=secret).digest()
 
 
+@functools.lru_cache(maxsize=8)
+def key_id(secret: bytes) -> bytes:
+    """8 bytes that name ``secret`` without telling anything of it (keyed BLAKE2b)."""
+    return hashlib.blake2b(b"kvtrio L2 key id", digest_size=8, key=secret).digest()
+
+
+def key_id_of(raw: bytes | bytearray) -> bytes | None:
+    """The key id in what looks like a header of this format, or None (unauthenticated)."""
+    identity = bytes(raw[_KEY_ID])
+    if len(raw) < RECORD_HEADER or bytes(raw[:6]) != _MAGIC + _VERSION.to_bytes(2, "little"):
+        return None
+    return identity if any(identity) else None
+
+
 def record_header(key: bytes, length: int, owner: bytes, secret: bytes) -> bytes:
     """The header of a record of ``key`` (at most 32 bytes: its length is in the header) for
-    ``owner`` (at most 16 bytes), authenticated with the L2's ``secret``."""
+    ``owner`` (at most 16 bytes), authenticated with the L2's ``secret`` (and naming it by its
+    :func:`key_id`)."""
     fields = _FIELDS.pack(_MAGIC, _VERSION, len(key), key, length, owner)
-    return _HEAD.pack(fields, _mac(secret, fields))
+    return _HEAD.pack(fields, _mac(secret, fields), key_id(secret))
 
 
 def parse_record_header(raw: bytes | bytearray, secret: bytes) -> tuple[bytes, int, bytes] | None:
@@ -91,7 +111,7 @@ def parse_record_header(raw: bytes | bytearray, secret: bytes) -> tuple[bytes, i
     zeros, another format, or bytes that merely look like a header without the secret's MAC)."""
     if len(raw) < RECORD_HEADER:
         return None
-    fields, mac = _HEAD.unpack_from(raw)
+    fields, mac, _ = _HEAD.unpack_from(raw)
     if not hmac.compare_digest(mac, _mac(secret, fields)):
         return None
     magic, version, key_length, key, length, owner = _FIELDS.unpack(fields)
@@ -300,15 +320,8 @@ def _read_run(
     for head, i, end in zip(heads, run, ends, strict=True):
         length = sum(len(p) for p in records[i][3])
         parsed = parse_record_header(head, secret)
-        results[i] = (
-            offset - start >= end
-            and parsed is not None
-            and parsed[:2]
-            == (
-                records[i][2],
-                length,
-            )
-        )
+        whole = parsed is not None and parsed[:2] == (records[i][2], length)
+        results[i] = offset - start >= end and whole
 
 
 # --------------------------------------------------------------------------- freeing

@@ -4,7 +4,9 @@ A record counts if its header checks out under the L2's secret (:mod:`._diskio`:
 forge one) and its object fits in the file; tombstones (records unmade where holes cannot be
 punched) are stepped over; zeros (holes, punched records) are skipped with ``SEEK_DATA``;
 anything else is damage (a torn write, a flipped bit), stepped over block by block (records are
-aligned) and counted, so the records after it are still found.
+aligned) and counted, so the records after it are still found. Damage that starts with a header
+of the right format carrying another secret's key id (:func:`~._diskio.key_id_of`) is counted
+apart: the log then says the secret changed, not that the disk tore.
 """
 
 from __future__ import annotations
@@ -15,19 +17,43 @@ import errno
 import logging
 import os
 import re
+import stat
 from pathlib import Path
 
 import attrs
 
-from ._diskio import ALIGN, RECORD_HEADER, fsync_directory, parse_record_header, record_size
+from ._diskio import (
+    ALIGN,
+    RECORD_HEADER,
+    fsync_directory,
+    key_id,
+    key_id_of,
+    parse_record_header,
+    record_size,
+)
+from ._disklock import DirectoryLock, Unusable, not_a_regular_file
+from ._interface import BackendError, BackendMisconfigured
 
-__all__ = ["Scan", "load_secret", "report_scan", "scan_tree"]
+__all__ = ["Scan", "load_secret", "open_tree", "report_scan", "scan_tree"]
 
 log = logging.getLogger("kvtrio.l2.disk")
 
 SECRET_SIZE = 32
 """Bytes of the L2's secret (the key of the record headers' MACs)."""
 _SEGMENT = re.compile(r"[0-9a-f]{16}\.seg")
+_NEVER_WORKS = frozenset(
+    {
+        errno.ENOENT,  # a parent that cannot be made (/proc/…)
+        errno.ENOTDIR,  # a path under a regular file
+        errno.EEXIST,  # the path is a file
+        errno.EROFS,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ELOOP,
+        errno.ENAMETOOLONG,
+    }
+)
+"""Errors of the first scan that say the local path itself cannot work: no retry mends it."""
 
 ScannedRecord = tuple[bytes, int, int, bytes]
 """(key, offset, length, owner) of a record found by the scan."""
@@ -47,14 +73,39 @@ class Scan:
     damaged: int = 0
     """Stretches of damage stepped over (each is at least one lost record)."""
     damaged_bytes: int = 0
+    other_secret: int = 0
+    """Of the stretches of damage, those that start with a record signed with another secret
+    (the secret file was replaced, or the segments came from another L2)."""
 
 
-def scan_tree(root: Path, segments_dir: Path) -> Scan:
-    """Create the directories and the secret, list the segments and their records (worker
+def open_tree(root: Path, segments_dir: Path, lock: DirectoryLock) -> Scan:
+    """:func:`scan_tree` with its errors in one line each: :class:`BackendMisconfigured` where
+    the directory can never work as it is (a path under a regular file or in ``/proc``,
+    read-only, not permitted; another server's; a secret that is not a file), else
+    :class:`BackendError` (tried again by the next call)."""
+    try:
+        return scan_tree(root, segments_dir, lock)
+    except Unusable as exc:
+        raise BackendMisconfigured(f"disk: {exc}") from None
+    except OSError as exc:
+        message = f"disk: cannot use {root}: {exc.strerror or type(exc).__name__}"
+        if exc.errno not in _NEVER_WORKS:
+            raise BackendError(message) from None
+        where = f" ({exc.filename})" if exc.filename and exc.filename != str(root) else ""
+        raise BackendMisconfigured(
+            f"{message}{where}; set path= to a directory this user can create and write"
+        ) from None
+
+
+def scan_tree(root: Path, segments_dir: Path, lock: DirectoryLock) -> Scan:
+    """Create the directories, take the directory's ``lock`` (:mod:`._disklock`; kept if the
+    scan fails after it), make or read the secret, list the segments and their records (worker
     thread); unlink segments that hold no record. Anything in ``segments/`` that is not a
-    segment file is left alone and listed as foreign."""
+    segment file is left alone and listed as foreign. Raises :class:`~._disklock.Unusable`
+    (the directory is another server's, the secret is not a file) or ``OSError``."""
     # Cached KV is the server's user's alone: the root (and so everything in it) is 0700.
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock.acquire()  # (before anything is read or written: the directory is ours from here)
     segments_dir.mkdir(exist_ok=True)
     secret, new_secret = load_secret(root)
     found, foreign = [], []
@@ -64,12 +115,13 @@ def scan_tree(root: Path, segments_dir: Path) -> Scan:
         else:
             foreign.append(entry.path)
     segments = []
-    damaged = damaged_bytes = 0
+    damaged = damaged_bytes = other_secret = 0
     for seq, path in sorted(found):
         with contextlib.suppress(FileNotFoundError):  # (removed meanwhile)
-            records, stretches, lost = _scan_segment(path, secret)
+            records, stretches, lost, others = _scan_segment(path, secret)
             damaged += stretches
             damaged_bytes += lost
+            other_secret += others
             if records:
                 segments.append((seq, records))
             else:
@@ -85,22 +137,32 @@ def scan_tree(root: Path, segments_dir: Path) -> Scan:
         new_secret,
         damaged,
         damaged_bytes,
+        other_secret,
     )
 
 
 def load_secret(root: Path) -> tuple[bytes, bool]:
     """The L2's secret from ``root/secret``, made (mode 0600, durable) if there is none; and
     whether it was made now. A file of the wrong size is replaced (every record written with
-    the lost secret then fails its check: dropped by the scan, counted and logged)."""
+    the lost secret then fails its check: dropped by the scan, counted and logged). A secret
+    that is not a regular file (a FIFO: opening it to read would wait for a writer) raises
+    :class:`~._disklock.Unusable`; it is opened without waiting."""
     path = root / "secret"
     try:
-        with open(path, "rb") as file:
-            secret = file.read(SECRET_SIZE + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        pass
+    else:
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise not_a_regular_file(path, mode)
+            secret = os.read(fd, SECRET_SIZE + 1)
+        finally:
+            os.close(fd)
         if len(secret) == SECRET_SIZE:
             return secret, False
         os.unlink(path)
-    except FileNotFoundError:
-        pass
     secret = os.urandom(SECRET_SIZE)
     temporary = root / f"secret.{os.getpid()}.tmp"
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -119,11 +181,13 @@ def load_secret(root: Path) -> tuple[bytes, bool]:
     return secret, True
 
 
-def _scan_segment(path: str, secret: bytes) -> tuple[list[ScannedRecord], int, int]:
+def _scan_segment(path: str, secret: bytes) -> tuple[list[ScannedRecord], int, int, int]:
     """The whole records of a segment, in file order (a header that checks out and an object
-    that fits in the file), and the stretches and bytes of damage stepped over."""
+    that fits in the file), the stretches and bytes of damage stepped over, and how many of
+    those stretches start with a record signed with another secret."""
     records: list[ScannedRecord] = []
-    stretches = lost = 0
+    stretches = lost = others = 0
+    ours = key_id(secret)
     in_damage = False
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -149,28 +213,46 @@ def _scan_segment(path: str, secret: bytes) -> tuple[list[ScannedRecord], int, i
                     data = offset  # (no SEEK_DATA here: step block by block)
                 offset = max(data - data % ALIGN, offset + ALIGN)
             else:  # damage (or a torn tail): step over it block by block
-                stretches += not in_damage
+                if not in_damage:
+                    stretches += 1
+                    signer = key_id_of(raw)
+                    others += signer is not None and signer != ours
                 in_damage = True
                 lost += min(ALIGN, size - offset)
                 offset += ALIGN
     finally:
         os.close(fd)
-    return records, stretches, lost
+    return records, stretches, lost, others
 
 
 def report_scan(found: Scan, root: Path, counters: collections.Counter[str]) -> None:
     """Log (and count in ``counters``) what the scan found that is not an object."""
     if found.damaged:
         counters["scan_damaged"] = found.damaged
+        if found.other_secret:
+            counters["scan_other_secret"] = found.other_secret
+        if found.new_secret:
+            why = " (the L2's secret is new: records written without it cannot be trusted)"
+        elif found.other_secret == found.damaged:
+            why = (
+                f" (signed with another secret: {root / 'secret'} was replaced, or the "
+                "segments are another L2's; records cannot be trusted without their secret)"
+            )
+        elif found.other_secret:
+            why = (
+                f" ({found.other_secret} of them signed with another secret: "
+                f"{root / 'secret'} was replaced, or the segments are another L2's; the others "
+                "torn writes or damage)"
+            )
+        else:
+            why = " (torn writes or damage)"
         log.warning(
             "disk L2 %s: skipped %d stretch(es) of damaged or unverifiable records (%d bytes)"
             "%s; the objects in them are lost",
             root,
             found.damaged,
             found.damaged_bytes,
-            " (the L2's secret is new: records written without it cannot be trusted)"
-            if found.new_secret
-            else " (torn writes or damage)",
+            why,
         )
     if found.foreign:
         counters["foreign_files"] = len(found.foreign)

@@ -67,9 +67,10 @@ class BackendUnavailable(BackendError):
 
 class BackendMisconfigured(BackendError):
     """The backend's service answers, but is not what the backend's options say it is (a Redis
-    Cluster node reached without ``cluster=true``, say): no call can work until the options
-    change. The message says which option to set. Found by the server's start-up probe, it
-    stops the start (one line); found later, it is a failure like any other."""
+    Cluster node reached without ``cluster=true``, say), or its local path can never work or is
+    another server's (``disk``): no call can work until the options change. The message says
+    which option to set. Found by the server's start-up probe, it stops the start (one line);
+    found later, it is a failure like any other."""
 
 
 class UnreadableObjects(BackendError):

@@ -23,8 +23,8 @@ of the option and what the filesystem can hold (our bytes plus its free space, m
 reserve), re-measured after every written batch: a full filesystem (``ENOSPC``) lowers it,
 evicts down to it, and refuses the rest of the batch instead of failing for good. A filesystem
 that reports no size (ramfs) is bounded by the option alone.
-Every filesystem error becomes a :class:`BackendError`; a failed punch or unlink is counted,
-never raised. Blocking file I/O runs in worker threads, at most ``threads`` at once.
+Filesystem errors are BackendError (misconfigured if they never go away: ``open_tree``); failed
+punches and unlinks are counted. Blocking file I/O runs in worker threads, ``threads`` at once.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ from ._diskio import (
     segment_name,
     write_records,
 )
-from ._diskscan import report_scan, scan_tree
+from ._disklock import DirectoryLock
+from ._diskscan import open_tree, report_scan
 from ._diskspace import PolicyFactory, Room
 from ._interface import BackendError, Buffers, UnreadableObjects
 from ._locks import LocalLocks
@@ -119,6 +120,7 @@ class DiskBackend:
         factory = policies or (lambda: make_policy(self.options.eviction))
         self._room = Room(factory, self.options.tenant_share, int(self.options.capacity))
         self._locks = LocalLocks()
+        self._lock = DirectoryLock(self.root)  # the directory's: taken by the first scan
         self._space = Segments(int(self.options.segment_size))
         self._secret = b""  # the record headers' MAC key: read (or made) by the scan
         self._measured_at = -math.inf
@@ -133,9 +135,9 @@ class DiskBackend:
         return f"{self._prefix}{segment_name(segment)}"
 
     async def _ensure_index(self) -> None:
-        """Create the directories and scan them once (concurrent first callers wait for the one
-        scan; a failed scan is tried again by the next call). Raises BackendError (one line) if
-        the path cannot be used. Cancellation: the scan thread runs to its end, unused."""
+        """Create, lock and scan the directory once (concurrent first callers wait for the one
+        scan; a failed one is tried again by the next call). Raises BackendError (one line:
+        see ``open_tree``). Cancellation: the scan thread runs to its end, unused."""
         if self._indexed:
             return
         if self._indexing is not None:
@@ -145,10 +147,8 @@ class DiskBackend:
         self._indexing = trio.Event()
         try:
             found = await trio.to_thread.run_sync(
-                scan_tree, self.root, self._segments_dir, limiter=self._io
+                open_tree, self.root, self._segments_dir, self._lock, limiter=self._io
             )
-        except OSError as exc:
-            raise BackendError(f"disk: cannot use {self.root}: {reason(exc)}") from None
         finally:
             self._indexing.set()
         if self._is_indexed():  # (another caller's scan finished first)
@@ -366,6 +366,8 @@ class DiskBackend:
             await trio.lowlevel.checkpoint()
 
     async def aclose(self) -> None:
+        """Release the directory's lock (the backend is done). Cancelled: released anyway."""
+        self._lock.release()
         await trio.lowlevel.checkpoint()
 
     def statistics(self) -> Mapping[str, float]:

@@ -24,7 +24,6 @@ No I/O in the routing; creating an arena creates and sizes a file.
 from __future__ import annotations
 
 import contextlib
-import grp
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -38,6 +37,7 @@ from .._logging import event
 from ..errors import ErrorCode, RequestError
 from ..shm import SharedArena
 from ..storage import Entry, L1Cache, L1Listener, L1Stats, Reservation
+from ..transport import group_id
 
 __all__ = ["TenantArena", "TenantArenas", "TenantL1", "TenantMemory"]
 
@@ -283,7 +283,7 @@ def share(arena: SharedArena, group: str) -> None:
     """Let ``group`` (``--ipc-group``) map the arena too (0660); without a group it stays 0600."""
     if not group:
         return
-    gid = grp.getgrnam(group).gr_gid
+    gid = group_id(group)  # (a name or a numeric id: checked with the settings)
     with contextlib.suppress(FileNotFoundError):
         os.chown(arena.path, -1, gid)
         os.chmod(arena.path, 0o660)

@@ -1,6 +1,6 @@
 """ZeroMQ under trio: the only package that touches pyzmq sockets; CURVE keys and ZAP."""
 
-from ._endpoints import check_endpoint, ensure_endpoint_free
+from ._endpoints import check_endpoint, ensure_endpoint_free, group_id
 from ._keys import (
     ANY_TENANT,
     AllowedKey,
@@ -31,6 +31,7 @@ __all__ = [
     "default_key_dir",
     "ensure_default_keys",
     "ensure_endpoint_free",
+    "group_id",
     "load_allowed_keys",
     "load_keypair",
     "load_public_key",

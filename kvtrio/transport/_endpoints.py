@@ -28,6 +28,8 @@ __all__ = [
     "group_id",
     "ipc_path",
     "is_listening",
+    "remove_socket_file",
+    "socket_file",
     "wait_released",
 ]
 
@@ -137,12 +139,54 @@ def ensure_endpoint_free(endpoint: str) -> None:
         )
 
 
+_GID_MAX = 2**32 - 2
+"""The largest group id (``(gid_t) -1`` means "unchanged" to ``chown``)."""
+
+
 def group_id(name: str) -> int:
-    """The id of the group ``name`` (for ``ipc_group``); :class:`TransportError` if none."""
+    """The id of the group ``name`` (for ``ipc_group``): a group name, or a numeric id as is
+    (a container's group need not have a name in its ``/etc/group``). :class:`TransportError`
+    in one line if there is no such group or the number is out of range."""
+    text = name.strip()
+    if text.isdigit():
+        gid = int(text)
+        if gid > _GID_MAX:
+            raise TransportError(f"ipc_group: {name!r} is not a group id (0 to {_GID_MAX})")
+        return gid
     try:
-        return grp.getgrnam(name).gr_gid
+        return grp.getgrnam(text).gr_gid
     except KeyError:
-        raise TransportError(f"ipc_group: no group named {name!r}") from None
+        raise TransportError(
+            f"ipc_group: no group named {name!r} (give a group name or a numeric id)"
+        ) from None
+
+
+SocketFile = tuple[str, int, int, int]
+"""An ipc socket file this process bound: (path, device, inode, change time in ns). The
+change time tells a file bound there since apart even where its inode number is the freed one
+of ours (filesystems reuse them at once)."""
+
+
+def socket_file(path: str) -> SocketFile | None:
+    """The identity of the socket file at ``path`` (just bound by this process), or None if
+    there is none (an abstract socket, a file already gone)."""
+    try:
+        status = os.lstat(path)
+    except OSError:
+        return None
+    return (path, status.st_dev, status.st_ino, status.st_ctime_ns)
+
+
+def remove_socket_file(bound: SocketFile) -> None:
+    """Remove an ipc socket file this process bound, once nothing listens on it (libzmq leaves
+    them behind): only if the file at its path is still the one bound (same device and inode),
+    so a file that another server bound there since is left alone. Never raises. (Record it
+    after the file's last chmod: that changes its change time.)"""
+    path, *identity = bound
+    with contextlib.suppress(OSError):
+        status = os.lstat(path)
+        if [status.st_dev, status.st_ino, status.st_ctime_ns] == identity:
+            os.unlink(path)
 
 
 _RELEASE_TIMEOUT = 2.0

@@ -44,7 +44,14 @@ import trio
 import zmq
 
 from ..errors import PeerUnreachable, TransportError
-from ._endpoints import group_id, ipc_path, wait_released
+from ._endpoints import (
+    SocketFile,
+    group_id,
+    ipc_path,
+    remove_socket_file,
+    socket_file,
+    wait_released,
+)
 
 __all__ = ["Socket", "open_socket"]
 
@@ -78,6 +85,8 @@ class Socket:
         self._closed = False
         self._ipc_paths: list[str] = []
         """Paths of the ``ipc://`` endpoints bound, waited for by :func:`open_socket`."""
+        self._ipc_files: list[SocketFile] = []
+        """The socket files bound, removed by :func:`open_socket` once nothing listens."""
 
     # ----------------------------------------------------------------- configuration
 
@@ -111,6 +120,9 @@ class Socket:
                 raise TransportError(
                     f"cannot set the permissions of {bound}: {exc.strerror}"
                 ) from None
+            bound_file = socket_file(path)  # (after the chmod: its change time is final)
+            if bound_file is not None:
+                self._ipc_files.append(bound_file)
         return bound
 
     def connect(self, endpoint: str) -> None:
@@ -401,6 +413,8 @@ async def open_socket(
     ``options`` are set with ``setsockopt`` before use. The socket is closed and the pump stops
     when the block exits, also on cancellation; messages sent but not yet on the wire get
     ``linger`` more milliseconds (in libzmq's I/O thread; the close itself does not wait).
+    The ``ipc://`` socket files it bound are removed once nothing listens on them (only the
+    files it bound: one another process bound at that path since stays).
     """
     ctx = context if context is not None else zmq.Context.instance()
     zsock: zmq.Socket[bytes] = ctx.socket(socket_type)
@@ -423,3 +437,5 @@ async def open_socket(
     finally:
         sock.close()
         await wait_released(sock._ipc_paths)
+        for bound in sock._ipc_files:  # (libzmq leaves them: a clean stop removes them)
+            remove_socket_file(bound)

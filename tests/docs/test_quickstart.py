@@ -8,6 +8,7 @@ server already running on this machine.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -60,6 +61,10 @@ def test_the_quickstart_commands_run_as_written(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=240,
+        # The text's server takes the default disk L2 (~/.cache/kvtrio/l2), which one server
+        # at a time may use (it is locked): give it one of its own, so that a server of the
+        # user's, or this test run twice at once, cannot make it fail.
+        env={**os.environ, "KVTRIO_L2": f"disk:path={tmp_path / 'l2'}"},
     )
     output = run.stdout + run.stderr
     assert run.returncode == 0, output

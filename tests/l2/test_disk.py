@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtrio.l2 import BackendError
+from kvtrio.l2 import BackendError, BackendMisconfigured
 from kvtrio.l2._diskio import record_size, segment_name
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.options import ByteSize
@@ -45,6 +45,7 @@ async def test_a_batch_store_failing_part_way_keeps_the_written_objects_only(
         1,
     )
     # Nor is the failed part visible after a restart (a new scan of the files).
+    await backend.aclose()  # (it stops: the directory lock goes, as at kill -9)
     restarted = DiskBackend(DiskOptions(path=str(tmp_path)))
     assert await restarted.lookup_and_lock([first, failing]) == 1
     assert await restarted.lookup_and_lock([failing]) == 0
@@ -77,6 +78,7 @@ async def test_a_stray_file_in_the_tree_is_ignored_and_reported_once(
     (tmp_path / "segments" / "not-a-segment.seg").write_text("x")
     (tmp_path / "segments" / "zz").mkdir()
     caplog.set_level(logging.WARNING, logger="kvtrio.l2.disk")
+    await backend.aclose()  # (it stops: the directory lock goes, as at kill -9)
     restarted = DiskBackend(DiskOptions(path=str(tmp_path)))
     assert await restarted.lookup_and_lock(keys) == 5
     await restarted.unlock(keys)
@@ -89,9 +91,12 @@ async def test_a_stray_file_in_the_tree_is_ignored_and_reported_once(
 async def test_an_l2_path_that_cannot_be_created_is_a_one_line_backend_error(
     tmp_path: Path,
 ) -> None:
+    """A path that can never work is misconfigured (the start-up probe stops the start)."""
     (tmp_path / "file").write_text("x")
     backend = DiskBackend(DiskOptions(path=str(tmp_path / "file" / "l2")))
-    with pytest.raises(BackendError, match=r"^disk: cannot use .*: Not a directory$"):
+    with pytest.raises(
+        BackendMisconfigured, match=r"^disk: cannot use .*: Not a directory; set path= to"
+    ):
         await backend.lookup_and_lock([b"k" * 32])
 
 

@@ -59,6 +59,7 @@ async def test_a_restart_finds_exactly_the_live_objects(tmp_path: Path) -> None:
     assert _segments(tmp_path) == [segment_name(n) for n in (0, 2, 3)]
     assert backend.statistics()["segments"] == 3
 
+    await backend.aclose()  # (it stops: the directory lock goes, as at kill -9)
     restarted = _backend(tmp_path)
     live = [0, 1, 2, 6, 8, 9]
     for i in live:
@@ -96,6 +97,7 @@ async def test_a_torn_tail_is_not_an_object_after_a_restart(tmp_path: Path) -> N
     )
     path = tmp_path / "segments" / segment_name(0)
     os.truncate(path, 2 * record_size(SIZE) + RECORD_HEADER + SIZE // 2)  # a crash mid-write
+    await backend.aclose()  # (it stops: the directory lock goes, as at kill -9)
     restarted = _backend(tmp_path)
     assert await restarted.lookup_and_lock([_key(0), _key(1), _key(2)]) == 2
     assert await _get(restarted, 1) == b"".join(_obj(1))
@@ -110,6 +112,7 @@ async def test_a_damaged_record_header_loses_that_record_only(tmp_path: Path) ->
     with path.open("r+b") as segment:
         segment.seek(record_size(SIZE) + 40)  # a bit of the second record's key
         segment.write(b"\xff")
+    await backend.aclose()  # (it stops: the directory lock goes, as at kill -9)
     restarted = _backend(tmp_path)
     assert [await restarted.lookup_and_lock([_key(i)]) for i in range(3)] == [1, 0, 1]
     assert await _get(restarted, 2) == b"".join(_obj(2))
@@ -166,6 +169,7 @@ async def test_without_holes_removed_records_are_unmade(
     await backend.delete([_key(0)])
     await backend.delete([_key(1)])
     assert len([r for r in caplog.records if "cannot punch holes" in r.getMessage()]) == 1
+    await backend.aclose()  # (it stops: the directory lock goes, as at kill -9)
     restarted = _backend(tmp_path)
     assert [await restarted.lookup_and_lock([_key(i)]) for i in range(3)] == [0, 0, 1]
 
@@ -187,6 +191,7 @@ async def test_a_filesystem_full_part_way_through_a_batch_stores_a_whole_prefix(
     # (Full: the capacity went down to 90% of what is stored, so some were evicted since.)
     sizes = {9: SIZE, 0: size, 1: size, 2: size, 3: size}
     kept = [i for i in sizes if await backend.lookup_and_lock([_key(i)])]
+    await backend.aclose()  # (it stops: the directory lock goes, as at kill -9)
     restarted = DiskBackend(DiskOptions(path=str(root)))
     found = [i for i in sizes if await restarted.lookup_and_lock([_key(i)])]
     assert found == kept  # the same objects, and the failed part never shows
@@ -247,6 +252,7 @@ async def test_without_pwritev_preadv_or_fallocate_it_works_the_same(
     await backend.delete([_key(1)])  # (no holes: a tombstone over its header)
     for i in (0, 2, 3, 4):
         assert await _get(backend, i) == b"".join(_obj(i))
+    await backend.aclose()  # (it stops: the directory lock goes, as at kill -9)
     restarted = _backend(tmp_path)
     assert [await restarted.lookup_and_lock([key]) for key in keys] == [1, 0, 1, 1, 1]
     assert await _get(restarted, 4) == b"".join(_obj(4))

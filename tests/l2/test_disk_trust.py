@@ -77,6 +77,7 @@ async def test_a_record_planted_in_a_chunk_is_never_an_object(
     assert await backend.store([A_KEY], [[header(A_KEY, FINGERPRINT, chunk), chunk]]) == [True]
     _damage(tmp_path, how)
     caplog.set_level(logging.WARNING, logger="kvtrio.l2.disk")
+    await backend.aclose()  # (it stops: the directory lock goes, as at kill -9)
     restarted = DiskBackend(DiskOptions(path=str(tmp_path)))
     assert await _b_reads(restarted) is None
     assert await restarted.lookup_and_lock([A_KEY]) == 0
@@ -97,6 +98,7 @@ async def test_the_no_punch_fallback_leaves_a_tombstone_the_scan_steps_over(
     parts = [[header(A_KEY, FINGERPRINT, chunk), chunk], [b"c" * 100]]
     assert await backend.store([A_KEY, C_KEY], parts) == [True, True]
     await backend.delete([A_KEY])  # no hole: a tombstone over A's header, its bytes stay
+    await backend.aclose()  # (it stops: the directory lock goes, as at kill -9)
     restarted = DiskBackend(DiskOptions(path=str(tmp_path)))
     assert await restarted.lookup_and_lock([A_KEY]) == 0
     assert await restarted.lookup_and_lock([B_KEY]) == 0
@@ -110,6 +112,7 @@ async def test_the_secret_is_private_and_stable_across_restarts(tmp_path: Path) 
     secret = tmp_path / "secret"
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600
     first = secret.read_bytes()
+    await backend.aclose()  # (it stops: the directory lock goes, as at kill -9)
     restarted = DiskBackend(DiskOptions(path=str(tmp_path)))
     assert await restarted.lookup_and_lock([C_KEY]) == 1
     assert secret.read_bytes() == first
@@ -122,6 +125,7 @@ async def test_records_of_a_lost_secret_are_dropped_counted_and_logged(
     assert await backend.store([C_KEY], [[b"c" * 100]]) == [True]
     (tmp_path / "secret").write_bytes(b"short")  # damaged: replaced by a new secret
     caplog.set_level(logging.WARNING, logger="kvtrio.l2.disk")
+    await backend.aclose()  # (it stops: the directory lock goes, as at kill -9)
     restarted = DiskBackend(DiskOptions(path=str(tmp_path)))
     assert await restarted.lookup_and_lock([C_KEY]) == 0
     assert restarted.statistics()["scan_damaged"] == 1

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from kvtrio.config import ServerConfig
+from kvtrio.errors import ConfigError
 from kvtrio.l2 import BackendUnavailable, Buffers
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.l2.memory import MemoryBackend
@@ -188,22 +189,20 @@ async def test_a_backend_that_has_not_answered_has_unknown_health(config: Server
         assert (await cache(worker)).lookups == 0  # the probe is no request
 
 
-async def test_a_disk_l2_path_that_cannot_be_created_is_reported_at_start_up(
-    config: ServerConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+async def test_a_disk_l2_path_that_cannot_be_created_stops_the_start_in_one_line(
+    config: ServerConfig, tmp_path: Path
 ) -> None:
-    """Was: started fine, L2 silently unusable while stats said `healthy: true`."""
+    """Was (issue 22): started fine, L2 silently unusable while stats said `healthy: true`;
+    then (issue 32): it started and served with the L2 skipped for ever. A local path that can
+    never work is a bad setting like any other: the start stops with its one line."""
     (tmp_path / "file").write_text("x")
-    caplog.set_level(logging.WARNING, logger="kvtrio.l2")
     disk = DiskBackend(DiskOptions(path=str(tmp_path / "file" / "l2")))
-    async with running(config, disk) as (_, worker, scheduler):
-
-        async def reported() -> bool:
-            return (await stats(worker)).l2[0].healthy is False
-
-        await await_async(reported, what="the start-up probe to fail")
-        assert any("cannot use" in r.getMessage() for r in caplog.records)
-        await store(worker, "a", 2)  # and it keeps serving from L1
-        assert await lookup(scheduler, "b", 2) == LookupReply(2 * CHUNK, 2)
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(ConfigError, match=r"disk: cannot use .*: Not a directory; set path="),
+        flatten_subgroups=True,
+    ):
+        async with running(config, disk):
+            pytest.fail("the server started")
 
 
 async def test_the_write_behind_queue_pins_at_most_a_quarter_of_l1(

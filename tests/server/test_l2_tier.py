@@ -392,13 +392,13 @@ async def test_the_first_lookup_after_a_restart_sees_the_whole_disk_l2(
     async with running(config, DiskBackend(DiskOptions(path=str(tmp_path)))) as (_, worker, _s):
         await store(worker, "first", 10)
         await written_to_l2(worker, 10)
-    real_scan = kvtrio.l2.disk.scan_tree
+    real_scan = kvtrio.l2.disk.open_tree
 
     def slow_scan(*args: Any) -> Any:
         time.sleep(config.lookup_timeout * 2)  # (a large L2: the scan takes a while)
         return real_scan(*args)
 
-    monkeypatch.setattr(kvtrio.l2.disk, "scan_tree", slow_scan)
+    monkeypatch.setattr(kvtrio.l2.disk, "open_tree", slow_scan)
     restarted = DiskBackend(DiskOptions(path=str(tmp_path)))
     async with running(config, restarted) as (_, worker, scheduler):
         # (was: "objects 0" in stats until the first call built the index)

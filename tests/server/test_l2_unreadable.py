@@ -62,6 +62,8 @@ class Clients:
     a: AsyncClient
     b: AsyncClient
     scheduler: AsyncClient
+    backend: DiskBackend
+    """The server's own (a second backend on its directory is refused: it is locked)."""
 
 
 @asynccontextmanager
@@ -79,7 +81,7 @@ async def running(config: ServerConfig, path: Path) -> AsyncIterator[Clients]:
             await client.request(
                 Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant)
             )
-        yield Clients(a, b, scheduler)
+        yield Clients(a, b, scheduler, backend)
         server.stop()
 
 
@@ -147,8 +149,7 @@ async def test_one_unreadable_object_of_a_costs_that_object_not_bs_hits(
     """Was: A's EIO backed the whole disk L2 off, B was served 0 of its 40 chunks, and A's
     object stayed for ever."""
     async with running(config, stored) as clients:
-        backend = DiskBackend(DiskOptions(path=str(stored)))  # (to find where A's first chunk is)
-        assert await backend.lookup_and_lock([]) == 0
+        backend = clients.backend  # (to find where A's first chunk is)
         fail_reads_of(backend, bad_records, key_of(backend, A[0]))
 
         assert await serve(clients, clients.a, "a", "a1", A) < 10  # its first chunk failed
@@ -180,8 +181,7 @@ async def test_distinct_objects_failing_in_a_row_back_the_backend_off(
     """When it is not one object (reads of several distinct objects fail, none succeeds), it is
     the disk: the backend is backed off as before, and no object is blamed."""
     async with running(config, stored) as clients:
-        backend = DiskBackend(DiskOptions(path=str(stored)))
-        assert await backend.lookup_and_lock([]) == 0
+        backend = clients.backend
         for hashes in B:
             for chunk_hash in hashes:
                 fail_reads_of(backend, bad_records, key_of(backend, chunk_hash))

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+
 import pytest
+import zmq
 
 from kvtrio.errors import TransportError
-from kvtrio.transport import check_endpoint
+from kvtrio.transport import check_endpoint, open_socket
+from kvtrio.transport._endpoints import remove_socket_file, socket_file
 
 
 @pytest.mark.parametrize(
@@ -64,3 +69,31 @@ def test_malformed_endpoints_are_refused_in_one_line(endpoint: str, fragment: st
             check_endpoint(endpoint, bind=bind)
         assert fragment in str(raised.value)
         assert "\n" not in str(raised.value)
+
+
+async def test_a_closed_socket_removes_its_ipc_file(short_dir: Path) -> None:
+    """Issue 32: libzmq left the socket files of a cleanly stopped server behind."""
+    path = short_dir / "s.sock"
+    async with open_socket(zmq.ROUTER) as sock:
+        sock.bind(f"ipc://{path}")
+        assert path.exists()
+    assert not path.exists()
+
+
+def test_a_socket_file_bound_since_by_another_is_left_alone(short_dir: Path) -> None:
+    path = short_dir / "s.sock"
+    with socket.socket(socket.AF_UNIX) as first:
+        first.bind(str(path))
+        ours = socket_file(str(path))
+    assert ours is not None
+    path.unlink()
+    with socket.socket(socket.AF_UNIX) as other:  # another server bound the path since
+        other.bind(str(path))
+        remove_socket_file(ours)
+        assert path.exists()
+        theirs = socket_file(str(path))
+        assert theirs is not None
+        remove_socket_file(theirs)  # (the same file: gone)
+        assert not path.exists()
+    remove_socket_file(theirs)  # (nothing there: no error)
+    assert socket_file(str(short_dir / "nothing")) is None

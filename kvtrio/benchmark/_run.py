@@ -45,9 +45,11 @@ def main(args: argparse.Namespace) -> int:
     """``kvtrio bench``: run, print the table, write ``--json`` / ``--plot``. Exit status 1 if
     any retrieved byte was wrong, 2 for a bench that could not run."""
     console = Console()
-    # A timeout's SIGTERM ends the run like Ctrl-C: trio turns SIGINT into KeyboardInterrupt
-    # at a safe point, and the partial results are still printed.
-    previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    # A timeout's SIGTERM ends the run like Ctrl-C, and the partial results are still printed.
+    # Handled here, not re-sent as SIGINT: a process started with SIGINT ignored (nohup, `&` in
+    # a script) would drop that. Before the workload it raises KeyboardInterrupt; during the
+    # run, _drive receives it and cancels the run.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         options = options_from_args(args)
         if options.simulate:
@@ -126,20 +128,22 @@ def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Cons
             speed=options.speed if options.trace is not None else 0.0,
             planned=len(workload.requests),
         )
-        with _workers(options, endpoint, blocks, tenant) as conns:
+        with _Sigterm() as term, _workers(options, endpoint, blocks, tenant) as conns:
             before = _stats(scheduler)
             driver = Driver(options, workload, scheduler, conns, blocks, chunk, result)
             total = len(workload.requests)
             with Progress(console, total, enabled=options.progress) as progress:
+                term.raising = False  # from now on, _drive's receiver or term.received
                 try:
-                    trio.run(driver.run, progress.update)
-                except KeyboardInterrupt:  # Ctrl-C or SIGTERM: report what was measured
+                    trio.run(_drive, driver, progress.update, term)
+                except KeyboardInterrupt:  # Ctrl-C: report what was measured
                     result.interrupted = True
                 except BaseExceptionGroup as group:  # trio's nurseries wrap what they raise
                     if group.subgroup(KeyboardInterrupt) is not None:
                         result.interrupted = True
                     else:
                         raise _first(group, BenchError) or group from None
+                result.interrupted |= term.received
             try:
                 after = _stats(scheduler)
             except BenchError:
@@ -160,6 +164,48 @@ def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Cons
         return result
     finally:
         scheduler.close()
+
+
+class _Sigterm:
+    """SIGTERM while entered: a KeyboardInterrupt while ``raising`` (the workers starting),
+    then only recorded in ``received``: outside :func:`_drive`'s own signal receiver (trio
+    starting or ending, the statistics after the run, the workers stopping) an exception could
+    land anywhere. The handler before is restored on exit."""
+
+    def __init__(self) -> None:
+        self.raising = True
+        self.received = False
+        self._previous: Any = None
+
+    def _record(self, signum: int, frame: object) -> None:
+        if self.raising:
+            raise KeyboardInterrupt
+        self.received = True
+
+    def __enter__(self) -> _Sigterm:
+        self._previous = signal.signal(signal.SIGTERM, self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+async def _drive(driver: Driver, on_progress: Any, term: _Sigterm) -> None:
+    """Run the workload until it ends or SIGTERM comes (then it is cancelled, the requests in
+    flight with it, and the result marked interrupted)."""
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_sigterm() -> None:
+                if not term.received:  # one that came before the receiver was open counts too
+                    await signals.__anext__()
+                    term.received = True
+                driver.result.interrupted = True
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(stop_on_sigterm)
+            await driver.run(on_progress)
+            nursery.cancel_scope.cancel()
 
 
 def _describe_engine(options: BenchOptions, blocks: int) -> str:

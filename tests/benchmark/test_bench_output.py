@@ -48,14 +48,29 @@ def test_a_bare_number_is_too_small_an_l1() -> None:
         run_bench(BenchOptions(l1_size="1"))
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    "sigint", ["default", "ignored"], ids=["foreground", "sigint-ignored-as-under-nohup"]
+)
 def test_sigterm_prints_the_partial_table(
-    server_process: Callable[..., ServerProcess],
+    server_process: Callable[..., ServerProcess], sigint: str
 ) -> None:
+    """A process started with SIGINT ignored (nohup, `&` in a script) still stops on SIGTERM
+    with the partial table: the bench handles SIGTERM itself."""
     server = server_process()
     # Paced arrivals: 40 conversations at 2 per second take 20 s; the test stops it early.
     command = [KVTRIO, "bench", *SMALL, "--no-progress", "--server", server.endpoint]
     command += ["--conversations", "40", "--turns", "1", "--rate", "2", "--concurrency", "1"]
-    bench = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bench = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_sigint if sigint == "ignored" else None,
+    )
     try:
         with Client(server.endpoint) as client:
 

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import attrs
 import trio
@@ -27,6 +27,9 @@ from ._version import __version__
 from .config import ServerConfig, field_help, load_config
 from .errors import ConfigError, KvtrioError
 from .options import ByteSize, format_size
+
+if TYPE_CHECKING:
+    from .client import Client
 
 __all__ = ["main"]
 
@@ -78,6 +81,11 @@ def _shown_default(field: attrs.Attribute[Any]) -> str:
     if field.type in (float, "float"):
         return f"{field.default:g}s" if _metavar(field) == "SECONDS" else f"{field.default:g}"
     return str(field.default) if field.default != "" else "none"
+
+
+_TIMEOUT_HELP = (
+    "seconds to wait for the answer, and for a server that is starting to listen [default: 2]"
+)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -139,7 +147,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument("endpoint", nargs="?", default=DEFAULT_ENDPOINT, help="server endpoint")
     status.add_argument("--json", action="store_true", help="print the whole document as JSON")
-    status.add_argument("--timeout", type=float, default=2.0, help="seconds to wait [default: 2]")
+    status.add_argument("--timeout", type=float, default=2.0, help=_TIMEOUT_HELP)
 
     bench = commands.add_parser(
         "bench",
@@ -154,9 +162,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
 
-    ping = commands.add_parser("ping", help="check that a server answers")
+    ping = commands.add_parser(
+        "ping",
+        help="check that a server answers",
+        description="Ping a server. A server that is starting (making its keys, not "
+        "listening yet) is waited for, up to --timeout seconds: kvtrio serve & then "
+        "kvtrio ping --timeout 30 succeeds once it serves.",
+    )
     ping.add_argument("endpoint", nargs="?", default=DEFAULT_ENDPOINT, help="server endpoint")
-    ping.add_argument("--timeout", type=float, default=2.0, help="seconds to wait [default: 2]")
+    ping.add_argument("--timeout", type=float, default=2.0, help=_TIMEOUT_HELP)
     for client_command in (ping, status):
         _add_key_arguments(client_command)
 
@@ -353,20 +367,12 @@ def _backends() -> None:
 def _status(args: argparse.Namespace) -> None:
     import json
 
-    from .client import Client
     from .protocol import GetStats, StatsReply
     from .server import status_document, status_summary
 
-    with Client(
-        args.endpoint,
-        timeout=args.timeout,
-        client_name="kvtrio-status",
-        heartbeat=False,
-        server_key=args.server_key,
-        client_key=args.client_key,
-        insecure=args.insecure,
-    ) as client:
-        stats = client.call(GetStats(), StatsReply, fail_fast=True)
+    deadline = time.monotonic() + args.timeout
+    with _reach(args, "kvtrio-status", deadline) as client:
+        stats = client.call(GetStats(), StatsReply, timeout=_left(deadline), fail_fast=True)
     document = status_document(stats)
     print(json.dumps(document, indent=2) if args.json else status_summary(document))
 
@@ -375,19 +381,73 @@ def _status(args: argparse.Namespace) -> None:
 
 
 def _ping(args: argparse.Namespace) -> None:
-    from .client import Client
     from .protocol import Ping, Pong
 
-    with Client(
-        args.endpoint,
-        timeout=args.timeout,
-        client_name="kvtrio-ping",
-        heartbeat=False,
-        server_key=args.server_key,
-        client_key=args.client_key,
-        insecure=args.insecure,
-    ) as client:
+    deadline = time.monotonic() + args.timeout
+    with _reach(args, "kvtrio-ping", deadline) as client:
         started = time.perf_counter()
-        pong = client.call(Ping(), Pong, fail_fast=True)
+        pong = client.call(Ping(), Pong, timeout=_left(deadline), fail_fast=True)
         elapsed = time.perf_counter() - started
     print(f"pong from {args.endpoint}: instance {pong.instance_id}, {elapsed * 1000:.2f} ms")
+
+
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline``; at least 0.5 for the one request after connecting."""
+    return max(0.5, deadline - time.monotonic())
+
+
+def _reach(args: argparse.Namespace, name: str, deadline: float) -> Client:
+    """A client of ``args.endpoint`` once its connection is up, waiting until ``deadline``
+    (``--timeout``) for a server that is starting: for its default CURVE keys (made at its
+    first start) and for it to listen. A refused handshake (a key problem) ends the wait at
+    once: the request made next says why. Nothing by then: a one-line error that says what
+    it waited for."""
+    from .client import Client
+
+    while True:
+        try:
+            client = Client(
+                args.endpoint,
+                timeout=args.timeout,
+                client_name=name,
+                heartbeat=False,
+                server_key=args.server_key,
+                client_key=args.client_key,
+                insecure=args.insecure,
+            )
+            break
+        except ConfigError as exc:
+            if not _default_keys(args) or time.monotonic() >= deadline:
+                raise
+            log.debug("waiting for the server's first start to make its keys: %s", exc)
+            time.sleep(0.05)
+    try:
+        left = max(0.0, deadline - time.monotonic())
+        if not client.wait_for_server(left, while_away=True, hello=False) and (
+            client.handshake_error is None
+        ):
+            what = (
+                "it accepted the connection but its handshake did not finish"
+                if client.state == "connected"
+                else "nothing listens there (is the server running?)"
+            )
+            _fail(f"waited {args.timeout:g} s for a kvtrio server at {args.endpoint}: {what}", 1)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def _default_keys(args: argparse.Namespace) -> bool:
+    """The client uses this user's default CURVE keys (which a server makes at its first start):
+    no key given, neither by flag nor by environment variable, and not ``--insecure``."""
+    import os
+
+    given = ("KVTRIO_SERVER_KEY", "KVTRIO_CLIENT_KEY", "KVTRIO_INSECURE")
+    return (
+        args.endpoint.startswith("tcp://")
+        and args.server_key is None
+        and args.client_key is None
+        and not args.insecure
+        and not any(os.environ.get(name) for name in given)
+    )

@@ -12,7 +12,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,7 +98,9 @@ def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Cons
         timeout=options.timeout,
     )
     try:
-        _wait(lambda: scheduler.client.server_info is not None, 15.0, f"no server at {endpoint}")
+        if not scheduler.client.wait_for_server(15.0, while_away=True):
+            why = scheduler.client.handshake_error or "nothing answered within 15 s"
+            raise BenchError(f"no server at {endpoint}: {why}")
         chunk = scheduler.chunk_size
         if chunk % options.block_size:
             raise BenchError(
@@ -251,14 +252,6 @@ def _stats(scheduler: SchedulerAdapter) -> StatsReply:
         return scheduler.client.call(GetStats(), StatsReply)
     except KvtrioError as exc:
         raise BenchError(f"stats from the server failed: {exc}") from None
-
-
-def _wait(condition: Any, timeout: float, failure: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise BenchError(failure)
-        time.sleep(0.01)
 
 
 @contextlib.contextmanager

@@ -143,7 +143,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="print a short summary of a server's state (--json: the whole status document)",
         description="Print a server's state over the ZeroMQ stats operation, for servers that "
         "run without HTTP too: a short summary in sections, or with --json the same document "
-        "as GET /status on its HTTP port.",
+        "as GET /status on its HTTP port. Its hit ratio is of every chunk hash looked up since "
+        "the server started, by every client and tenant: each prompt's full chunks and its "
+        "partial last chunk, which the server cannot tell apart and which rarely hits (kvtrio "
+        "bench's own ratios are of its run alone: tokens, and full chunks).",
     )
     status.add_argument("endpoint", nargs="?", default=DEFAULT_ENDPOINT, help="server endpoint")
     status.add_argument("--json", action="store_true", help="print the whole document as JSON")
@@ -156,7 +159,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "worker processes with KV caches in shared memory, and drive a workload through the "
         "real adapters: lookup, retrieve of the hits (checked byte for byte), store of the "
         "misses, end of the request. The built-in workload is multi-turn conversations sharing "
-        "system prompts; --trace replays a Mooncake trace in hash mode.",
+        "system prompts; --trace replays a Mooncake trace in hash mode. Its hit ratios are of "
+        "its own requests, by tokens and by full chunks; the server's (kvtrio status, and the "
+        "table's server row) also counts each prompt's partial last chunk, so it is lower.",
     )
     from .benchmark import add_arguments
 

@@ -158,6 +158,7 @@ def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Cons
             }
             result.l2_hit_chunks = delta["lookup_l2_chunks"]
             result.l1_hit_chunks = delta["lookup_hit_chunks"] - delta["lookup_l2_chunks"]
+            result.server_miss_chunks = delta["lookup_miss_chunks"]
             result.server = {
                 name: delta[name] for name in _SERVER_COUNTERS if not name.startswith("lookup_")
             }
@@ -230,6 +231,7 @@ def _describe_settings(options: BenchOptions, chunk: int) -> str:
 
 _SERVER_COUNTERS = (
     "lookup_hit_chunks",
+    "lookup_miss_chunks",
     "lookup_l2_chunks",
     "lookup_timeouts",
     "l1_evictions",

@@ -3,6 +3,7 @@ it wrote, and the partial table of an interrupted run."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from kvtrio.client import Client
 from kvtrio.launch import ServerProcess
 from kvtrio.protocol import GetStats, StatsReply
 
-from .._support.command import KVTRIO
+from .._support.command import KVTRIO, run
 from .._support.waiting import wait_for
 
 SMALL = ("--world-size", "2", "--layers", "2", "--heads", "2", "--head-dim", "16")
@@ -90,3 +91,26 @@ def test_sigterm_prints_the_partial_table(
     assert "of 40 requests done" in stdout
     assert "checksum failures" in stdout  # the table of what was measured
     assert "Traceback" not in stderr
+
+
+def test_the_servers_hit_ratio_is_in_the_table_as_kvtrio_status_shows_it(
+    server_process: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """Issue 32: one run, two ratios (status 63.3 %, bench 73.1 %) and no word on why. The
+    server counts each prompt's partial last chunk too; the table shows both, and says so."""
+    server = server_process()
+    out = tmp_path / "bench.json"
+    command = [KVTRIO, "bench", *SMALL, *SHORT, "--server", server.endpoint, "--json", str(out)]
+    bench = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    result = json.loads(out.read_text())
+    status = json.loads(run("status", "--json", server.endpoint).stdout)["lookups"]
+    assert result["l1_hit_chunks"] + result["l2_hit_chunks"] == status["hit_chunks_l1"]
+    assert result["server_miss_chunks"] == status["miss_chunks"]  # a fresh server: one run
+    assert result["hit_chunks"] == status["hit_chunks_l1"]  # every hit is of full chunks here
+    assert result["chunks"] < status["hit_chunks_l1"] + status["miss_chunks"]  # + partial ones
+    text = " ".join(bench.stdout.split())
+    assert f"server's hit ratio │ {status['hit_ratio']:.1%}" in text
+    assert "partial last" in text  # (the detail cell wraps: its words, not the sentence)
+    for help_text in (run("status", "--help").stdout, run("bench", "--help").stdout):
+        assert "partial last chunk" in " ".join(help_text.split())

@@ -376,7 +376,7 @@ def _status(args: argparse.Namespace) -> None:
     from .server import status_document, status_summary
 
     deadline = time.monotonic() + args.timeout
-    with _reach(args, "kvtrio-status", deadline) as client:
+    with _reach(args, "kvtrio-status") as client:
         stats = client.call(GetStats(), StatsReply, timeout=_left(deadline), fail_fast=True)
     document = status_document(stats)
     print(json.dumps(document, indent=2) if args.json else status_summary(document))
@@ -389,7 +389,7 @@ def _ping(args: argparse.Namespace) -> None:
     from .protocol import Ping, Pong
 
     deadline = time.monotonic() + args.timeout
-    with _reach(args, "kvtrio-ping", deadline) as client:
+    with _reach(args, "kvtrio-ping") as client:
         started = time.perf_counter()
         pong = client.call(Ping(), Pong, timeout=_left(deadline), fail_fast=True)
         elapsed = time.perf_counter() - started
@@ -401,58 +401,10 @@ def _left(deadline: float) -> float:
     return max(0.5, deadline - time.monotonic())
 
 
-def _reach(args: argparse.Namespace, name: str, deadline: float) -> Client:
-    """A client of ``args.endpoint`` once its connection is up, waiting until ``deadline``
-    (``--timeout``) for a server that is starting: for its default CURVE keys (made at its
-    first start) and for it to listen. A refused handshake (a key problem) ends the wait at
-    once: the request made next says why. Nothing by then: a one-line error that says what
-    it waited for."""
-    from .client import Client
+def _reach(args: argparse.Namespace, name: str) -> Client:
+    """A client of ``args.endpoint`` once it is up, waiting ``--timeout`` for it to start."""
+    from .client import connect_waiting
 
-    while True:
-        try:
-            client = Client(
-                args.endpoint,
-                timeout=args.timeout,
-                client_name=name,
-                heartbeat=False,
-                server_key=args.server_key,
-                client_key=args.client_key,
-                insecure=args.insecure,
-            )
-            break
-        except ConfigError as exc:
-            if not _default_keys(args) or time.monotonic() >= deadline:
-                raise
-            log.debug("waiting for the server's first start to make its keys: %s", exc)
-            time.sleep(0.05)
-    try:
-        left = max(0.0, deadline - time.monotonic())
-        if not client.wait_for_server(left, while_away=True, hello=False) and (
-            client.handshake_error is None
-        ):
-            what = (
-                "it accepted the connection but its handshake did not finish"
-                if client.state == "connected"
-                else "nothing listens there (is the server running?)"
-            )
-            _fail(f"waited {args.timeout:g} s for a kvtrio server at {args.endpoint}: {what}", 1)
-    except BaseException:
-        client.close()
-        raise
-    return client
-
-
-def _default_keys(args: argparse.Namespace) -> bool:
-    """The client uses this user's default CURVE keys (which a server makes at its first start):
-    no key given, neither by flag nor by environment variable, and not ``--insecure``."""
-    import os
-
-    given = ("KVTRIO_SERVER_KEY", "KVTRIO_CLIENT_KEY", "KVTRIO_INSECURE")
-    return (
-        args.endpoint.startswith("tcp://")
-        and args.server_key is None
-        and args.client_key is None
-        and not args.insecure
-        and not any(os.environ.get(name) for name in given)
-    )
+    return connect_waiting(args.endpoint, args.timeout, client_name=name,
+                           server_key=args.server_key, client_key=args.client_key,
+                           insecure=args.insecure)  # fmt: skip

@@ -60,7 +60,10 @@ from kvtrio.protocol import (
 from kvtrio.testing import LocalRedisCluster, redis_cluster
 from kvtrio.transport import ensure_default_keys
 
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+TRACE = Path(__file__).resolve().parents[1] / "docs" / "sample_trace.jsonl"
+"""The repository's small trace (120 requests); docs/fleet.md's figures are of the Mooncake
+trace, passed with ``--trace`` (``FAST25-release/traces/synthetic_trace.jsonl`` of
+github.com/kvcache-ai/Mooncake, Apache-2.0; not in this repository)."""
 CHUNK, BLOCK = 256, 16
 LAYOUT = LayoutSpec("flash_attn", 1, 64, BLOCK, 1, 8, "float16")  # 8 KiB per chunk
 SCHEME = block_hash_scheme("bench-fleet")
@@ -244,7 +247,13 @@ def visibility(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=TRACE,
+        help="a Mooncake-format trace [default: docs/sample_trace.jsonl; docs/fleet.md's "
+        "figures: Mooncake's FAST25-release/traces/synthetic_trace.jsonl]",
+    )
     parser.add_argument("--limit", type=int, default=300, help="first N requests of the trace")
     parser.add_argument("--l1-total", default="48MiB", help="L1 of the whole fleet")
     parser.add_argument("--probes", type=int, default=20, help="visibility probes per setting")

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import attrs
 import trio
@@ -27,6 +27,9 @@ from ._version import __version__
 from .config import ServerConfig, field_help, load_config
 from .errors import ConfigError, KvtrioError
 from .options import ByteSize, format_size
+
+if TYPE_CHECKING:
+    from .client import Client
 
 __all__ = ["main"]
 
@@ -78,6 +81,11 @@ def _shown_default(field: attrs.Attribute[Any]) -> str:
     if field.type in (float, "float"):
         return f"{field.default:g}s" if _metavar(field) == "SECONDS" else f"{field.default:g}"
     return str(field.default) if field.default != "" else "none"
+
+
+_TIMEOUT_HELP = (
+    "seconds to wait for the answer, and for a server that is starting to listen [default: 2]"
+)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -135,11 +143,14 @@ def _build_parser() -> argparse.ArgumentParser:
         help="print a short summary of a server's state (--json: the whole status document)",
         description="Print a server's state over the ZeroMQ stats operation, for servers that "
         "run without HTTP too: a short summary in sections, or with --json the same document "
-        "as GET /status on its HTTP port.",
+        "as GET /status on its HTTP port. Its hit ratio is of every chunk hash looked up since "
+        "the server started, by every client and tenant: each prompt's full chunks and its "
+        "partial last chunk, which the server cannot tell apart and which rarely hits (kvtrio "
+        "bench's own ratios are of its run alone: tokens, and full chunks).",
     )
     status.add_argument("endpoint", nargs="?", default=DEFAULT_ENDPOINT, help="server endpoint")
     status.add_argument("--json", action="store_true", help="print the whole document as JSON")
-    status.add_argument("--timeout", type=float, default=2.0, help="seconds to wait [default: 2]")
+    status.add_argument("--timeout", type=float, default=2.0, help=_TIMEOUT_HELP)
 
     bench = commands.add_parser(
         "bench",
@@ -148,15 +159,23 @@ def _build_parser() -> argparse.ArgumentParser:
         "worker processes with KV caches in shared memory, and drive a workload through the "
         "real adapters: lookup, retrieve of the hits (checked byte for byte), store of the "
         "misses, end of the request. The built-in workload is multi-turn conversations sharing "
-        "system prompts; --trace replays a Mooncake trace in hash mode.",
+        "system prompts; --trace replays a Mooncake trace in hash mode. Its hit ratios are of "
+        "its own requests, by tokens and by full chunks; the server's (kvtrio status, and the "
+        "table's server row) also counts each prompt's partial last chunk, so it is lower.",
     )
     from .benchmark import add_arguments
 
     add_arguments(bench)
 
-    ping = commands.add_parser("ping", help="check that a server answers")
+    ping = commands.add_parser(
+        "ping",
+        help="check that a server answers",
+        description="Ping a server. A server that is starting (making its keys, not "
+        "listening yet) is waited for, up to --timeout seconds: kvtrio serve & then "
+        "kvtrio ping --timeout 30 succeeds once it serves.",
+    )
     ping.add_argument("endpoint", nargs="?", default=DEFAULT_ENDPOINT, help="server endpoint")
-    ping.add_argument("--timeout", type=float, default=2.0, help="seconds to wait [default: 2]")
+    ping.add_argument("--timeout", type=float, default=2.0, help=_TIMEOUT_HELP)
     for client_command in (ping, status):
         _add_key_arguments(client_command)
 
@@ -354,20 +373,12 @@ def _backends() -> None:
 def _status(args: argparse.Namespace) -> None:
     import json
 
-    from .client import Client
     from .protocol import GetStats, StatsReply
     from .server import status_document, status_summary
 
-    with Client(
-        args.endpoint,
-        timeout=args.timeout,
-        client_name="kvtrio-status",
-        heartbeat=False,
-        server_key=args.server_key,
-        client_key=args.client_key,
-        insecure=args.insecure,
-    ) as client:
-        stats = client.call(GetStats(), StatsReply, fail_fast=True)
+    deadline = time.monotonic() + args.timeout
+    with _reach(args, "kvtrio-status") as client:
+        stats = client.call(GetStats(), StatsReply, timeout=_left(deadline), fail_fast=True)
     document = status_document(stats)
     print(json.dumps(document, indent=2) if args.json else status_summary(document))
 
@@ -376,19 +387,25 @@ def _status(args: argparse.Namespace) -> None:
 
 
 def _ping(args: argparse.Namespace) -> None:
-    from .client import Client
     from .protocol import Ping, Pong
 
-    with Client(
-        args.endpoint,
-        timeout=args.timeout,
-        client_name="kvtrio-ping",
-        heartbeat=False,
-        server_key=args.server_key,
-        client_key=args.client_key,
-        insecure=args.insecure,
-    ) as client:
+    deadline = time.monotonic() + args.timeout
+    with _reach(args, "kvtrio-ping") as client:
         started = time.perf_counter()
-        pong = client.call(Ping(), Pong, fail_fast=True)
+        pong = client.call(Ping(), Pong, timeout=_left(deadline), fail_fast=True)
         elapsed = time.perf_counter() - started
     print(f"pong from {args.endpoint}: instance {pong.instance_id}, {elapsed * 1000:.2f} ms")
+
+
+def _left(deadline: float) -> float:
+    """Seconds to ``deadline``; at least 0.5 for the one request after connecting."""
+    return max(0.5, deadline - time.monotonic())
+
+
+def _reach(args: argparse.Namespace, name: str) -> Client:
+    """A client of ``args.endpoint`` once it is up, waiting ``--timeout`` for it to start."""
+    from .client import connect_waiting
+
+    return connect_waiting(args.endpoint, args.timeout, client_name=name,
+                           server_key=args.server_key, client_key=args.client_key,
+                           insecure=args.insecure)  # fmt: skip

@@ -198,20 +198,23 @@ class Driver:
     # ----------------------------------------------------------------- the workload
 
     async def run(self, on_progress: Callable[[Driver], None] | None = None) -> None:
-        """Run every request of the workload; ``on_progress`` is called a few times a second."""
+        """Run every request of the workload; ``on_progress`` is called a few times a second.
+        Cancelled, the requests in flight are cancelled with it (each waits for its thread)."""
         self.started = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            for rank in self.ranks:
-                nursery.start_soon(self._read, rank)
-            if on_progress is not None:
-                nursery.start_soon(self._tick, on_progress)
-            async with trio.open_nursery() as requests:
-                if self.workload.mode == "chat":
-                    await self._chat(requests)
-                else:
-                    await self._trace(requests)
-            nursery.cancel_scope.cancel()
-        self.result.wall_seconds = time.perf_counter() - self.started
+        try:
+            async with trio.open_nursery() as nursery:
+                for rank in self.ranks:
+                    nursery.start_soon(self._read, rank)
+                if on_progress is not None:
+                    nursery.start_soon(self._tick, on_progress)
+                async with trio.open_nursery() as requests:
+                    if self.workload.mode == "chat":
+                        await self._chat(requests)
+                    else:
+                        await self._trace(requests)
+                nursery.cancel_scope.cancel()
+        finally:  # cancelled too: the partial table's rates are per the time it ran
+            self.result.wall_seconds = time.perf_counter() - self.started
 
     async def _tick(self, on_progress: Callable[[Driver], None]) -> None:
         while True:

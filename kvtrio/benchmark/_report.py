@@ -107,12 +107,20 @@ def print_table(result: BenchResult, console: Console) -> None:
         f"{s['hit_ratio_chunks']:.1%}",
         f"{s['hit_chunks']:,} of {s['chunks']:,} full chunks",
     )
-    l1, l2 = s["l1_hit_chunks"], s["l2_hit_chunks"]
+    l1, l2, missed = s["l1_hit_chunks"], s["l2_hit_chunks"], s["server_miss_chunks"]
     table.add_row(
         "hits from L1 / L2",
         "-" if l1 is None else f"{l1:,} / {l2:,}",
         "chunks, as the server counted them",
     )
+    if l1 is not None and missed is not None and l1 + l2 + missed:
+        found = l1 + l2
+        table.add_row(
+            "server's hit ratio",
+            f"{found / (found + missed):.1%}",
+            f"{found:,} of {found + missed:,} chunks looked up: each prompt's partial last "
+            "chunk counts too (what kvtrio status shows, over the server's life)",
+        )
     for name in ("lookup", "retrieve", "store"):
         lat = s["latency_seconds"][name]
         table.add_row(

@@ -54,6 +54,12 @@ class BenchResult:
     l1_hit_chunks: int | None = None
     """From the server's counters (its lookups over the run; other clients' too, if any)."""
     l2_hit_chunks: int | None = None
+    server_miss_chunks: int | None = None
+    """Chunks the server's lookups over the run found nowhere. The server counts every chunk
+    hash a lookup carries: each prompt's full chunks *and* its partial last chunk (its whole
+    blocks after the full chunks; the server cannot tell it apart), so its hit ratio (what
+    ``kvtrio status`` shows, since the server started) is lower than :meth:`summary`'s
+    ``hit_ratio_chunks``, of full chunks only."""
     server: dict[str, int] = attrs.field(factory=dict)
     """Changes of the server's counters over the run (evictions, skipped L2 writes, ...)."""
     settings: str = ""
@@ -102,6 +108,7 @@ class BenchResult:
             "hit_ratio_chunks": self.hit_chunks / self.chunks if self.chunks else 0,
             "l1_hit_chunks": self.l1_hit_chunks,
             "l2_hit_chunks": self.l2_hit_chunks,
+            "server_miss_chunks": self.server_miss_chunks,
             "latency_seconds": {
                 name: {
                     "count": len(values),

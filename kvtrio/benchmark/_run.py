@@ -12,7 +12,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,9 +44,11 @@ def main(args: argparse.Namespace) -> int:
     """``kvtrio bench``: run, print the table, write ``--json`` / ``--plot``. Exit status 1 if
     any retrieved byte was wrong, 2 for a bench that could not run."""
     console = Console()
-    # A timeout's SIGTERM ends the run like Ctrl-C: trio turns SIGINT into KeyboardInterrupt
-    # at a safe point, and the partial results are still printed.
-    previous = signal.signal(signal.SIGTERM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    # A timeout's SIGTERM ends the run like Ctrl-C, and the partial results are still printed.
+    # Handled here, not re-sent as SIGINT: a process started with SIGINT ignored (nohup, `&` in
+    # a script) would drop that. Before the workload it raises KeyboardInterrupt; during the
+    # run, _drive receives it and cancels the run.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         options = options_from_args(args)
         if options.simulate:
@@ -97,7 +98,9 @@ def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Cons
         timeout=options.timeout,
     )
     try:
-        _wait(lambda: scheduler.client.server_info is not None, 15.0, f"no server at {endpoint}")
+        if not scheduler.client.wait_for_server(15.0, while_away=True):
+            why = scheduler.client.handshake_error or "nothing answered within 15 s"
+            raise BenchError(f"no server at {endpoint}: {why}")
         chunk = scheduler.chunk_size
         if chunk % options.block_size:
             raise BenchError(
@@ -126,20 +129,22 @@ def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Cons
             speed=options.speed if options.trace is not None else 0.0,
             planned=len(workload.requests),
         )
-        with _workers(options, endpoint, blocks, tenant) as conns:
+        with _Sigterm() as term, _workers(options, endpoint, blocks, tenant) as conns:
             before = _stats(scheduler)
             driver = Driver(options, workload, scheduler, conns, blocks, chunk, result)
             total = len(workload.requests)
             with Progress(console, total, enabled=options.progress) as progress:
+                term.raising = False  # from now on, _drive's receiver or term.received
                 try:
-                    trio.run(driver.run, progress.update)
-                except KeyboardInterrupt:  # Ctrl-C or SIGTERM: report what was measured
+                    trio.run(_drive, driver, progress.update, term)
+                except KeyboardInterrupt:  # Ctrl-C: report what was measured
                     result.interrupted = True
                 except BaseExceptionGroup as group:  # trio's nurseries wrap what they raise
                     if group.subgroup(KeyboardInterrupt) is not None:
                         result.interrupted = True
                     else:
                         raise _first(group, BenchError) or group from None
+                result.interrupted |= term.received
             try:
                 after = _stats(scheduler)
             except BenchError:
@@ -153,6 +158,7 @@ def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Cons
             }
             result.l2_hit_chunks = delta["lookup_l2_chunks"]
             result.l1_hit_chunks = delta["lookup_hit_chunks"] - delta["lookup_l2_chunks"]
+            result.server_miss_chunks = delta["lookup_miss_chunks"]
             result.server = {
                 name: delta[name] for name in _SERVER_COUNTERS if not name.startswith("lookup_")
             }
@@ -160,6 +166,48 @@ def _run(options: BenchOptions, workload: Workload, endpoint: str, console: Cons
         return result
     finally:
         scheduler.close()
+
+
+class _Sigterm:
+    """SIGTERM while entered: a KeyboardInterrupt while ``raising`` (the workers starting),
+    then only recorded in ``received``: outside :func:`_drive`'s own signal receiver (trio
+    starting or ending, the statistics after the run, the workers stopping) an exception could
+    land anywhere. The handler before is restored on exit."""
+
+    def __init__(self) -> None:
+        self.raising = True
+        self.received = False
+        self._previous: Any = None
+
+    def _record(self, signum: int, frame: object) -> None:
+        if self.raising:
+            raise KeyboardInterrupt
+        self.received = True
+
+    def __enter__(self) -> _Sigterm:
+        self._previous = signal.signal(signal.SIGTERM, self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+async def _drive(driver: Driver, on_progress: Any, term: _Sigterm) -> None:
+    """Run the workload until it ends or SIGTERM comes (then it is cancelled, the requests in
+    flight with it, and the result marked interrupted)."""
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_sigterm() -> None:
+                if not term.received:  # one that came before the receiver was open counts too
+                    await signals.__anext__()
+                    term.received = True
+                driver.result.interrupted = True
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(stop_on_sigterm)
+            await driver.run(on_progress)
+            nursery.cancel_scope.cancel()
 
 
 def _describe_engine(options: BenchOptions, blocks: int) -> str:
@@ -183,6 +231,7 @@ def _describe_settings(options: BenchOptions, chunk: int) -> str:
 
 _SERVER_COUNTERS = (
     "lookup_hit_chunks",
+    "lookup_miss_chunks",
     "lookup_l2_chunks",
     "lookup_timeouts",
     "l1_evictions",
@@ -205,14 +254,6 @@ def _stats(scheduler: SchedulerAdapter) -> StatsReply:
         return scheduler.client.call(GetStats(), StatsReply)
     except KvtrioError as exc:
         raise BenchError(f"stats from the server failed: {exc}") from None
-
-
-def _wait(condition: Any, timeout: float, failure: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise BenchError(failure)
-        time.sleep(0.01)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from ._identity import EngineIdentity
 from ._relay import EventRelay
 from ._scheduler import SchedulerAdapter
 from ._sync import Client
+from ._waiting import connect_waiting
 from ._worker import WorkerAdapter
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "SchedulerAdapter",
     "WorkerAdapter",
     "chunk_hashes",
+    "connect_waiting",
     "curve_options",
     "open_client",
     "subscribe",

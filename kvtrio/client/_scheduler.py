@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -18,6 +19,7 @@ from ..protocol import (
     MAX_LOOKUP_KEYS,
     EndSession,
     FreeLookupLocks,
+    HelloReply,
     Lookup,
     LookupBatch,
     LookupBatchReply,
@@ -71,12 +73,34 @@ class _Queued:
         return self.chunks.hashes
 
 
+class _Early:
+    """A lookup made before the server's first ``hello`` answer (whose chunk size names the
+    chunks): its prompt, kept until that answer or ``deadline``."""
+
+    __slots__ = ("block_hashes", "deadline", "defer", "token_ids")
+
+    def __init__(
+        self,
+        block_hashes: Sequence[bytes | int] | None,
+        token_ids: Sequence[int] | None,
+        defer: bool,
+        deadline: float,
+    ) -> None:
+        # Copies: an engine's token list grows as it generates.
+        self.block_hashes = None if block_hashes is None else tuple(block_hashes)
+        self.token_ids = None if token_ids is None else tuple(token_ids)
+        self.defer = defer
+        self.deadline = deadline
+
+
 class SchedulerAdapter:
     """What an engine's scheduler calls (method names of vLLM's LMCache multiprocess adapter).
 
     Lookups are submitted without waiting and polled with :meth:`check_lookup_result`. While the
-    server is away, lookups report 0 hits at once (``fail_fast``); nothing here raises into the
-    engine: failures are logged and count as misses. ``engine_id`` names the engine: its workers
+    server is away, lookups report 0 hits at once (``fail_fast``); a lookup made while the
+    client's first connection is still being made (an adapter used as soon as it is made) waits
+    for it, up to ``timeout``. Nothing here raises into the engine: failures are logged and
+    count as misses. ``engine_id`` names the engine: its workers
     must be given the same one (request ids are scoped by it).
 
     Deferred lookups (``defer=True``) are queued and go out together, as one ``lookup_batch``
@@ -118,7 +142,7 @@ class SchedulerAdapter:
                 client_key=client_key,
             )
         )
-        self._lookups: dict[str, _Queued] = {}
+        self._lookups: dict[str, _Queued | _Early] = {}
         self._queue: list[tuple[str, _Queued]] = []
         """Deferred lookups not sent yet (see :meth:`flush_lookups`)."""
         self._batches = True
@@ -163,28 +187,61 @@ class SchedulerAdapter:
             if request_id in self._lookups:
                 return
             info = self.client.server_info  # its chunk size names the chunks
-            try:
-                if info is None:
-                    raise ValueError(f"no kvtrio server at {self.client.endpoint} yet")
-                # The prompt's full chunks and its partial chunk (the whole blocks after them):
-                # a hit may reach its last whole block.
-                chunks = prompt_chunks(
-                    info.chunk_size, self.block_size, token_ids=token_ids, block_hashes=block_hashes
-                )
-                # A lookup answers a prefix: beyond the server's bounds, a shorter prefix.
-                chunks = chunks.limited(lookup_limit(self.world_size))
-            except (ValueError, TypeError, OverflowError) as exc:
-                log.debug("lookup of %s not sent: %s", request_id, exc)
-                failed: Future[Reply] = Future()
-                failed.set_result(LookupReply(0, 0))
-                self._lookups[request_id] = _Queued(PromptChunks((), 1, 1), failed)
+            if info is None and not self.client.known_away():  # the first hello is on its way
+                deadline = time.monotonic() + self.timeout
+                self._lookups[request_id] = _Early(block_hashes, token_ids, defer, deadline)
                 return
-            queued = _Queued(chunks)
-            self._lookups[request_id] = queued
-            if defer and self._batches:
-                self._queue.append((request_id, queued))
-                return
-            queued.batch = self._submit(request_id, chunks.hashes)
+            self._start(request_id, info, block_hashes, token_ids, defer)
+
+    def _start(
+        self,
+        request_id: str,
+        info: HelloReply | None,
+        block_hashes: Sequence[bytes | int] | None,
+        token_ids: Sequence[int] | None,
+        defer: bool,
+    ) -> None:
+        """Queue or send the lookup (under the lock); without ``info`` (no server) it answers
+        0 at once."""
+        try:
+            if info is None:
+                raise ValueError(f"no kvtrio server at {self.client.endpoint} yet")
+            # The prompt's full chunks and its partial chunk (the whole blocks after them):
+            # a hit may reach its last whole block.
+            chunks = prompt_chunks(
+                info.chunk_size, self.block_size, token_ids=token_ids, block_hashes=block_hashes
+            )
+            # A lookup answers a prefix: beyond the server's bounds, a shorter prefix.
+            chunks = chunks.limited(lookup_limit(self.world_size))
+        except (ValueError, TypeError, OverflowError) as exc:
+            log.debug("lookup of %s not sent: %s", request_id, exc)
+            failed: Future[Reply] = Future()
+            failed.set_result(LookupReply(0, 0))
+            self._lookups[request_id] = _Queued(PromptChunks((), 1, 1), failed)
+            return
+        queued = _Queued(chunks)
+        self._lookups[request_id] = queued
+        if defer and self._batches:
+            self._queue.append((request_id, queued))
+            return
+        queued.batch = self._submit(request_id, chunks.hashes)
+
+    def _after_hello(self, request_id: str, early: _Early, wait: float) -> _Queued | None:
+        """Start a lookup made before the first hello once the answer is there (waiting up to
+        ``wait`` seconds for it): its entry now, or None while it still waits. At its deadline,
+        or once the server is known to be away, it answers 0."""
+        client = self.client
+        if client.server_info is None and wait > 0:
+            client.wait_for_server(min(wait, early.deadline - time.monotonic()))
+        info = client.server_info
+        if info is None and not client.known_away() and time.monotonic() < early.deadline:
+            return None
+        with self._lock:
+            if self._lookups.get(request_id) is early:
+                del self._lookups[request_id]
+                self._start(request_id, info, early.block_hashes, early.token_ids, early.defer)
+            entry = self._lookups.get(request_id)
+        return entry if isinstance(entry, _Queued) else None
 
     def _submit(self, request_id: str, hashes: tuple[bytes, ...]) -> Future[Reply]:
         lookup = Lookup(
@@ -233,6 +290,10 @@ class SchedulerAdapter:
         """
         with self._lock:
             entry = self._lookups.get(request_id)
+        if isinstance(entry, _Early):
+            started = time.monotonic()
+            entry = self._after_hello(request_id, entry, wait)
+            wait = max(0.0, wait - (time.monotonic() - started)) if wait > 0 else 0.0
         if entry is None:
             return None
         if entry.batch is None:

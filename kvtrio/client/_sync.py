@@ -87,12 +87,14 @@ class Client:
         checked = check_endpoint(endpoint)
         curve = curve_options(checked, server_key, client_key, insecure)
         self._options = {**dealer_options(), **curve}
+        self._met = threading.Event()  # set at the first server's hello answer
+        self._on_server_change = on_server_change
         self._shared = ClientState(
             endpoint=checked,
             timeout=timeout,
             client_name=client_name,
             heartbeat=heartbeat,
-            on_server_change=on_server_change,
+            on_server_change=self._server_met,
             handshake=HandshakeWatch(curve=bool(curve)),
             wait=self._wait,
         )
@@ -157,6 +159,46 @@ class Client:
     def connected(self) -> bool:
         """The connection is up (the handshake succeeded and it has not dropped since)."""
         return self._shared.status == "connected"
+
+    def known_away(self) -> bool:
+        """The server is known to be away: the last connection attempt failed or the connection
+        dropped, and no handshake is waiting for its verdict (what fails ``fail_fast``
+        requests). Not while the first connection is still being made (``connecting``)."""
+        shared = self._shared
+        return shared.status == "disconnected" and not shared.handshake.undecided
+
+    def wait_for_server(
+        self, timeout: float, *, while_away: bool = False, hello: bool = True
+    ) -> bool:
+        """Wait (blocking, at most ``timeout`` seconds) until the server has answered this
+        client's ``hello`` (:attr:`server_info`; without ``hello``: until the connection is
+        up); True if it has. False when the time passed, and at once when the server is
+        :meth:`known_away` (``while_away``: keep waiting for one that is starting, as ZeroMQ
+        reconnects every 0.1–1 s) or, in any case, refused this client's handshake for good (a
+        key problem: see :attr:`handshake_error`). Interrupted (KeyboardInterrupt), nothing
+        changes."""
+        end = time.monotonic() + timeout
+        shared = self._shared
+        while True:
+            if shared.server_info is not None or (not hello and shared.status == "connected"):
+                return True
+            if not while_away and self.known_away():
+                return False
+            if shared.handshake_error is not None and not shared.handshake.undecided:
+                return False  # (cleared by a handshake that succeeds)
+            left = end - time.monotonic()
+            if left <= 0 or shared.closing:
+                return False
+            # Woken by the hello's answer; the status and the handshake are looked at again
+            # every 20 ms (a refused connection is reported within a few).
+            self._met.wait(min(left, 0.02))
+
+    def _server_met(self, info: HelloReply) -> None:
+        """A server instance not met before answered ``hello`` (background thread): wake
+        :meth:`wait_for_server`, then call the caller's ``on_server_change``."""
+        self._met.set()
+        if self._on_server_change is not None:
+            self._on_server_change(info)
 
     # ----------------------------------------------------------------- any thread
 

@@ -4,12 +4,17 @@ gets its own answer from it, and an older server without ``lookup_batch`` still 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from kvtrio.client import Client, SchedulerAdapter
 from kvtrio.errors import ErrorCode
+from kvtrio.launch import ServerProcess
 from kvtrio.protocol import (
     MAX_LOOKUP_BATCH,
+    PROTOCOL_VERSION,
     EndSession,
+    HelloReply,
     Lookup,
     LookupBatch,
     LookupBatchReply,
@@ -18,6 +23,8 @@ from kvtrio.protocol import (
 )
 from kvtrio.storage import token_chunk_hashes
 
+from .._support.e2e import BLOCK, PROMPT, SERVER_ARGS, SOURCE, Worker
+from .._support.waiting import wait_for
 from .raw_server import RawServer, Taken, client_of_raw_server
 
 PROMPTS = {"a": list(range(512)), "b": list(range(1000, 1256)), "c": list(range(5))}
@@ -161,3 +168,81 @@ def test_lookups_are_cut_to_the_servers_bounds_of_one_message() -> None:
     assert [len(batch) for batch in cut] == [2, 2, 1]  # 2,048 × 16 = 32,768 keys each
     small = [(f"r{i}", _Queued(PromptChunks((), 256, 16))) for i in range(MAX_LOOKUP_BATCH + 1)]
     assert [len(batch) for batch in _batches(small, 1)] == [MAX_LOOKUP_BATCH, 1]
+
+
+# --------------------------------------------------------------------------- before the hello
+# Issue 32: an adapter used as soon as it is made answered its first lookups 0 while its
+# connection's hello was on its way, though the server was up and held the prompt.
+
+
+def test_a_lookup_made_at_once_is_a_full_hit_of_a_stored_prompt(
+    server_process: Callable[..., ServerProcess],
+) -> None:
+    server = server_process(*SERVER_ARGS)
+    worker = Worker(server.endpoint, "m", 1, 0, "flash_attn", ())
+    try:
+        worker.wait_registered()
+        worker.store("first", PROMPT, SOURCE)
+        adapter = SchedulerAdapter(server.endpoint, "m", 1, 0, BLOCK, timeout=30)
+        try:
+            # Used at once: usually before the hello's answer (on main this lookup answered 0;
+            # the raw-server test below holds the answer back to make it certain).
+            adapter.maybe_submit_lookup_request("second", token_ids=PROMPT)
+            assert adapter.check_lookup_result("second", wait=30) == len(PROMPT)
+        finally:
+            adapter.close()
+    finally:
+        worker.close()
+
+
+def test_a_lookup_waits_for_the_hello_and_goes_out_after_it(endpoint: str) -> None:
+    server = RawServer(endpoint)
+    try:
+        adapter = SchedulerAdapter(endpoint, "m", 1, 0, 16, timeout=30, engine_id="e")
+        try:
+            adapter.maybe_submit_lookup_request("a", token_ids=PROMPTS["a"])
+            hello = server.take()
+            assert hello.op == "hello"
+            assert adapter.check_lookup_result("a") is None  # waiting, not a miss
+            assert not server.sock.poll(50)  # nothing sent before the hello's answer
+            server.answer(hello, HelloReply("raw", PROTOCOL_VERSION, "raw", 256, 60.0, 1 << 20))
+            # Sent at the first look after the answer came (the look itself receives it).
+            (lookup,) = _requests(server, adapter, 1)
+            assert isinstance(lookup.request, Lookup)
+            assert lookup.request.chunk_hashes == tuple(token_chunk_hashes(PROMPTS["a"], 256))
+            server.answer(lookup, LookupReply(512, 2))
+            assert _answered(adapter, "a") == 512
+        finally:
+            adapter.close()
+    finally:
+        server.close()
+
+
+def test_a_hello_never_answered_is_a_miss_at_the_lookups_timeout(endpoint: str) -> None:
+    server = RawServer(endpoint)
+    try:
+        adapter = SchedulerAdapter(endpoint, "m", 1, 0, 16, timeout=0.5)
+        try:
+            adapter.maybe_submit_lookup_request("a", token_ids=PROMPTS["a"], defer=True)
+            assert server.take().op == "hello"  # connected; the hello is never answered
+            started = time.monotonic()
+            assert adapter.check_lookup_result("a", wait=30) == 0
+            assert time.monotonic() - started < 5  # its own timeout, not the wait
+        finally:
+            adapter.close()
+    finally:
+        server.close()
+
+
+def test_lookups_fail_fast_while_no_server_listens(short_dir: Path) -> None:
+    adapter = SchedulerAdapter(f"ipc://{short_dir}/none.sock", "m", 1, 0, 16, timeout=30)
+    try:
+        started = time.monotonic()
+        adapter.maybe_submit_lookup_request("a", token_ids=PROMPTS["a"])
+        assert adapter.check_lookup_result("a", wait=30) == 0
+        assert time.monotonic() - started < 5  # the server is known away: no wait
+        wait_for(adapter.client.known_away, what="the refused connection")
+        adapter.maybe_submit_lookup_request("b", token_ids=PROMPTS["b"])
+        assert adapter.check_lookup_result("b") == 0  # at once
+    finally:
+        adapter.close()

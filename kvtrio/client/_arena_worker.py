@@ -145,9 +145,9 @@ class ArenaCopies:
             if isinstance(reply, StoreReply | RetrieveReply):
                 chunks = span.hashes_of(reply.slots, status)
                 if chunks and status == "write":
-                    self._send(Commit(span.request_id, failed=chunks))
+                    self._send(Commit(span.wire_id, failed=chunks))
                 elif chunks:
-                    self._send(Release(span.request_id, chunks))
+                    self._send(Release(span.wire_id, chunks))
 
     # ----------------------------------------------------------------- store
 
@@ -183,7 +183,7 @@ class ArenaCopies:
                 future.add_done_callback(lambda f: self._abandon(span, f, "write"))
             if unregistered:
                 self._on_not_registered()
-            commit = Commit(rid, tuple(written), tuple(failed))
+            commit = Commit(span.wire_id, tuple(written), tuple(failed))
             commits = [self._commit(rid, commit)] if written or failed else []
         return commits
 
@@ -263,7 +263,6 @@ class ArenaCopies:
         L2 load is under way), else as soon as the first chunk's load is done; the chunks still
         loading are asked for again before the ready ones are copied."""
         layout, arena = self.layout, self._mapped()
-        rid = span.request_id
         result = Retrieved()
         loaded, causes = result.loaded, result.causes
         start = 0
@@ -302,7 +301,7 @@ class ArenaCopies:
                     loaded.add(slot.chunk)
         finally:
             if read:
-                self._send(Release(rid, tuple(read)))
+                self._send(Release(span.wire_id, tuple(read)))
             if future is not None:  # only after a copy raised
                 future.add_done_callback(lambda f: self._abandon(span, f, "read"))
             if unregistered:

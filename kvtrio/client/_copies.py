@@ -33,6 +33,7 @@ from ..protocol import (
     RetrieveReply,
     Store,
     StoreReply,
+    wire_request_id,
 )
 from ..transfer import KVLayout
 from ._failures import Failures
@@ -142,6 +143,11 @@ class Span:
     def chunks(self) -> int:
         return len(self.hashes)
 
+    @property
+    def wire_id(self) -> str:
+        """The request's id in messages (:func:`~kvtrio.protocol.wire_request_id`)."""
+        return wire_request_id(self.request_id)
+
     def store(self, batch: range | None = None, **fields: Any) -> Store:
         """The store of a batch of chunks (indices into ``hashes``; all of them if None),
         linked to the chunk before it."""
@@ -153,7 +159,7 @@ class Span:
             names = self.event_hashes[first - self.event_first : stop - self.event_first]
             fields.setdefault("block_hashes", tuple(names))
         return Store(
-            self.request_id,
+            self.wire_id,
             *self.tokens(batch),
             self.hashes[batch.start : batch.stop],
             parent_hash=self.hashes[batch.start - 1] if batch.start else self.parent,
@@ -163,7 +169,7 @@ class Span:
     def retrieve(self, start: int, **fields: Any) -> Retrieve:
         """A partial retrieve of chunks ``start …`` (indices into ``hashes``) to the end."""
         return Retrieve(
-            self.request_id,
+            self.wire_id,
             (self.first + start) * self.chunk_size,
             (self.first + self.chunks) * self.chunk_size,
             self.hashes[start:],

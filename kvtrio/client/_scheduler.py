@@ -27,6 +27,7 @@ from ..protocol import (
     PromptChunks,
     Reply,
     prompt_chunks,
+    wire_request_id,
 )
 from ._identity import EngineIdentity
 from ._sync import Client
@@ -245,7 +246,7 @@ class SchedulerAdapter:
 
     def _submit(self, request_id: str, hashes: tuple[bytes, ...]) -> Future[Reply]:
         lookup = Lookup(
-            request=request_id,
+            request=wire_request_id(request_id),
             model=self.model_name,
             world_size=self.world_size,
             chunk_hashes=hashes,
@@ -270,7 +271,7 @@ class SchedulerAdapter:
                 batch = LookupBatch(
                     model=self.model_name,
                     world_size=self.world_size,
-                    requests=tuple(request_id for request_id, _ in part),
+                    requests=tuple(wire_request_id(request_id) for request_id, _ in part),
                     chunk_hashes=tuple(queued.hashes for _, queued in part),
                     tenant=self.tenant,
                     engine=self.engine_id,
@@ -348,12 +349,14 @@ class SchedulerAdapter:
 
     def free_lookup_locks(self, request_id: str) -> None:
         """Release the pins of ``request_id``'s lookup without ending it (no load will come)."""
-        self._send(FreeLookupLocks(request_id, self.model_name, self.tenant, self.engine_id))
+        wire = wire_request_id(request_id)
+        self._send(FreeLookupLocks(wire, self.model_name, self.tenant, self.engine_id))
 
     def end_session(self, request_id: str) -> None:
         """The request is finished or aborted: release everything it holds at the server."""
         self.cleanup_lookup_result(request_id)
-        self._send(EndSession(request_id, self.model_name, self.tenant, self.engine_id))
+        wire = wire_request_id(request_id)
+        self._send(EndSession(wire, self.model_name, self.tenant, self.engine_id))
 
     def _send(self, request: EndSession | FreeLookupLocks) -> None:
         """Send without waiting for the answer. No done callback: a pending future with one

@@ -17,6 +17,7 @@ from ._bounds import (
     BoundError,
     bound_rows,
     check_request,
+    wire_request_id,
 )
 from ._cache import (
     MAX_HASHES,
@@ -215,4 +216,5 @@ __all__ = [
     "replay_endpoint",
     "tenant_problem",
     "token_chunk_hashes",
+    "wire_request_id",
 ]

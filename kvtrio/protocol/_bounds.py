@@ -19,6 +19,7 @@ hash list of a ``lookup_batch`` fails its own lookup, not the batch.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
@@ -55,6 +56,7 @@ __all__ = [
     "BoundError",
     "bound_rows",
     "check_request",
+    "wire_request_id",
 ]
 
 MAX_ID_LENGTH = 512
@@ -83,6 +85,17 @@ MAX_LAYERS = 1 << 12
 MAX_DIMS = 8
 """Dimensions of a CUDA layer's shape and stride (a paged KV tensor has 3 to 5)."""
 _INT64 = (1 << 63) - 1
+
+
+def wire_request_id(request_id: str) -> str:
+    """The id a client sends for the engine request ``request_id``: the id itself, or for one
+    longer than ``MAX_ID_LENGTH`` characters (a long ``X-Request-Id``) ``sha256:`` and its
+    digest, so that such a request is cached as any other instead of refused. Every message of
+    one request maps its id the same way (the scheduler's pins are the worker's to consume)."""
+    if len(request_id) <= MAX_ID_LENGTH:
+        return request_id
+    return "sha256:" + hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
+
 
 Kind = Literal["int", "str", "bytes", "bool", "array", "map"]
 

@@ -66,6 +66,29 @@ def test_store_lookup_retrieve_into_other_blocks_bytes_equal(
     assert cache(server).leases == 0
 
 
+def test_a_request_id_longer_than_the_bound_is_cached_as_any_other(
+    workers: Callable[..., Worker],
+    scheduler: Callable[..., SchedulerAdapter],
+    server: ServerProcess,
+) -> None:
+    """Issue 32 bounded request ids at 512 characters; a longer engine id (a long
+    ``X-Request-Id``) travels as its digest, the same from the scheduler and the worker, so its
+    store, lookup, retrieve and end hit and release as a short id's do (not ``bad_request``)."""
+    long_store, long_read = "s" * 600, "r" * 5000
+    worker = workers("m", 1, 0, "vllm_cpu")
+    sched = scheduler()
+    worker("fill", seed=3)
+    before = [worker.digests(chunk_blocks(SOURCE, c)) for c in range(10)]
+    worker.store(long_store, PROMPT, SOURCE)
+    assert lookup(sched, long_read, PROMPT) == 10 * CHUNK
+    assert cache(server).l1_pins > 0
+    assert worker.retrieve(long_read, PROMPT, TARGET, end=10 * CHUNK) == []
+    assert_same_bytes(worker, before, TARGET, 10)
+    sched.end_session(long_read)
+    wait_for(lambda: cache(server).l1_pins == 0, what="every pin to be released")
+    assert cache(server).leases == 0
+
+
 def test_a_retrieve_leaves_the_blocks_the_engine_has_alone(
     workers: Callable[..., Worker], scheduler: Callable[..., SchedulerAdapter]
 ) -> None:

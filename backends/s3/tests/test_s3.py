@@ -11,10 +11,10 @@ import obstore
 import pytest
 import trio
 import trio.testing
-from conftest import BUCKET, options_for
 from kvtrio_s3 import S3Backend, S3Options
 from obstore.store import S3Store
 
+from conftest import BUCKET, options_for
 from kvtrio.errors import ConfigError
 from kvtrio.l2 import (
     HEADER_SIZE,

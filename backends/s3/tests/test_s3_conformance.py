@@ -7,9 +7,9 @@ from contextlib import asynccontextmanager
 
 import pytest
 import trio
-from conftest import options_for
 from kvtrio_s3 import S3Backend
 
+from conftest import options_for
 from kvtrio.l2 import Backend
 from kvtrio.testing import BackendConformance, SeaweedFS, seaweedfs
 

@@ -10,6 +10,7 @@ from ._common import curve_options
 from ._copies import LoadStoreOp
 from ._events import EventIndex, subscribe
 from ._identity import EngineIdentity
+from ._placement import ThreadPlacement
 from ._relay import EventRelay
 from ._scheduler import SchedulerAdapter
 from ._sync import Client
@@ -24,6 +25,7 @@ __all__ = [
     "EventRelay",
     "LoadStoreOp",
     "SchedulerAdapter",
+    "ThreadPlacement",
     "WorkerAdapter",
     "chunk_hashes",
     "connect_waiting",

@@ -49,6 +49,7 @@ from ._common import (
     dealer_options,
 )
 from ._connection import Connection
+from ._placement import INHERITED, ThreadPlacement
 from ._state import Call, ClientState, Outcome, ReplyFuture, ServerChange
 
 __all__ = ["Client"]
@@ -70,6 +71,7 @@ class Client:
     here, at construction. ``server_key`` / ``client_key``: CURVE credentials for ``tcp://``;
     ``insecure``: none, a plain connection to a server started with ``--insecure``
     (:func:`~kvtrio.client._common.curve_options`; missing keys are a ``ConfigError`` here).
+    ``placement``: where the client's I/O thread runs (:class:`ThreadPlacement`).
     """
 
     def __init__(
@@ -83,8 +85,10 @@ class Client:
         server_key: str | None = None,
         client_key: str | None = None,
         insecure: bool | None = None,
+        placement: ThreadPlacement = INHERITED,
     ) -> None:
         checked = check_endpoint(endpoint)
+        self._placement = placement
         curve = curve_options(checked, server_key, client_key, insecure)
         self._options = {**dealer_options(), **curve}
         self._met = threading.Event()  # set at the first server's hello answer
@@ -392,6 +396,7 @@ class Client:
     def _run(self) -> None:
         """The background thread: open the sockets, connect, run :class:`Background` until the
         client closes; then fail what is still pending with ``ClientClosed``."""
+        self._placement.apply()
         shared = self._shared
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)

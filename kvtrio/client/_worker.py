@@ -3,7 +3,9 @@
 CPU engines own their KV tensors; the server only assigns arena slots. This adapter copies
 between the tensors and the slots in its own transfer thread (numpy, single-threaded: the engine
 owns the other cores), so the engine's step loop only queues work and polls
-:meth:`WorkerAdapter.get_finished`. It never raises into the step loop and never needs the engine
+:meth:`WorkerAdapter.get_finished`. That thread and the client's I/O thread run where the
+adapter's :class:`~._placement.ThreadPlacement` says: off the engine's compute cores.
+It never raises into the step loop and never needs the engine
 to restart: when it meets a new server instance it registers again by itself, and a refused or
 failed registration is retried with backoff (logged once per reason, counted in
 :meth:`WorkerAdapter.metrics`); while the server is away, stores fail and retrieves report every
@@ -56,6 +58,7 @@ from ._copies import LoadStoreOp, Retrieved, Span, WorkerCopies, when_all
 from ._cuda_worker import CudaCopies, is_cuda_cache
 from ._failures import Failures
 from ._identity import EngineIdentity
+from ._placement import INHERITED, ThreadPlacement
 from ._registration import Current, Registrar
 from ._sync import Client
 from ._tensors import describe_kv_caches
@@ -84,8 +87,10 @@ class WorkerAdapter:
         cuda_runtime: CudaRuntime | None = None,
         server_key: str | None = None,
         client_key: str | None = None,
+        placement: ThreadPlacement = INHERITED,
     ) -> None:
         self.model_name = model_name
+        self.placement = placement
         self.world_size = world_size
         self.kv_rank = kv_rank
         self.block_size = block_size
@@ -99,7 +104,9 @@ class WorkerAdapter:
         """How this rank's bytes move: chosen by :meth:`register_kv_caches`."""
         self._lock = threading.Lock()
         self.failures = Failures()
-        self._transfers = ThreadPoolExecutor(1, thread_name_prefix=f"kvtrio-transfer-{kv_rank}")
+        self._transfers = ThreadPoolExecutor(
+            1, thread_name_prefix=f"kvtrio-transfer-{kv_rank}", initializer=placement.apply
+        )
         self._pending_stores: collections.Counter[str] = collections.Counter()
         self._open_stores: set[Future[None]] = set()  # submitted, commits not answered yet
         self._pending_retrieves: collections.Counter[str] = collections.Counter()
@@ -114,6 +121,7 @@ class WorkerAdapter:
             on_server_change=self._on_server_change,
             server_key=server_key,
             client_key=client_key,
+            placement=placement,
         )
         self._registration = Registrar(
             self.client, self._register_request, self._attach, self._transfers, self.failures,
@@ -122,15 +130,20 @@ class WorkerAdapter:
 
     @classmethod
     def from_identity(
-        cls, identity: EngineIdentity, *, cuda_runtime: CudaRuntime | None = None
+        cls,
+        identity: EngineIdentity,
+        *,
+        cuda_runtime: CudaRuntime | None = None,
+        placement: ThreadPlacement = INHERITED,
     ) -> WorkerAdapter:
-        """The worker adapter of rank ``identity.kv_rank`` of the engine ``identity`` names."""
+        """The worker adapter of rank ``identity.kv_rank`` of the engine ``identity`` names;
+        its threads run where ``placement`` says."""
         i = identity
         return cls(i.server_url, i.model_name, i.world_size, i.kv_rank, i.block_size,
                    tenant=i.tenant, engine_id=i.engine_id, timeout=i.timeout,
                    cuda_runtime=cuda_runtime, server_key=i.server_key,
                    client_key=i.client_key, hash_scheme=i.hash_scheme,
-                   hash_seed=i.hash_seed)  # fmt: skip
+                   hash_seed=i.hash_seed, placement=placement)  # fmt: skip
 
     # ----------------------------------------------------------------- registration
 

@@ -26,6 +26,7 @@ backend which kernels it runs, when a worker registers).
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -41,6 +42,7 @@ except ImportError:  # pragma: no cover - older vLLM: `load_policy=auto` never l
 from vllm.v1.request import RequestStatus
 
 from ..client import EngineIdentity, SchedulerAdapter, WorkerAdapter
+from ._cores import affinity, worker_placement
 from ._engine_keys import key_scheme
 from ._events import EngineEvents, event_hashes_of
 from ._kv_groups import unsupported_kv_cache
@@ -103,6 +105,30 @@ def _int_block_hashes() -> bool:
 
 
 log = logging.getLogger("kvtrio.vllm")
+
+
+def _cpu_cores(
+    vllm_config: VllmConfig,
+) -> tuple[frozenset[int] | None, frozenset[int], frozenset[int] | None]:
+    """For a worker of a CPU engine: the cores every rank computes on, those vLLM reserves for
+    other work, and those the engine may use (:func:`._cores.worker_placement`'s arguments),
+    as vLLM's own OpenMP set-up computed them; ``(None, ∅, None)`` for other engines."""
+    if getattr(vllm_config.device_config, "device_type", None) != "cpu":
+        return None, frozenset(), None
+    own = affinity(0)  # torch bound this thread to this rank's compute cores
+    allowed = (affinity(os.getppid()) or frozenset()) | (own or frozenset())
+    try:
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+        manager = OMPProcessManager(vllm_config)
+        lists: list[list[int]] = manager.cpu_lists
+        reserved = frozenset(manager.reserved_cpu_list)
+    except Exception as exc:  # another vLLM: this rank's own cores, where it is the only one
+        log.debug("kvtrio: vLLM's OpenMP core lists unknown (%r)", exc)
+        alone = vllm_config.parallel_config.world_size == 1
+        return (own if alone else None), frozenset(), allowed
+    compute = frozenset(cpu for cpus in lists for cpu in cpus) if lists else own
+    return compute, reserved, allowed
 
 
 class KvtrioConnectorMetadata(KVConnectorMetadata, StepPlan):  # type: ignore[misc]
@@ -193,7 +219,10 @@ class KvtrioConnector(KVConnectorBase_V1):
             if options.events:
                 self._events = EngineEvents(options)
         else:
-            self._worker = WorkerSide(WorkerAdapter.from_identity(identity), vllm_config)
+            placement, where = worker_placement(*_cpu_cores(vllm_config))
+            log.log(logging.WARNING if placement.nice else logging.INFO, "kvtrio: %s", where)
+            worker = WorkerAdapter.from_identity(identity, placement=placement)
+            self._worker = WorkerSide(worker, vllm_config)
         log.info(
             "kvtrio connector (%s) for %s at %s, keys: %s",
             role.name, model, options.url, keys.hash_scheme,

@@ -1,0 +1,38 @@
+"""Where a CPU worker's kvtrio threads run: the cores the engine does not compute on."""
+
+from __future__ import annotations
+
+from kvtrio.integration._cores import SHARED_NICE, worker_placement
+
+
+def test_kvtrio_takes_the_cores_vllm_reserves() -> None:
+    placement, said = worker_placement(frozenset({0, 1, 2}), frozenset({3}), frozenset(range(4)))
+    assert placement.cpus == frozenset({3})
+    assert placement.nice == 0
+    assert "CPUs 3" in said
+    assert "CPUs 0-2" in said
+
+
+def test_without_a_reservation_the_cores_nobody_computes_on() -> None:
+    # VLLM_CPU_OMP_THREADS_BIND given by hand: vLLM reserves nothing, every rank's cores count
+    placement, _ = worker_placement(frozenset({0, 1, 4, 5}), frozenset(), frozenset(range(8)))
+    assert placement.cpus == frozenset({2, 3, 6, 7})
+
+
+def test_every_core_computing_means_sharing_at_a_lower_priority() -> None:
+    placement, said = worker_placement(frozenset({0, 1}), frozenset(), frozenset({0, 1}))
+    assert placement.cpus is None
+    assert placement.nice == SHARED_NICE
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in said
+
+
+def test_unknown_cores_leave_the_threads_where_they_are() -> None:
+    placement, _ = worker_placement(None)
+    assert placement.cpus is None
+    assert placement.nice == 0
+
+
+def test_a_reserved_core_that_also_computes_is_not_taken() -> None:
+    placement, _ = worker_placement(frozenset({0, 1}), frozenset({1}), frozenset({0, 1}))
+    assert placement.cpus is None
+    assert placement.nice == SHARED_NICE

@@ -137,39 +137,55 @@ def mooncake_slice(
 def multiturn_rows(
     requests: int,
     seed: int,
-    vocab_size: int,
+    rate: float,
     *,
     turns: int = 6,
-    system_tokens: int = 256,
-    user_tokens: int = 96,
-    reply_tokens: int = 64,
+    system_blocks: int = 8,
+    user_blocks: int = 3,
+    reply_blocks: int = 2,
+    output_tokens: int = 32,
+    block: int = 32,
 ) -> list[dict[str, Any]]:
-    """Chats whose history grows each turn, several users interleaved, in request order.
+    """Chats whose history grows each turn, several users interleaved, in request order, as
+    rows of a timed trace (the client's ``timed_trace`` dataset: ``hash_ids`` of ``block``-token
+    blocks, each id always the same tokens within a run).
 
     Every user's conversation starts with one system prompt (the same for all users, as an
     application's), then per turn a user message; turn ``t``'s prompt is the system prompt,
     every earlier turn's message and a reply, and the new message. The replies are written
-    here (random tokens, as a client resending the model's earlier answers would), not taken
+    here (new blocks, as a client resending the model's earlier answers would), not taken
     from the engine's outputs: the requests are fixed in advance. Users take turns round-robin
     (turn 1 of every user, then turn 2, …): the next turn of one user comes ``users`` requests
-    later. ``ceil(requests / turns)`` users; the last round may be short."""
+    later. ``ceil(requests / turns)`` users; the last round may be short. Arrivals: a Poisson
+    process at ``rate`` per second (seeded), ``timestamp`` in milliseconds."""
     rng = random.Random(seed)
+    next_id = system_blocks
 
-    def text(count: int) -> list[str]:
-        return [_word(rng.randrange(len(SPECIAL), vocab_size)) for _ in range(count)]
+    def blocks(count: int) -> list[int]:
+        nonlocal next_id
+        next_id += count
+        return list(range(next_id - count, next_id))
 
     users = max(1, math.ceil(requests / turns))
-    system = text(system_tokens)
-    history = [list(system) for _ in range(users)]
-    rows = []
+    history = [list(range(system_blocks)) for _ in range(users)]
+    rows: list[dict[str, Any]] = []
+    clock = 0.0
     for _turn in range(turns):
         for user in range(users):
             if len(rows) >= requests:
                 return rows
-            message = text(user_tokens)
-            prompt = history[user] + message
-            rows.append({"prompt": " ".join(prompt), "user": user, "tokens": len(prompt)})
-            history[user] = prompt + text(reply_tokens)
+            prompt = history[user] + blocks(user_blocks)
+            rows.append(
+                {
+                    "timestamp": round(clock * 1000, 3),
+                    "input_length": len(prompt) * block,
+                    "output_length": output_tokens,
+                    "hash_ids": prompt,
+                    "user": user,
+                }
+            )
+            clock += rng.expovariate(rate)
+            history[user] = prompt + blocks(reply_blocks)
     return rows
 
 
@@ -200,27 +216,20 @@ class Workload:
                 "--random-range-ratio", "0", "--seed", str(seed),
             ], {"requests": n}  # fmt: skip
         if name == "multiturn":
-            rows = multiturn_rows(n, seed, self.vocab_size, turns=self.args.turns)
-            path = self.workdir / f"multiturn-{seed}.jsonl"
-            path.write_text("".join(json.dumps({"prompt": r["prompt"]}) + "\n" for r in rows))
-            return [
-                "--dataset-name", "custom", "--dataset-path", str(path), "--num-prompts", str(n),
-                "--request-rate", str(rate), "--disable-shuffle", "--skip-chat-template",
-                "--custom-output-len", str(self.args.output_tokens), "--ignore-eos",
-                "--seed", str(seed),
-            ], {
+            rows = multiturn_rows(
+                n, seed, rate, turns=self.args.turns, output_tokens=self.args.output_tokens
+            )
+            return self._timed_trace(f"multiturn-{seed}-{n}", rows, 32, 0.001), {
                 "requests": len(rows),
                 "users": max(r["user"] for r in rows) + 1,
-                "prompt_tokens_mean": sum(r["tokens"] for r in rows) / len(rows),
-            }  # fmt: skip
+                "prompt_tokens_mean": sum(r["input_length"] for r in rows) / len(rows),
+            }
         if name == "mooncake":
             rows = mooncake_slice(
                 self.args.trace, n, seed, token_scale=self.args.token_scale,
                 output_scale=self.args.output_scale, max_input=self.args.max_input,
                 max_output=self.args.max_output,
             )  # fmt: skip
-            path = self.workdir / f"mooncake-{seed}-{n}.jsonl"
-            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
             span_ms = rows[-1]["timestamp"] or 1
             # Timestamps (ms) × multiplier = seconds: the slice's average rate is ``rate``.
             multiplier = len(rows) / rate / span_ms
@@ -229,12 +238,7 @@ class Workload:
                 for r in rows
                 for h in r["hash_ids"][: math.ceil(r["input_length"] / self._block())]
             ]
-            return [
-                "--dataset-name", "timed_trace", "--dataset-path", str(path),
-                "--num-prompts", str(len(rows)),
-                "--timed-trace-chunk-hash-size", str(self._block()),
-                "--timed-trace-sec-multiplier", repr(multiplier), "--seed", str(seed),
-            ], {
+            return self._timed_trace(f"mooncake-{seed}-{n}", rows, self._block(), multiplier), {
                 "requests": len(rows),
                 "time_scale": multiplier * 1000,
                 "block_reuse": 1 - len(set(hashes)) / max(1, len(hashes)),
@@ -242,6 +246,18 @@ class Workload:
                 "output_tokens_mean": sum(r["output_length"] for r in rows) / len(rows),
             }  # fmt: skip
         raise ValueError(f"unknown workload {name!r}")
+
+    def _timed_trace(
+        self, name: str, rows: list[dict[str, Any]], block: int, multiplier: float
+    ) -> list[str]:
+        """Client arguments replaying ``rows`` (written to a file) with their own timing."""
+        path = self.workdir / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return [
+            "--dataset-name", "timed_trace", "--dataset-path", str(path),
+            "--num-prompts", str(len(rows)), "--timed-trace-chunk-hash-size", str(block),
+            "--timed-trace-sec-multiplier", repr(multiplier),
+        ]  # fmt: skip
 
     def _block(self) -> int:
         """Tokens per trace hash id once scaled (512 in the trace)."""

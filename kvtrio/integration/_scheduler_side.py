@@ -305,6 +305,7 @@ class SchedulerSide:
             op = transfer.op
             tokens = op.end - op.start - op.skip_first_n_tokens
             tier: Tier = "l2" if plan is not None and plan.load_tier == "l2" else "l1"
+            self._unqueue(transfer.request_id)  # (one load per request in flight)
             self._loading[transfer.request_id] = (now, tokens, tier, self._queued[tier])
             self._queued[tier] += tokens
         for request_id, (started, end) in list(self._computing.items()):
@@ -335,14 +336,20 @@ class SchedulerSide:
         load's time teaches its tier's line and judges its decision."""
         now = self._clock()
         for request_id in request_ids:
-            started = self._loading.pop(request_id, None)
+            started = self._unqueue(request_id)
             if started is None:
                 continue
             began, tokens, tier, queued = started
-            self._queued[tier] -= tokens
             log.debug("a load of %d tokens (%s) took %.1f ms", tokens, tier, (now - began) * 1e3)
             self.policy.model.observe_load(tokens, now - began, tier, queued)
             self.policy.load_measured(request_id, now - began)
+
+    def _unqueue(self, request_id: str) -> tuple[float, int, Tier, int] | None:
+        """Take the request's load out of the loads in flight (None: it had none)."""
+        loading = self._loading.pop(request_id, None)
+        if loading is not None:
+            self._queued[loading[2]] -= loading[1]
+        return loading
 
     def _hashes(self, request: Any) -> Sequence[bytes] | None:
         """The request's engine block hashes in hash mode (None in token mode)."""
@@ -363,9 +370,7 @@ class SchedulerSide:
         plan = self._plans.pop(request_id, None)
         self._requests.pop(request_id, None)
         self._ready = [t for t in self._ready if t.request_id != request_id]
-        loading = self._loading.pop(request_id, None)
-        if loading is not None:
-            self._queued[loading[2]] -= loading[1]
+        self._unqueue(request_id)
         self._skipped.pop(request_id, None)
         self._computing.pop(request_id, None)
         self.policy.forget(request_id)

@@ -269,6 +269,16 @@ class LoadPolicy:
         estimate: ``regret_loads``, ``regret_skips``, ``regret_explored`` of those explored)
         and ``regret_ms`` (by how much, summed)."""
         self._pending: dict[str, _Pending] = {}
+        self._reported: collections.Counter[str] = collections.Counter()
+
+    def since_last(self) -> dict[str, int]:
+        """What the counters gained since the last call (the first: since the start); {} if
+        nothing. For vLLM's periodic stats, which sum these per interval."""
+        if self.stats == self._reported:
+            return {}
+        delta = {name: self.stats[name] - self._reported[name] for name in self.COUNTERS}
+        self._reported = self.stats.copy()
+        return {name: value for name, value in delta.items() if value}
 
     def load(self, request_id: str, tokens: int) -> bool:
         """Whether to load ``tokens`` L1 tokens of request ``request_id`` (idle engine, no

@@ -243,3 +243,16 @@ def test_a_decision_takes_microseconds() -> None:
         model.decide(2000, 1000, queued_l1=10, backlog=10)
     assert [line._fit for line in fitted.values()] == fits
     assert all(fit is not None for fit in fits)
+
+
+def test_the_counters_gained_since_the_last_look_for_vllms_stats() -> None:
+    policy = LoadPolicy("auto", contended_model())
+    assert policy.since_last() == {}
+    policy.decide("a", 1000, 1000)
+    policy.decide("b", 1000, 0)
+    assert policy.since_last() == {
+        "loads": 1, "saved_ms": 5, "skipped": 1, "skipped_idle": 1, "skipped_tokens": 1000,
+    }  # fmt: skip
+    assert policy.since_last() == {}
+    policy.load_measured("a", 0.001)
+    assert policy.since_last() == {"judged": 1}

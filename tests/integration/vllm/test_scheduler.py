@@ -207,6 +207,19 @@ def test_auto_loads_the_l1_part_of_a_hit_and_computes_the_rest(
     assert result.output == engine.results["loaded"].output
     assert (side.policy.stats["split"], side.policy.stats["judged"]) == (1, 1)
     assert_no_pins(kvtrio)
+    # The counters reach vLLM's own periodic stats line, summed over its interval.
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    summed = KVConnectorLogging(engine.config.kv_transfer_config)
+    for data in engine.connector_stats:
+        summed.observe(data)
+    lines: list[str] = []
+    summed.log(lambda message, *args: lines.append(message % args))
+    (line,) = lines
+    assert line.startswith("KV Transfer metrics: ")
+    assert "loads=2" in line
+    assert "split=1" in line
+    assert "judged=1" in line
 
 
 def test_requests_opt_out_with_kv_transfer_params(

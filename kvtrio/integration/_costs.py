@@ -227,9 +227,12 @@ class CostModel:
             return LoadDecision(tokens, load, compute, explored=True, chosen_seconds=full,
                                 alternative_seconds=compute, wait_seconds=wait)  # fmt: skip
         reason: SkipReason = "idle" if backlog <= 0 else "slower"
-        if queued:  # would it pay without the loads in flight?
+        if queued or (rest is not None and queued_l1):  # would it pay with no load in flight?
             alone = self._lines[tier].seconds(tokens)
-            if alone is not None and max(alone, wait) < compute:
+            alone_l1 = self._lines["l1"].seconds(l1) if rest is not None else None
+            if (alone is not None and max(alone, wait) < compute) or (
+                alone_l1 is not None and rest is not None and max(alone_l1, wait) + rest < compute
+            ):
                 reason = "contention"
         return LoadDecision(0, load, compute, reason=reason, chosen_seconds=compute,
                             alternative_seconds=best_load, wait_seconds=wait)  # fmt: skip
@@ -241,14 +244,6 @@ class CostModel:
             self._explore_gap = self.explore_every
         else:
             self._explore_gap = min(self.max_explore_every, self._explore_gap * 2)
-
-
-@attrs.define
-class _Pending:
-    """A decision waiting for its measurement."""
-
-    decision: LoadDecision
-    hit_tokens: int
 
 
 class LoadPolicy:
@@ -268,7 +263,8 @@ class LoadPolicy:
         afterwards), ``regret`` (of them, the choice turned out slower than the alternative's
         estimate: ``regret_loads``, ``regret_skips``, ``regret_explored`` of those explored)
         and ``regret_ms`` (by how much, summed)."""
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, LoadDecision] = {}
+        """Decisions waiting for their measurement, by request."""
         self._reported: collections.Counter[str] = collections.Counter()
 
     def since_last(self) -> dict[str, int]:
@@ -303,7 +299,7 @@ class LoadPolicy:
         decision = self.model.decide(tokens, l1_tokens, queued_l1=queued_l1,
                                      queued_l2=queued_l2, backlog=backlog)  # fmt: skip
         if decision.alternative_seconds is not None:
-            self._pending[request_id] = _Pending(decision, tokens)
+            self._pending[request_id] = decision
         if decision.load:
             self.stats["loads"] += 1
             if decision.split:
@@ -330,20 +326,19 @@ class LoadPolicy:
 
     def load_measured(self, request_id: str, seconds: float) -> None:
         """Request ``request_id``'s load took ``seconds``: judge its decision."""
-        pending = self._pending.pop(request_id, None)
-        if pending is None or not pending.decision.load:
+        decision = self._pending.pop(request_id, None)
+        if decision is None or not decision.load:
             return
-        decision = pending.decision
         actual = max(seconds, decision.wait_seconds) + decision.rest_seconds
         self._judge(decision, actual, "regret_loads")
 
     def compute_measured(self, request_id: str, seconds: float) -> None:
         """Request ``request_id``'s skipped hit was computed ``seconds`` after its blocks were
         allocated: judge its decision."""
-        pending = self._pending.pop(request_id, None)
-        if pending is None or pending.decision.load:
+        decision = self._pending.pop(request_id, None)
+        if decision is None or decision.load:
             return
-        self._judge(pending.decision, seconds, "regret_skips")
+        self._judge(decision, seconds, "regret_skips")
 
     def _judge(self, decision: LoadDecision, actual: float, kind: str) -> None:
         alternative = decision.alternative_seconds
@@ -365,8 +360,7 @@ class LoadPolicy:
 
     def pending(self, request_id: str) -> LoadDecision | None:
         """The decision on ``request_id``'s hit still waiting for its measurement."""
-        pending = self._pending.get(request_id)
-        return None if pending is None else pending.decision
+        return self._pending.get(request_id)
 
     COUNTERS = (
         "loads", "split", "explored", "saved_ms", "skipped", "skipped_slower",

@@ -256,3 +256,12 @@ def test_the_counters_gained_since_the_last_look_for_vllms_stats() -> None:
     assert policy.since_last() == {}
     policy.load_measured("a", 0.001)
     assert policy.since_last() == {"judged": 1}
+
+
+def test_contention_is_named_where_only_the_split_would_have_paid() -> None:
+    model = contended_model()
+    # 2,000 tokens, 1,000 in L1: the split pays alone (15 ms against 20 ms), not behind
+    # 5,000 L1 tokens in flight (2 + 18 + 10 = 30 ms); loading all from L2 never does.
+    assert model.decide(2000, 1000).split
+    crowded = model.decide(2000, 1000, queued_l1=5000)
+    assert (crowded.tokens, crowded.reason) == (0, "contention")

@@ -60,14 +60,15 @@ def _batches(queue: list[tuple[str, _Queued]], world_size: int) -> list[list[tup
 
 class _Queued:
     """A lookup: its prompt's chunks, then (once sent) the future of its message and its index
-    in the batch (-1: sent alone)."""
+    in the batch (-1: sent alone), then (once answered) the tokens of its hit's L1 part."""
 
-    __slots__ = ("batch", "chunks", "index")
+    __slots__ = ("batch", "chunks", "index", "l1_tokens")
 
     def __init__(self, chunks: PromptChunks, batch: Future[Reply] | None = None) -> None:
         self.chunks = chunks
         self.batch = batch
         self.index = -1
+        self.l1_tokens: int | None = None
 
     @property
     def hashes(self) -> tuple[bytes, ...]:
@@ -329,10 +330,22 @@ class SchedulerAdapter:
                     log.debug("lookup of %s failed: %s", request_id, failure.message)
                     return 0
             hit_tokens = reply.hit_tokens[entry.index]
+            l1 = reply.l1_chunks[entry.index] if entry.index < len(reply.l1_chunks) else -1
         else:
             assert isinstance(reply, LookupReply)
-            hit_tokens = reply.hit_tokens
-        return entry.chunks.covered(hit_tokens // entry.chunks.chunk_size)
+            hit_tokens, l1 = reply.hit_tokens, reply.l1_chunks
+        hit_chunks = hit_tokens // entry.chunks.chunk_size
+        # (A server older than ``l1_chunks`` does not say: the whole hit counts as L1.)
+        entry.l1_tokens = entry.chunks.covered(hit_chunks if l1 < 0 else min(l1, hit_chunks))
+        return entry.chunks.covered(hit_chunks)
+
+    def lookup_l1_tokens(self, request_id: str) -> int | None:
+        """Of the hit :meth:`check_lookup_result` answered for ``request_id``, the leading
+        tokens that were in the server's L1 (the rest come from its L2 backends); None before
+        that answer or after :meth:`cleanup_lookup_result`."""
+        with self._lock:
+            entry = self._lookups.get(request_id)
+        return entry.l1_tokens if isinstance(entry, _Queued) else None
 
     def _unbatched(self, request_id: str, queued: _Queued) -> None:
         """The server has no ``lookup_batch``: send this lookup alone (and no more batches)."""

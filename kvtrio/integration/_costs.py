@@ -10,40 +10,117 @@ engine measures them, no calibration run needed:
 * **compute**: seconds per token of the engine's prefill steps (the time from a step's
   scheduling to its output, over the tokens it scheduled; only steps with at least
   ``min_step_tokens`` tokens count, so decode steps do not inflate it);
-* **load**: ``fixed + per_token × tokens``, a least-squares line through the last loads (from
-  the step that handed a load to the workers to the step that reported it done).
+* **load**, per tier (``l1``: every chunk in the server's L1; ``l2``: some chunks come from its
+  L2 backends first): ``fixed + per_token × (tokens + queued)``, a least-squares line through
+  the tier's last loads, where ``queued`` are the tokens of the tier's loads still in flight
+  when the load started (loads in flight share the memory bus, the disk, the network: a load
+  queued behind others takes longer, and the line learns by how much).
 
-:meth:`CostModel.worth_loading` says yes while either cost is unknown (the first loads teach
-it), and no when the load would take longer than computing the same tokens. A hit that does not
-pay is still loaded now and then (every ``explore_every``-th), so the model follows a changing
-machine (an L2 that became fast, a cache that warmed up). Time and counters only: no vLLM here.
+A hit is judged where it waits (:meth:`CostModel.decide`), with what the scheduler sees then:
+the loads in flight per tier and the engine's prefill **backlog** (prompt tokens it has yet to
+compute for the requests it runs, ahead of this one). With ``c`` the compute seconds per token,
+``B`` the backlog and ``N`` the hit's tokens, the engine would have computed the hit at
+``(B + N)·c``; a load of time ``L`` lets the request compute its rest at ``max(L, B·c)``: a
+load that finishes after the engine would have computed the tokens anyway does not pay, one
+that finishes while the request would still be queued costs nothing. Three choices: load the
+whole hit, load only its L1 part and compute the L2 part (``split``: ``max(L₁, B·c) + N₂·c``),
+or compute it all; the fastest wins (computing on a tie).
+
+While a cost is unknown the hit is loaded (the first loads teach it). A hit that does not pay
+is still loaded now and then (``explore_every``-th skip), so the model follows a changing
+machine (an L2 that became fast, a cache that warmed up); an exploration that turns out slower
+doubles the gap to the next (up to ``max_explore_every``), one that pays resets it.
+:class:`LoadPolicy` counts the decisions and their **regret**: afterwards, the measured time of
+the choice against the estimate of the alternative. Time and counters only: no vLLM here.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import json
 import logging
 import statistics
 import time
+from typing import Literal
 
 import attrs
 
-__all__ = ["CostModel", "LoadDecision", "LoadPolicy", "Measurements"]
+__all__ = ["CostModel", "LoadDecision", "LoadPolicy", "Measurements", "Tier"]
 
 log = logging.getLogger("kvtrio.vllm")
+
+Tier = Literal["l1", "l2"]
+SkipReason = Literal["slower", "contention", "idle"]
 
 
 @attrs.frozen
 class LoadDecision:
-    """A decision on one hit: load it or not, and the estimates behind it (seconds; None if
-    unknown)."""
+    """A decision on one hit: how many of its tokens to load (0: compute them all; the L1 part:
+    a split; all), and the estimates behind it (seconds from now until the hit's tokens are in
+    the engine, the request's own rest left out; None if unknown)."""
 
-    load: bool
+    tokens: int
+    """Tokens to load, the leading ones of the hit."""
     load_seconds: float | None
+    """The load of the whole hit (its tier, the loads in flight included)."""
     compute_seconds: float | None
+    """Computing the hit, behind the engine's backlog."""
+    split: bool = False
+    """Only the hit's L1 part is loaded; the L2 part is computed."""
     explored: bool = False
     """Loaded although it does not pay, to measure loading again."""
+    reason: SkipReason | None = None
+    """Why nothing is loaded: ``slower`` (the load takes longer than the engine's queue and
+    the prefill), ``contention`` (it would pay without the loads in flight), ``idle`` (the
+    engine has nothing queued: it computes the hit at once)."""
+    chosen_seconds: float | None = None
+    """The estimate of what was chosen."""
+    alternative_seconds: float | None = None
+    """The estimate of the best other choice (what regret compares with)."""
+    wait_seconds: float = 0.0
+    """``B·c``: a load shorter than this is hidden behind the engine's backlog."""
+    rest_seconds: float = 0.0
+    """A split's computing of the L2 part."""
+
+    @property
+    def load(self) -> bool:
+        return self.tokens > 0
+
+
+class _Line:
+    """One tier's load line: ``(fixed, per_token)`` through its last loads, fitted once per new
+    sample (not per decision)."""
+
+    def __init__(self, window: int) -> None:
+        self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+        self._fit: tuple[float, float] | None = None
+
+    def add(self, x: int, seconds: float) -> None:
+        self.samples.append((x, seconds))
+        self._fit = None
+
+    def seconds(self, x: int) -> float | None:
+        if not self.samples:
+            return None
+        fit = self._fit
+        if fit is None:
+            fit = self._fit = self._line()
+        return fit[0] + fit[1] * x
+
+    def _line(self) -> tuple[float, float]:
+        """Least squares, both terms ≥ 0; with loads of one size only, the median time split
+        as all per-token cost."""
+        sizes = [float(t) for t, _ in self.samples]
+        times = [s for _, s in self.samples]
+        if len(set(sizes)) < 2:
+            return 0.0, statistics.median(s / t for t, s in zip(sizes, times, strict=True))
+        slope, intercept = statistics.linear_regression(sizes, times)
+        if slope < 0:  # noise: fall back to the mean rate
+            return 0.0, sum(times) / sum(sizes)
+        if intercept < 0:
+            return 0.0, statistics.median(s / t for t, s in zip(sizes, times, strict=True))
+        return intercept, slope
 
 
 @attrs.define
@@ -56,99 +133,245 @@ class CostModel:
     window: int = 32
     """Samples kept of each kind."""
     explore_every: int = 16
-    """One in this many hits that do not pay is loaded anyway."""
+    """One in this many hits that do not pay is loaded anyway (at first)."""
+    max_explore_every: int = 256
+    """The gap between explorations grows up to this while they turn out slower."""
     _steps: collections.deque[float] = attrs.field(init=False)
-    _loads: collections.deque[tuple[int, float]] = attrs.field(init=False)
+    _per_token: float | None = attrs.field(init=False, default=None)
+    _lines: dict[str, _Line] = attrs.field(init=False)
     _skipped_in_a_row: int = attrs.field(init=False, default=0)
+    _explore_gap: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self._steps = collections.deque(maxlen=self.window)
-        self._loads = collections.deque(maxlen=self.window)
+        self._lines = {"l1": _Line(self.window), "l2": _Line(self.window)}
+        self._explore_gap = self.explore_every
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A step computed ``tokens`` tokens in ``seconds``."""
         if tokens >= self.min_step_tokens and seconds > 0:
             self._steps.append(seconds / tokens)
+            self._per_token = None
 
-    def observe_load(self, tokens: int, seconds: float) -> None:
-        """A load of ``tokens`` tokens took ``seconds``, as the request waited for it."""
+    def observe_load(self, tokens: int, seconds: float, tier: Tier = "l1", queued: int = 0) -> None:
+        """A load of ``tokens`` tokens from ``tier`` took ``seconds`` as the request waited for
+        it, started behind ``queued`` tokens of the tier's loads in flight."""
         if tokens > 0 and seconds >= 0:
-            self._loads.append((tokens, seconds))
+            self._lines[tier].add(tokens + max(0, queued), seconds)
 
     def compute_seconds(self, tokens: int) -> float | None:
         """What computing ``tokens`` tokens costs (None: no prefill step seen yet)."""
-        if not self._steps:
-            return None
-        return statistics.median(self._steps) * tokens
+        per_token = self.per_token()
+        return None if per_token is None else per_token * tokens
 
-    def load_seconds(self, tokens: int) -> float | None:
-        """What loading ``tokens`` tokens costs (None: no load seen yet)."""
-        if not self._loads:
-            return None
-        fixed, per_token = self._load_line()
-        return fixed + per_token * tokens
+    def per_token(self) -> float | None:
+        """The median prefill seconds per token (None: no prefill step seen yet)."""
+        if self._per_token is None and self._steps:
+            self._per_token = statistics.median(self._steps)
+        return self._per_token
 
-    def _load_line(self) -> tuple[float, float]:
-        """``(fixed, per_token)`` seconds: least squares through the loads, both ≥ 0; with
-        loads of one size only, the median time split as all per-token cost."""
-        sizes = [float(t) for t, _ in self._loads]
-        times = [s for _, s in self._loads]
-        if len(set(sizes)) < 2:
-            return 0.0, statistics.median(s / t for t, s in zip(sizes, times, strict=True))
-        slope, intercept = statistics.linear_regression(sizes, times)
-        if slope < 0:  # noise: fall back to the mean rate
-            return 0.0, sum(times) / sum(sizes)
-        if intercept < 0:
-            return 0.0, statistics.median(s / t for t, s in zip(sizes, times, strict=True))
-        return intercept, slope
+    def load_seconds(self, tokens: int, tier: Tier = "l1", queued: int = 0) -> float | None:
+        """What loading ``tokens`` tokens from ``tier`` costs behind ``queued`` tokens of
+        loads in flight (None: no load of the tier seen yet)."""
+        return self._lines[tier].seconds(tokens + queued)
 
     def worth_loading(self, tokens: int) -> LoadDecision:
-        """Whether loading ``tokens`` tokens beats computing them."""
-        load, compute = self.load_seconds(tokens), self.compute_seconds(tokens)
-        if load is None or compute is None or load < compute:
+        """Whether loading ``tokens`` L1 tokens beats computing them, alone on an idle engine."""
+        return self.decide(tokens, tokens)
+
+    def decide(
+        self,
+        tokens: int,
+        l1_tokens: int,
+        *,
+        queued_l1: int = 0,
+        queued_l2: int = 0,
+        backlog: int = 0,
+    ) -> LoadDecision:
+        """What to load of a hit of ``tokens`` tokens whose first ``l1_tokens`` are in L1,
+        with ``queued_l1`` / ``queued_l2`` tokens of loads in flight per tier and ``backlog``
+        prefill tokens ahead of it in the engine (see the module docstring). A few float
+        operations: the lines and the median are refitted when a sample comes, not here."""
+        l1 = max(0, min(l1_tokens, tokens))
+        l2 = tokens - l1
+        tier: Tier = "l2" if l2 else "l1"
+        queued = queued_l2 if l2 else queued_l1
+        load = self._lines[tier].seconds(tokens + queued)
+        per_token = self.per_token()
+        if load is None or per_token is None:
             self._skipped_in_a_row = 0
-            return LoadDecision(True, load, compute)
+            return LoadDecision(tokens, load, None if per_token is None else per_token * tokens)
+        wait = backlog * per_token
+        compute = wait + tokens * per_token
+        full = max(load, wait)
+        split = rest = None
+        if l1 and l2:
+            l1_load = self._lines["l1"].seconds(l1 + queued_l1)
+            if l1_load is not None:
+                rest = l2 * per_token
+                split = max(l1_load, wait) + rest
+        if full < compute and (split is None or full <= split):
+            self._skipped_in_a_row = 0
+            other = compute if split is None else min(compute, split)
+            return LoadDecision(tokens, load, compute, chosen_seconds=full,
+                                alternative_seconds=other, wait_seconds=wait)  # fmt: skip
+        if split is not None and rest is not None and split < compute:
+            self._skipped_in_a_row = 0
+            return LoadDecision(l1, load, compute, split=True, chosen_seconds=split,
+                                alternative_seconds=min(compute, full), wait_seconds=wait,
+                                rest_seconds=rest)  # fmt: skip
+        best_load = full if split is None else min(full, split)
         self._skipped_in_a_row += 1
-        if self._skipped_in_a_row >= self.explore_every:
+        if self._skipped_in_a_row >= self._explore_gap:
             self._skipped_in_a_row = 0
-            return LoadDecision(True, load, compute, explored=True)
-        return LoadDecision(False, load, compute)
+            return LoadDecision(tokens, load, compute, explored=True, chosen_seconds=full,
+                                alternative_seconds=compute, wait_seconds=wait)  # fmt: skip
+        reason: SkipReason = "idle" if backlog <= 0 else "slower"
+        if queued or (rest is not None and queued_l1):  # would it pay with no load in flight?
+            alone = self._lines[tier].seconds(tokens)
+            alone_l1 = self._lines["l1"].seconds(l1) if rest is not None else None
+            if (alone is not None and max(alone, wait) < compute) or (
+                alone_l1 is not None and rest is not None and max(alone_l1, wait) + rest < compute
+            ):
+                reason = "contention"
+        return LoadDecision(0, load, compute, reason=reason, chosen_seconds=compute,
+                            alternative_seconds=best_load, wait_seconds=wait)  # fmt: skip
+
+    def explored(self, paid: bool) -> None:
+        """An exploration's outcome: one that paid resets the gap between explorations, one
+        that did not doubles it (up to ``max_explore_every``)."""
+        if paid:
+            self._explore_gap = self.explore_every
+        else:
+            self._explore_gap = min(self.max_explore_every, self._explore_gap * 2)
 
 
 class LoadPolicy:
-    """The scheduler side's ``kvtrio.load_policy``: ``always`` loads every hit, ``auto`` only
-    the hits that :class:`CostModel` says pay. :attr:`stats` keeps the account."""
+    """The scheduler side's ``kvtrio.load_policy``: ``always`` loads every hit, ``auto`` what
+    :class:`CostModel` says pays. :attr:`stats` keeps the account, regret included: each
+    decision's measured outcome (:meth:`load_measured`, :meth:`compute_measured`) against its
+    alternative's estimate at the time."""
 
     def __init__(self, policy: str, model: CostModel) -> None:
         self.policy = policy
         self.model = model
         self.stats: collections.Counter[str] = collections.Counter()
-        """``loads``, ``skipped`` (hits computed as loading is slower), ``skipped_tokens``,
-        ``explored``, ``saved_ms`` (estimated: compute minus load, loads with both known)."""
+        """``loads`` (hits loaded, whole or split), ``split`` (of them, the L1 part only),
+        ``skipped`` (hits computed) and ``skipped_slower`` / ``skipped_contention`` /
+        ``skipped_idle`` by reason, ``skipped_tokens``, ``explored``, ``saved_ms`` (estimated:
+        computing minus the choice, loads with both known), ``judged`` (decisions measured
+        afterwards), ``regret`` (of them, the choice turned out slower than the alternative's
+        estimate: ``regret_loads``, ``regret_skips``, ``regret_explored`` of those explored)
+        and ``regret_ms`` (by how much, summed)."""
+        self._pending: dict[str, LoadDecision] = {}
+        """Decisions waiting for their measurement, by request."""
+        self._reported: collections.Counter[str] = collections.Counter()
+
+    def since_last(self) -> dict[str, int]:
+        """What the counters gained since the last call (the first: since the start); {} if
+        nothing. For vLLM's periodic stats, which sum these per interval."""
+        if self.stats == self._reported:
+            return {}
+        delta = {name: self.stats[name] - self._reported[name] for name in self.COUNTERS}
+        self._reported = self.stats.copy()
+        return {name: value for name, value in delta.items() if value}
 
     def load(self, request_id: str, tokens: int) -> bool:
-        """Whether to load ``tokens`` tokens of request ``request_id``."""
+        """Whether to load ``tokens`` L1 tokens of request ``request_id`` (idle engine, no
+        loads in flight)."""
+        return self.decide(request_id, tokens, tokens).load
+
+    def decide(
+        self,
+        request_id: str,
+        tokens: int,
+        l1_tokens: int,
+        *,
+        queued_l1: int = 0,
+        queued_l2: int = 0,
+        backlog: int = 0,
+    ) -> LoadDecision:
+        """What to load of request ``request_id``'s hit (see :meth:`CostModel.decide`); the
+        decision is counted and kept for its measurement."""
         if self.policy == "always":
             self.stats["loads"] += 1
-            return True
-        decision = self.model.worth_loading(tokens)
-        load, compute = decision.load_seconds, decision.compute_seconds
+            return LoadDecision(tokens, None, None)
+        decision = self.model.decide(tokens, l1_tokens, queued_l1=queued_l1,
+                                     queued_l2=queued_l2, backlog=backlog)  # fmt: skip
+        if decision.alternative_seconds is not None:
+            self._pending[request_id] = decision
         if decision.load:
             self.stats["loads"] += 1
-            self.stats["explored"] += decision.explored
-            if load is not None and compute is not None:
-                self.stats["saved_ms"] += round(max(0.0, compute - load) * 1e3)
-            return True
+            if decision.split:
+                self.stats["split"] += 1
+            if decision.explored:
+                self.stats["explored"] += 1
+            if decision.chosen_seconds is not None and decision.compute_seconds is not None:
+                saved = decision.compute_seconds - decision.chosen_seconds
+                self.stats["saved_ms"] += round(max(0.0, saved) * 1e3)
+            return decision
         self.stats["skipped"] += 1
+        self.stats[f"skipped_{decision.reason}"] += 1
         self.stats["skipped_tokens"] += tokens
         level = logging.INFO if self.stats["skipped"] == 1 else logging.DEBUG
         log.log(
             level,
-            "kvtrio: a hit of %d tokens (request %s) is computed, not loaded: loading takes "
-            "~%.1f ms, computing ~%.1f ms here (kvtrio.load_policy=always loads every hit)",
-            tokens, request_id, (load or 0.0) * 1e3, (compute or 0.0) * 1e3,
+            "kvtrio: a hit of %d tokens (request %s) is computed, not loaded (%s): loading "
+            "takes ~%.1f ms, computing ~%.1f ms here (kvtrio.load_policy=always loads every "
+            "hit)",
+            tokens, request_id, decision.reason, (decision.load_seconds or 0.0) * 1e3,
+            (decision.compute_seconds or 0.0) * 1e3,
         )  # fmt: skip
-        return False
+        return decision
+
+    def load_measured(self, request_id: str, seconds: float) -> None:
+        """Request ``request_id``'s load took ``seconds``: judge its decision."""
+        decision = self._pending.pop(request_id, None)
+        if decision is None or not decision.load:
+            return
+        actual = max(seconds, decision.wait_seconds) + decision.rest_seconds
+        self._judge(decision, actual, "regret_loads")
+
+    def compute_measured(self, request_id: str, seconds: float) -> None:
+        """Request ``request_id``'s skipped hit was computed ``seconds`` after its blocks were
+        allocated: judge its decision."""
+        decision = self._pending.pop(request_id, None)
+        if decision is None or decision.load:
+            return
+        self._judge(decision, seconds, "regret_skips")
+
+    def _judge(self, decision: LoadDecision, actual: float, kind: str) -> None:
+        alternative = decision.alternative_seconds
+        assert alternative is not None  # (only such decisions are kept)
+        self.stats["judged"] += 1
+        regret = actual > alternative
+        if decision.explored:
+            self.model.explored(paid=not regret)
+        if regret:
+            self.stats["regret"] += 1
+            self.stats[kind] += 1
+            if decision.explored:
+                self.stats["regret_explored"] += 1
+            self.stats["regret_ms"] += round((actual - alternative) * 1e3)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended before its decision could be measured."""
+        self._pending.pop(request_id, None)
+
+    def pending(self, request_id: str) -> LoadDecision | None:
+        """The decision on ``request_id``'s hit still waiting for its measurement."""
+        return self._pending.get(request_id)
+
+    COUNTERS = (
+        "loads", "split", "explored", "saved_ms", "skipped", "skipped_slower",
+        "skipped_contention", "skipped_idle", "skipped_tokens", "judged", "regret",
+        "regret_loads", "regret_skips", "regret_explored", "regret_ms",
+    )  # fmt: skip
+    """Every counter of :attr:`stats`, in :meth:`summary`'s order."""
+
+    def summary(self) -> str:
+        """The counters as one JSON object, every one of :data:`COUNTERS` (zeros too)."""
+        return json.dumps({name: self.stats[name] for name in self.COUNTERS})
 
 
 class Measurements:

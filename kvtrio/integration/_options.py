@@ -98,8 +98,9 @@ class ConnectorOptions:
         default="auto",
         validator=one_of("auto", "always"),
         metadata={
-            "help": "auto: load a hit only when this engine's own measurements say loading is "
-            "faster than computing it; always: load every hit"
+            "help": "auto: load a hit (or only its L1 part) only when this engine's own "
+            "measurements, the loads in flight and its prefill backlog say loading is faster "
+            "than computing it; always: load every hit"
         },
     )
     load_failure: str = attrs.field(

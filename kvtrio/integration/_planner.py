@@ -62,9 +62,12 @@ class RequestPlan:
     """Prefix of full chunks known to be in kvtrio: lookup hits, then stores issued."""
     tail_held: bool = False
     """The prompt's partial chunk is in kvtrio (a lookup hit it, or a store was issued)."""
-    worth_loading: bool | None = None
-    """The load policy's decision on this request's hit, once made (vLLM asks again at every
-    step until it can allocate the blocks: the hit is judged, and counted, once)."""
+    load_end: int | None = None
+    """The load policy's decision on this request's hit, once made: the token its load ends
+    at (at most the engine's own prefix: nothing loaded). vLLM asks again at every step until
+    it can allocate the blocks: the hit is judged, and counted, once."""
+    load_tier: str = "l1"
+    """Where the decided load comes from: ``l1``, or ``l2`` if some of its chunks do."""
     locked: bool = False
     """The lookup pinned chunks at kvtrio that no load has taken over yet."""
     stores: int = 0

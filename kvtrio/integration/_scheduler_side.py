@@ -11,12 +11,13 @@ skipped stores (the adapter fails fast and logs).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
 from ..client import SchedulerAdapter
-from ._costs import CostModel, LoadPolicy
+from ._costs import CostModel, LoadPolicy, Tier
 from ._engine_keys import KeyScheme, engine_root
 from ._options import ConnectorOptions, opted_out, request_switches
 from ._planner import (
@@ -31,6 +32,9 @@ from ._planner import (
 __all__ = ["SchedulerSide", "StepPlan"]
 
 log = logging.getLogger("kvtrio.vllm")
+
+REPORT_EVERY = 60.0
+"""Seconds between two INFO lines of the load policy's counters (while it decides)."""
 
 
 class StepPlan:
@@ -56,6 +60,7 @@ class SchedulerSide:
         block_size: int,
         adapter: SchedulerAdapter,
         keys: KeyScheme | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.options = options
         self.keys = keys if keys is not None else KeyScheme()
@@ -69,8 +74,24 @@ class SchedulerSide:
         self._step_waited = False  # a lookup was waited for in this scheduler step
         self._ready: list[PlannedTransfer] = []
         self._warned_chunk = False
-        self.costs = CostModel(min_step_tokens=max(64, 2 * block_size))
-        self.policy = LoadPolicy(options.load_policy, self.costs)
+        self.policy = LoadPolicy(
+            options.load_policy, CostModel(min_step_tokens=max(64, 2 * block_size))
+        )
+        self._clock = clock
+        self._loading: dict[str, tuple[float, int, Tier, int]] = {}
+        """Asynchronous loads in flight: request → (handed to the workers at, tokens, tier,
+        tokens of the tier's loads in flight before it)."""
+        self._queued: dict[str, int] = {"l1": 0, "l2": 0}
+        """Tokens of the loads in flight, per tier."""
+        self._skipped: dict[str, int] = {}
+        """Skipped hits waiting for their blocks: request → the token the hit ended at."""
+        self._computing: dict[str, tuple[float, int]] = {}
+        """Skipped hits being computed: request → (blocks allocated at, tokens to reach)."""
+        self._backlog = 0
+        """Prefill tokens the engine has yet to compute for the requests it runs (as of the
+        last step, plus the prefills decided since)."""
+        self._next_report = clock() + REPORT_EVERY
+        self._reported: dict[str, int] = {}
         self.event_hashes: Any = None
         """``event_hashes(request, first, stop)``: its block hashes of blocks ``[first, stop)``
         as the engine's KV events name them
@@ -117,12 +138,35 @@ class SchedulerSide:
         plan.local_tokens = num_computed_tokens
         held_after_lookup(plan, hit, chunk_size)
         need = max(0, plan.hit_tokens - num_computed_tokens)
-        if need > 0 and plan.worth_loading is None:
-            plan.worth_loading = self.policy.load(request.request_id, need)
-        if need > 0 and not plan.worth_loading:
+        if need > 0 and plan.load_end is None:
+            self._decide(request, plan, need)
+        if plan.load_end is not None:
+            plan.hit_tokens = min(plan.hit_tokens, plan.load_end)
+            need = max(0, plan.hit_tokens - num_computed_tokens)
+        # The requests after this one in the same scheduling pass queue behind its prefill.
+        self._backlog += max(0, len(tokens) - num_computed_tokens - need)
+        if need <= 0:
             plan.hit_tokens = 0
             return 0, False
-        return need, need > 0 and self.options.async_load
+        return need, self.options.async_load
+
+    def _decide(self, request: Any, plan: RequestPlan, need: int) -> None:
+        """Judge the hit of ``need`` tokens beyond the engine's own prefix (once per request),
+        with the loads in flight and the engine's backlog as they are now."""
+        l1 = self.adapter.lookup_l1_tokens(request.request_id)
+        l1_need = need if l1 is None else max(0, min(l1, plan.hit_tokens) - plan.local_tokens)
+        decision = self.policy.decide(
+            request.request_id,
+            need,
+            l1_need,
+            queued_l1=self._queued["l1"],
+            queued_l2=self._queued["l2"],
+            backlog=self._backlog,
+        )
+        plan.load_end = plan.local_tokens + decision.tokens
+        plan.load_tier = "l2" if decision.tokens > l1_need else "l1"
+        if not decision.load and self.policy.pending(request.request_id) is not None:
+            self._skipped[request.request_id] = plan.local_tokens + need
 
     def _refuse_chunk_size(self, chunk_size: int) -> None:
         if not self._warned_chunk:
@@ -205,6 +249,9 @@ class SchedulerSide:
             self._ready.append(load)
         else:
             self.adapter.free_lookup_locks(request.request_id)
+        skipped_end = self._skipped.pop(request.request_id, None)
+        if skipped_end is not None:  # a skipped hit: time its prefill from now
+            self._computing[request.request_id] = (self._clock(), skipped_end)
         plan.locked = False  # the lookup is used up: a second call plans nothing
         plan.hit_tokens = 0
 
@@ -222,6 +269,8 @@ class SchedulerSide:
         self._step_waited = False  # the step is scheduled: the next one may wait again
         self.adapter.flush_lookups()  # this step's deferred lookups, in one message
         step = StepPlan(transfers, frozenset(preempted), step_tokens)
+        if self.policy.policy == "auto":
+            self._watch(transfers, scheduled)
         if block_ids_of is None:
             return step
         for request_id, num_new in scheduled.items():
@@ -244,6 +293,64 @@ class SchedulerSide:
             )
         return step
 
+    def _watch(self, transfers: Sequence[PlannedTransfer], scheduled: Mapping[str, int]) -> None:
+        """What ``load_policy=auto`` sees at each step: the asynchronous loads handed to the
+        workers now (timed until they are reported done), the skipped hits computed by now
+        (judged), the engine's prefill backlog after this step; now and then, the counters."""
+        now = self._clock()
+        for transfer in transfers:
+            if transfer.kind != "load" or transfer.sync:
+                continue
+            plan = self._plans.get(transfer.request_id)
+            op = transfer.op
+            tokens = op.end - op.start - op.skip_first_n_tokens
+            tier: Tier = "l2" if plan is not None and plan.load_tier == "l2" else "l1"
+            self._unqueue(transfer.request_id)  # (one load per request in flight)
+            self._loading[transfer.request_id] = (now, tokens, tier, self._queued[tier])
+            self._queued[tier] += tokens
+        for request_id, (started, end) in list(self._computing.items()):
+            request = self._requests.get(request_id)
+            if request is not None and request.num_computed_tokens >= end:
+                del self._computing[request_id]
+                self.policy.compute_measured(request_id, now - started)
+        backlog = 0
+        for request_id, num_new in scheduled.items():
+            request = self._requests.get(request_id)
+            if request is not None:
+                left = request.num_prompt_tokens - request.num_computed_tokens - num_new
+                backlog += left if left > 0 else 0
+        self._backlog = backlog
+        if now >= self._next_report:
+            self._next_report = now + REPORT_EVERY
+            self._report()
+
+    def _report(self) -> None:
+        """One INFO line of the load policy's counters, if they changed since the last."""
+        stats = dict(self.policy.stats)
+        if stats and stats != self._reported:
+            self._reported = stats
+            log.info("kvtrio load policy: %s", self.policy.summary())
+
+    def loads_done(self, request_ids: Iterable[str]) -> None:
+        """The workers reported these requests' asynchronous loads done (or failed): each
+        load's time teaches its tier's line and judges its decision."""
+        now = self._clock()
+        for request_id in request_ids:
+            started = self._unqueue(request_id)
+            if started is None:
+                continue
+            began, tokens, tier, queued = started
+            log.debug("a load of %d tokens (%s) took %.1f ms", tokens, tier, (now - began) * 1e3)
+            self.policy.model.observe_load(tokens, now - began, tier, queued)
+            self.policy.load_measured(request_id, now - began)
+
+    def _unqueue(self, request_id: str) -> tuple[float, int, Tier, int] | None:
+        """Take the request's load out of the loads in flight (None: it had none)."""
+        loading = self._loading.pop(request_id, None)
+        if loading is not None:
+            self._queued[loading[2]] -= loading[1]
+        return loading
+
     def _hashes(self, request: Any) -> Sequence[bytes] | None:
         """The request's engine block hashes in hash mode (None in token mode)."""
         return self.keys.block_hashes(request) if self.keys.engine_hashes else None
@@ -253,10 +360,9 @@ class SchedulerSide:
     ) -> None:
         """What the workers measured: forward steps and loads, as ``(tokens, seconds)``."""
         for tokens, seconds in steps:
-            self.costs.observe_step(tokens, seconds)
-        for tokens, seconds in loads:
-            log.debug("a load of %d tokens took %.1f ms", tokens, seconds * 1e3)
-            self.costs.observe_load(tokens, seconds)
+            self.policy.model.observe_step(tokens, seconds)
+        for tokens, seconds in loads:  # (the loads' own time; the policy times the wait)
+            log.debug("a worker's load of %d tokens took %.1f ms", tokens, seconds * 1e3)
 
     def finished(self, request_id: str) -> bool:
         """The request is done or aborted: release what it holds at kvtrio; True if it issued
@@ -264,11 +370,21 @@ class SchedulerSide:
         plan = self._plans.pop(request_id, None)
         self._requests.pop(request_id, None)
         self._ready = [t for t in self._ready if t.request_id != request_id]
+        self._unqueue(request_id)
+        self._skipped.pop(request_id, None)
+        self._computing.pop(request_id, None)
+        self.policy.forget(request_id)
         self.adapter.end_session(request_id)
         return plan is not None and plan.stores > 0
 
     def close(self) -> None:
-        """Say what the load policy skipped, if anything; close the adapter."""
-        if self.policy.stats["skipped"]:
-            log.info("kvtrio load policy: %s", dict(self.policy.stats))
+        """Say what the load policy did (its counters, if it decided anything); close the
+        adapter."""
+        if self.policy.stats:
+            log.info("kvtrio load policy: %s", self.policy.summary())
         self.adapter.close()
+
+    @property
+    def costs(self) -> CostModel:
+        """The load policy's cost model."""
+        return self.policy.model

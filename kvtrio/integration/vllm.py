@@ -41,6 +41,11 @@ except ImportError:  # pragma: no cover - older vLLM: `load_policy=auto` never l
     KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
 from vllm.v1.request import RequestStatus
 
+try:  # vLLM ≥ 0.32: a connector's scheduler-side stats reach vLLM's periodic log line
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError:  # pragma: no cover - older vLLM: the counters are only in kvtrio's log
+    KVConnectorStats = None  # type: ignore[assignment,misc]
+
 from ..client import EngineIdentity, SchedulerAdapter, WorkerAdapter
 from ._cores import affinity, worker_placement
 from ._engine_keys import key_scheme
@@ -71,7 +76,12 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KvtrioConnector", "KvtrioConnectorMetadata", "KvtrioWorkerMetadata"]
+__all__ = [
+    "KvtrioConnector",
+    "KvtrioConnectorMetadata",
+    "KvtrioConnectorStats",
+    "KvtrioWorkerMetadata",
+]
 
 
 def _set_failure_policy(transfer_config: Any, wanted: str) -> None:
@@ -160,6 +170,32 @@ class KvtrioWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         if isinstance(other, KvtrioWorkerMetadata):
             return KvtrioWorkerMetadata(self.steps + other.steps, self.loads + other.loads)
         return self
+
+
+class KvtrioConnectorStats(KVConnectorStats or object):  # type: ignore[misc]
+    """The load policy's counters gained over an interval (``data``: counter → count), as
+    vLLM's stats logger sums and prints them (``KV Transfer metrics: loads=…, skipped=…``)."""
+
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        self.data = dict(data or {})
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: Any) -> KvtrioConnectorStats:
+        for name, value in getattr(other, "data", {}).items():
+            if isinstance(value, int | float):
+                self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.data
 
 
 class KvtrioConnector(KVConnectorBase_V1):
@@ -290,11 +326,29 @@ class KvtrioConnector(KVConnectorBase_V1):
         return KvtrioConnectorMetadata(step.transfers, step.preempted, step.step_tokens)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Learn from what the workers measured (``load_policy=auto``); the rest of their
-        reports goes straight to vLLM's scheduler."""
+        """Learn from what the workers measured and which loads they finished
+        (``load_policy=auto``); the rest of their reports goes straight to vLLM's scheduler."""
+        if self._scheduler is None:
+            return
         measured = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(measured, KvtrioWorkerMetadata) and self._scheduler is not None:
+        if isinstance(measured, KvtrioWorkerMetadata):
             self.scheduler_side.measured(measured.steps, measured.loads)
+        self.scheduler_side.loads_done(connector_output.finished_recving or ())
+
+    def get_kv_connector_stats(self) -> KvtrioConnectorStats | None:
+        """The scheduler side's load policy counters gained since the last call (vLLM's
+        scheduler asks after every step; its stats logger prints them summed per interval)."""
+        if self._scheduler is None or KVConnectorStats is None:
+            return None
+        gained = self._scheduler.policy.since_last()
+        return KvtrioConnectorStats(gained) if gained else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KvtrioConnectorStats | None:
+        """vLLM's stats logger rebuilds the counters it received as a dict."""
+        return None if KVConnectorStats is None else KvtrioConnectorStats(data)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """kvtrio's KV events since the last step (with ``kvtrio.events``), for vLLM's own

@@ -75,8 +75,15 @@ message is refused (``bad_request``) before any of its work starts."""
 
 @frozen
 class LookupReply(Reply):
+    """The hit: ``hit_chunks`` leading chunks (``hit_tokens`` tokens) every rank has, of which
+    the first ``l1_chunks`` were in L1 at the lookup (the rest come from L2, loaded into L1
+    in the background). ``l1_chunks`` -1: not said (a server older than the field). It is a
+    hint for the engine's load policy, left out of equality: the same hit compares equal
+    whatever its tiers were."""
+
     hit_tokens: int
     hit_chunks: int
+    l1_chunks: int = field(default=-1, eq=False)
 
 
 @frozen
@@ -119,6 +126,8 @@ class LookupBatchReply(Reply):
     hit_tokens: IntTuple
     hit_chunks: IntTuple
     failed: tuple[LookupFailure, ...] = ()
+    l1_chunks: IntTuple = field(default=(), eq=False)
+    """Each lookup's ``l1_chunks`` (as in :class:`LookupReply`; empty: not said)."""
 
 
 MAX_LOOKUP_BATCH = 1024

@@ -246,3 +246,36 @@ def test_lookups_fail_fast_while_no_server_listens(short_dir: Path) -> None:
         assert adapter.check_lookup_result("b") == 0  # at once
     finally:
         adapter.close()
+
+
+# --------------------------------------------------------------------------- the hit's tiers
+# Issue 33: the load policy judges a hit's L1 part apart from the part the server's L2 must
+# load first; a server older than the reply's ``l1_chunks`` says nothing (all counts as L1).
+
+
+def test_the_hits_l1_part_is_kept_for_the_load_policy(endpoint: str) -> None:
+    with client_of_raw_server(endpoint) as (client, server):
+        adapter = _adapter(client)
+        _defer_all(adapter)
+        assert adapter.lookup_l1_tokens("a") is None  # not answered yet
+        adapter.flush_lookups()
+        taken = server.take()
+        server.answer(taken, LookupBatchReply((512, 256, 0), (2, 1, 0), l1_chunks=(1, 0, 0)))
+        assert [_answered(adapter, r) for r in PROMPTS] == [512, 256, 0]
+        assert [adapter.lookup_l1_tokens(r) for r in PROMPTS] == [256, 0, 0]
+        adapter.cleanup_lookup_result("a")
+        assert adapter.lookup_l1_tokens("a") is None
+        # Alone, and from an older server (no l1_chunks: the whole hit counts as in L1).
+        adapter.maybe_submit_lookup_request("d", token_ids=PROMPTS["a"])
+        server.answer(server.take(), LookupReply(512, 2, l1_chunks=0))
+        assert _answered(adapter, "d") == 512
+        assert adapter.lookup_l1_tokens("d") == 0
+        adapter.maybe_submit_lookup_request("e", token_ids=PROMPTS["a"])
+        server.answer(server.take(), LookupReply(512, 2))
+        assert _answered(adapter, "e") == 512
+        assert adapter.lookup_l1_tokens("e") == 512
+        adapter.maybe_submit_lookup_request("f", token_ids=PROMPTS["a"], defer=True)
+        adapter.maybe_submit_lookup_request("g", token_ids=PROMPTS["b"], defer=True)
+        adapter.flush_lookups()
+        server.answer(server.take(), LookupBatchReply((512, 256), (2, 1)))
+        assert (_answered(adapter, "f"), adapter.lookup_l1_tokens("f")) == (512, 512)

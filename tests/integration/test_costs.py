@@ -64,7 +64,8 @@ def test_the_policy_counts_what_it_skipped_and_says_it_once(
     infos = [r for r in caplog.records if r.levelno == logging.INFO]
     assert len(infos) == 1
     assert "computed, not loaded" in infos[0].getMessage()
-    assert policy.stats == {"skipped": 2, "skipped_tokens": 1024}
+    # (An idle engine computes the hit at once: nothing queued hides the load.)
+    assert policy.stats == {"skipped": 2, "skipped_idle": 2, "skipped_tokens": 1024}
     always = LoadPolicy("always", model)
     assert always.load("r3", 512)
     assert always.stats == {"loads": 1}
@@ -93,3 +94,174 @@ def test_a_worker_measures_its_forward_steps_and_its_loads() -> None:
     assert report is not None
     assert [t for t, _ in report[1]] == [512]
     assert measured.report() is None
+
+
+# --------------------------------------------------------------------------- under contention
+
+
+def contended_model(per_token: float = 10e-6, **kwargs: int) -> CostModel:
+    """Computing costs ``per_token`` s a token; an L1 load ``2 ms + 3 µs × tokens`` (tokens of
+    the loads in flight included); an L2 load 50 ms for 1,000 tokens."""
+    model = CostModel(min_step_tokens=64, **kwargs)
+    model.observe_step(1000, per_token * 1000)
+    model.observe_load(1000, 0.005, "l1")
+    model.observe_load(500, 0.008, "l1", queued=1500)  # (2,000 with those in flight: 8 ms)
+    model.observe_load(1000, 0.050, "l2")
+    return model
+
+
+def test_loads_in_flight_make_a_marginal_load_skip() -> None:
+    model = contended_model()
+    alone = model.decide(1000, 1000)
+    assert alone.tokens == 1000  # 5 ms against 10 ms of computing
+    assert alone.load_seconds == pytest.approx(0.005)
+    crowded = model.decide(1000, 1000, queued_l1=3000)  # 2 + 3 × 4,000 µs = 14 ms
+    assert crowded.tokens == 0
+    assert crowded.reason == "contention"
+    assert crowded.load_seconds == pytest.approx(0.014)
+    # Loads in flight on another tier do not share this one's queue.
+    assert model.decide(1000, 1000, queued_l2=3000).tokens == 1000
+
+
+def test_an_idle_engine_computes_what_a_backlog_would_hide() -> None:
+    model = contended_model(per_token=4e-6)  # 4 ms to compute 1,000 tokens, 5 ms to load them
+    idle = model.decide(1000, 1000)
+    assert (idle.tokens, idle.reason) == (0, "idle")
+    # 500 tokens queued ahead (2 ms): the engine computes the hit at 6 ms, the load is there
+    # at 5 ms, while the request would still be waiting.
+    busy = model.decide(1000, 1000, backlog=500)
+    assert busy.tokens == 1000
+    assert busy.compute_seconds == pytest.approx(0.006)
+    assert busy.wait_seconds == pytest.approx(0.002)
+    # Behind a backlog, a load much slower than the prefill still does not pay.
+    slow = model.decide(1000, 0, backlog=500)  # from L2: 50 ms
+    assert (slow.tokens, slow.reason) == (0, "slower")
+
+
+def test_an_l2_hit_on_a_slow_tier_is_computed_where_an_l1_hit_loads() -> None:
+    model = contended_model()
+    assert model.decide(1000, 1000).tokens == 1000  # L1: 5 ms against 10 ms
+    from_l2 = model.decide(1000, 0)  # L2: 50 ms against 10 ms
+    assert (from_l2.tokens, from_l2.reason) == (0, "idle")
+    assert from_l2.load_seconds == pytest.approx(0.050)
+    # An unknown tier is loaded, to learn it.
+    fresh = CostModel(min_step_tokens=64)
+    fresh.observe_step(1000, 0.010)
+    fresh.observe_load(1000, 0.005, "l1")
+    assert fresh.decide(1000, 0).tokens == 1000
+
+
+def test_a_split_loads_the_l1_part_and_computes_the_rest() -> None:
+    model = contended_model()
+    # 2,000 tokens, the first 1,000 in L1: loading all takes ~100 ms (L2), computing all
+    # 20 ms, loading the L1 part 5 ms then computing the rest 10 ms: 15 ms.
+    decision = model.decide(2000, 1000)
+    assert decision.split
+    assert decision.tokens == 1000
+    assert decision.chosen_seconds == pytest.approx(0.015)
+    assert decision.alternative_seconds == pytest.approx(0.020)
+    # With a fast L2 the whole hit loads.
+    for _ in range(32):
+        model.observe_load(2000, 0.008, "l2")
+    whole = model.decide(2000, 1000)
+    assert (whole.tokens, whole.split) == (2000, False)
+
+
+def test_a_split_is_counted(caplog: pytest.LogCaptureFixture) -> None:
+    policy = LoadPolicy("auto", contended_model())
+    decision = policy.decide("r", 2000, 1000)
+    assert decision.split
+    assert policy.stats == {"loads": 1, "split": 1, "saved_ms": 5}
+
+
+def test_regret_is_counted_both_ways() -> None:
+    policy = LoadPolicy("auto", contended_model())
+    # A load chosen at 5 ms against 10 ms of computing: it took 4 ms (no regret), then one
+    # took 30 ms (regret: 20 ms slower than computing would have been).
+    assert policy.decide("fast", 1000, 1000).load
+    assert policy.decide("slow", 1000, 1000).load
+    policy.load_measured("fast", 0.004)
+    policy.load_measured("slow", 0.030)
+    assert (policy.stats["judged"], policy.stats["regret"]) == (2, 1)
+    assert policy.stats["regret_loads"] == 1
+    assert policy.stats["regret_ms"] == 20
+    # A skipped hit (L2: 50 ms to load against 10 ms to compute) computed in 12 ms: no regret;
+    # one computed in 80 ms (the engine was slower than measured): regret.
+    assert not policy.decide("computed", 1000, 0).load
+    assert not policy.decide("late", 1000, 0).load
+    policy.compute_measured("computed", 0.012)
+    policy.compute_measured("late", 0.080)
+    assert (policy.stats["judged"], policy.stats["regret"]) == (4, 2)
+    assert policy.stats["regret_skips"] == 1
+    # Each decision is judged once; an ended request's is forgotten.
+    policy.compute_measured("late", 0.080)
+    assert not policy.decide("gone", 1000, 0).load
+    policy.forget("gone")
+    policy.compute_measured("gone", 1.0)
+    assert policy.stats["judged"] == 4
+    # While the costs are unknown nothing is judged (no estimate of the alternative).
+    learning = LoadPolicy("auto", CostModel())
+    assert learning.decide("first", 1000, 1000).load
+    learning.load_measured("first", 1.0)
+    assert "judged" not in learning.stats
+
+
+def test_exploring_still_happens_and_backs_off_while_it_does_not_pay() -> None:
+    policy = LoadPolicy("auto", contended_model(explore_every=4, max_explore_every=16))
+
+    def explored_after() -> int:
+        """Skipped L2 hits until one is loaded to explore (its load then measured slow)."""
+        for count in range(1, 100):
+            decision = policy.decide(f"r{count}", 1000, 0)
+            if decision.load:
+                assert decision.explored
+                policy.load_measured(f"r{count}", 0.050)  # slower than computing: regret
+                return count
+            policy.forget(f"r{count}")
+        raise AssertionError("never explored")
+
+    assert [explored_after() for _ in range(4)] == [4, 8, 16, 16]
+    assert policy.stats["explored"] == 4
+    assert policy.stats["regret_explored"] == 4
+    # An exploration that pays resets the gap.
+    for count in range(1, 100):
+        if policy.decide(f"p{count}", 1000, 0).load:
+            policy.load_measured(f"p{count}", 0.001)
+            break
+        policy.forget(f"p{count}")
+    assert explored_after() == 4
+
+
+def test_a_decision_takes_microseconds() -> None:
+    """Not a timing assertion: the decision refits nothing (the lines are fitted once per new
+    sample), which a count of the fits shows."""
+    model = contended_model()
+    model.decide(2000, 1000, queued_l1=10, backlog=10)
+    fitted = dict(model._lines)
+    fits = [line._fit for line in fitted.values()]
+    for _ in range(100):
+        model.decide(2000, 1000, queued_l1=10, backlog=10)
+    assert [line._fit for line in fitted.values()] == fits
+    assert all(fit is not None for fit in fits)
+
+
+def test_the_counters_gained_since_the_last_look_for_vllms_stats() -> None:
+    policy = LoadPolicy("auto", contended_model())
+    assert policy.since_last() == {}
+    policy.decide("a", 1000, 1000)
+    policy.decide("b", 1000, 0)
+    assert policy.since_last() == {
+        "loads": 1, "saved_ms": 5, "skipped": 1, "skipped_idle": 1, "skipped_tokens": 1000,
+    }  # fmt: skip
+    assert policy.since_last() == {}
+    policy.load_measured("a", 0.001)
+    assert policy.since_last() == {"judged": 1}
+
+
+def test_contention_is_named_where_only_the_split_would_have_paid() -> None:
+    model = contended_model()
+    # 2,000 tokens, 1,000 in L1: the split pays alone (15 ms against 20 ms), not behind
+    # 5,000 L1 tokens in flight (2 + 18 + 10 = 30 ms); loading all from L2 never does.
+    assert model.decide(2000, 1000).split
+    crowded = model.decide(2000, 1000, queued_l1=5000)
+    assert (crowded.tokens, crowded.reason) == (0, "contention")

@@ -249,6 +249,9 @@ def test_the_load_policy_judges_a_requests_hit_once() -> None:
         def check_lookup_result(self, request_id: str, wait: float = 0.0) -> int:
             return 4 * CHUNK
 
+        def lookup_l1_tokens(self, request_id: str) -> int:
+            return 4 * CHUNK
+
     class Request:
         request_id = "r"
         all_token_ids = TOKENS
@@ -264,4 +267,4 @@ def test_the_load_policy_judges_a_requests_hit_once() -> None:
     side.policy.model = model
     for _ in range(5):
         assert side.matched_tokens(Request(), 0, preempted=False) == (0, False)
-    assert side.policy.stats == {"skipped": 1, "skipped_tokens": 4 * CHUNK}
+    assert side.policy.stats == {"skipped": 1, "skipped_idle": 1, "skipped_tokens": 4 * CHUNK}

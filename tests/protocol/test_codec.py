@@ -197,3 +197,20 @@ def test_int_arrays_must_be_arrays() -> None:
     body = msgpack.packb({"tokens": 5, "block_ids": []})
     with pytest.raises(ProtocolError, match="expected an array of integers, got an integer"):
         decode_request("probe", body)
+
+
+def test_a_lookup_reply_says_its_l1_part_and_an_older_servers_still_decodes() -> None:
+    """Issue 33: ``l1_chunks`` is optional, so a reply without it (an older server's) decodes
+    as "not said"; an older client ignores it as an unknown field."""
+    from kvtrio.protocol import Lookup, LookupBatch, LookupBatchReply, LookupReply
+
+    for request, reply, unsaid in [
+        (Lookup("r", "m", 1), LookupReply(512, 2, 1), -1),
+        (LookupBatch("m", 1, ("r",), ((),)), LookupBatchReply((512,), (2,), (), (1,)), ()),
+    ]:
+        header_frame, body = encode_reply(1, request.op, reply)
+        decoded = decode_reply(decode_reply_header(header_frame), body, type(request))
+        assert decoded.l1_chunks == reply.l1_chunks  # type: ignore[attr-defined]
+        old = msgpack.packb({k: v for k, v in msgpack.unpackb(body).items() if k != "l1_chunks"})
+        decoded = decode_reply(decode_reply_header(header_frame), old, type(request))
+        assert decoded.l1_chunks == unsaid  # type: ignore[attr-defined]

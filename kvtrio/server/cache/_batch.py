@@ -82,6 +82,7 @@ class _Batch:
         self.session = session
         self.hit_tokens = [0] * size
         self.hit_chunks = [0] * size
+        self.l1_chunks = [0] * size
         self.failed: list[LookupFailure] = []
 
     def run(self, index: int, item: Lookup) -> tuple[int, Later] | None:
@@ -125,13 +126,16 @@ class _Batch:
     def answer(self, index: int, reply: LookupReply) -> None:
         self.hit_tokens[index] = reply.hit_tokens
         self.hit_chunks[index] = reply.hit_chunks
+        self.l1_chunks[index] = reply.l1_chunks
 
     def fail(self, index: int, error: RequestError) -> None:
         self.failed.append(LookupFailure(index, error.code.value, error.message))
 
     def reply(self) -> LookupBatchReply:
         failed = tuple(sorted(self.failed, key=lambda failure: failure.index))
-        return LookupBatchReply(tuple(self.hit_tokens), tuple(self.hit_chunks), failed)
+        return LookupBatchReply(
+            tuple(self.hit_tokens), tuple(self.hit_chunks), failed, tuple(self.l1_chunks)
+        )
 
     async def finish(self, later: list[tuple[int, Later]]) -> LookupBatchReply:
         """Run the lookups' L2 parts concurrently, :data:`L2_PARTS` at a time; the reply once

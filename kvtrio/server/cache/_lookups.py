@@ -48,7 +48,7 @@ class Lookups:
         keys = check_lookup_keys(lookup.world_size, len(hashes))  # bounded before any work
         model = core.registry.engine_model(lookup.engine, lookup.model, lookup.tenant)
         if model is None:
-            return LookupReply(0, 0)  # no worker of this engine has registered (yet)
+            return LookupReply(0, 0, 0)  # no worker of this engine has registered (yet)
         if lookup.world_size != model.world_size:
             raise RequestError(
                 ErrorCode.INCOMPATIBLE,
@@ -211,7 +211,8 @@ class Lookups:
         self.l2_chunks += loaded
         self.miss_chunks += chunks - hit - loaded
         total = hit + loaded
-        return LookupReply(hit_tokens=total * self.core.config.chunk_size, hit_chunks=total)
+        chunk_size = self.core.config.chunk_size
+        return LookupReply(hit_tokens=total * chunk_size, hit_chunks=total, l1_chunks=hit)
 
     # ----------------------------------------------------------------- request ends
 

@@ -231,6 +231,8 @@ class Engine:
         self.steps: list[SchedulerOutput] = []
         self.failed_blocks: set[int] = set()
         """Blocks the workers reported as failed to load, over all steps."""
+        self.connector_stats: list[dict[str, Any]] = []
+        """The connector's stats of each step, as vLLM's scheduler sends them to its logger."""
 
     @property
     def connector(self) -> KvtrioConnector:
@@ -333,6 +335,9 @@ class Engine:
             kv_connector_output=kv_output,
         )
         for outputs in self.scheduler.update_from_output(output, runner_output).values():
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.connector_stats.append(stats.kv_connector_stats)
             for out in outputs.outputs:
                 result = self.results[out.request_id]
                 result.output.extend(out.new_token_ids)

@@ -179,6 +179,49 @@ def test_auto_computes_a_hit_that_loading_would_slow_down(
     assert_no_pins(kvtrio)
 
 
+def test_auto_loads_the_l1_part_of_a_hit_and_computes_the_rest(
+    engines: Callable[..., Engine], kvtrio: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33: where the server has only the first chunks of a hit in L1 and the rest would
+    come slowly from L2, ``auto`` reports only the L1 part to vLLM (fewer external tokens than
+    the hit); vLLM loads those, computes the rest, and the output is the same. (The server
+    here has no L2: the lookup's tier split is the one input faked.)"""
+    from kvtrio.integration._costs import CostModel
+
+    engine = engines()
+    store_prompt(engine, kvtrio)
+    engine.add("loaded", PROMPT)
+    engine.run()
+    assert engine.results["loaded"].external_cached == 5 * CHUNK
+    side = engine.connector.scheduler_side
+    monkeypatch.setattr(side.adapter, "lookup_l1_tokens", lambda request_id: 2 * CHUNK)
+    measured = CostModel(explore_every=1000)
+    measured.observe_step(1000, 0.100)  # 100 µs a token: 32 ms for the hit
+    measured.observe_load(5 * CHUNK, 0.002, "l1")  # L1: fast
+    measured.observe_load(5 * CHUNK, 0.500, "l2")  # L2: far slower than computing
+    side.policy.model = measured
+    engine.add("split", PROMPT)
+    engine.run()
+    result = engine.results["split"]
+    assert result.external_cached == 2 * CHUNK
+    assert result.output == engine.results["loaded"].output
+    assert (side.policy.stats["split"], side.policy.stats["judged"]) == (1, 1)
+    assert_no_pins(kvtrio)
+    # The counters reach vLLM's own periodic stats line, summed over its interval.
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+    summed = KVConnectorLogging(engine.config.kv_transfer_config)
+    for data in engine.connector_stats:
+        summed.observe(data)
+    lines: list[str] = []
+    summed.log(lambda message, *args: lines.append(message % args))
+    (line,) = lines
+    assert line.startswith("KV Transfer metrics: ")
+    assert "loads=2" in line
+    assert "split=1" in line
+    assert "judged=1" in line
+
+
 def test_requests_opt_out_with_kv_transfer_params(
     engines: Callable[..., Engine], kvtrio: ServerProcess
 ) -> None:

@@ -2,7 +2,8 @@
 
     python bench/_ttft_engine.py CONFIG_JSON
 
-``CONFIG_JSON``: ``{"model": DIR, "kvtrio": URL or null, "max_model_len": int}``. Its stdout
+``CONFIG_JSON``: ``{"model": DIR, "kvtrio": URL or null, "max_model_len": int}`` (and
+optionally ``"prefix_caching": true``). Its stdout
 is the protocol channel (vLLM's own output goes to stderr); one JSON object a line each way.
 Once the engine is up it writes ``{"ready": INFO}`` (start-up seconds, attention kernels, PID);
 then, for each command read on stdin:
@@ -130,7 +131,9 @@ def main() -> None:
         skip_tokenizer_init=True,
         block_size=32,
         enforce_eager=True,
-        enable_prefix_caching=False,  # so that every cached token is kvtrio's
+        # off, so that every cached token is kvtrio's (bench/hit_profile.py turns it on for
+        # its baseline: vLLM's own prefix cache, no connector)
+        enable_prefix_caching=bool(config.get("prefix_caching", False)),
         seed=0,
         max_model_len=config["max_model_len"],
         dtype="float32",

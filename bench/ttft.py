@@ -116,10 +116,12 @@ class Engine:
         max_model_len: int,
         logs: Path,
         env: dict[str, str],
+        extra: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.log_path = logs / f"engine-{name}.log"
         config = {"model": str(model), "kvtrio": url, "max_model_len": max_model_len}
+        config.update(extra or {})
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(ENGINE_SCRIPT), json.dumps(config)],

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -46,7 +46,7 @@ from ..protocol import (
     StoreReply,
 )
 from ..shm import SharedArena
-from ..transfer import CPU_TRANSFER, KVLayout, Transfer
+from ..transfer import CPU_TRANSFER, CpuTransfer, KVLayout, Transfer, scatter_parts
 from ._copies import Retrieved, Span, count_failed_slots, failure_cause, reply_of
 from ._failures import Failures
 from ._sync import Client
@@ -286,19 +286,17 @@ class ArenaCopies:
                 if rest is not None:  # asked for before the copies, answered during them
                     start, future = rest, self._send(span.retrieve(rest))
                 read += span.hashes_of(reply.slots, "read")
+                parts: list[tuple[Sequence[int], np.ndarray[Any, Any], int]] = []
                 for slot in reply.slots:
                     if slot.status != "read":
                         continue
                     blocks = span.blocks(slot.chunk)
-                    data = arena.view(slot.offset, slot.nbytes)
+                    # only some blocks: those the engine has not, up to where it computes
                     skip = max(0, keep_before - slot.chunk * span.chunk_size) // layout.block_size
-                    if skip or len(blocks) < span.blocks_per_chunk:
-                        # only some blocks: those the engine has not, up to where it computes
-                        data = _some_blocks(layout, data, skip, len(blocks))
-                        blocks = blocks[skip:]
-                    if blocks:
-                        self.transfer.scatter(layout, self.arrays, blocks, data)
+                    if blocks[skip:]:
+                        parts.append((blocks[skip:], arena.view(slot.offset, slot.nbytes), skip))
                     loaded.add(slot.chunk)
+                self._scatter(parts)
         finally:
             if read:
                 self._send(Release(span.wire_id, tuple(read)))
@@ -307,3 +305,18 @@ class ArenaCopies:
             if unregistered:
                 self._on_not_registered()
         return result
+
+    def _scatter(self, parts: list[tuple[Sequence[int], np.ndarray[Any, Any], int]]) -> None:
+        """Copy part ``(blocks, chunk, first)``: blocks ``[first, first + len(blocks))`` of the
+        canonical chunk ``chunk`` into the engine's ``blocks``. The CPU engine copies all the
+        parts in one call (:func:`kvtrio.transfer.scatter_parts`: one GIL hand-off, no copy of a
+        partial chunk's blocks); another engine copies a chunk at a time."""
+        if isinstance(self.transfer, CpuTransfer):
+            scatter_parts(self.layout, self.arrays, parts)
+            return
+        for blocks, data, first in parts:
+            if first or len(blocks) < data.nbytes // self.layout.chunk_nbytes(
+                self.layout.block_size
+            ):
+                data = _some_blocks(self.layout, data, first, first + len(blocks))
+            self.transfer.scatter(self.layout, self.arrays, blocks, data)

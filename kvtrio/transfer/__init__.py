@@ -2,11 +2,12 @@
 
 :class:`KVLayout` describes an engine's per-layer KV tensors and the canonical chunk format every
 layout maps to; :func:`gather` and :func:`scatter` copy between the two on the CPU (synchronous,
-for worker threads). Callers pass numpy arrays; nothing here imports torch. :class:`Transfer` is
-the interface the CPU path and the CUDA engine (:mod:`kvtrio.transfer.cuda`) share.
+for worker threads; :func:`scatter_parts` scatters several chunks, or parts of chunks, at once).
+Callers pass numpy arrays; nothing here imports torch. :class:`Transfer` is the interface the CPU
+path and the CUDA engine (:mod:`kvtrio.transfer.cuda`) share.
 """
 
-from ._cpu import gather, scatter
+from ._cpu import gather, scatter, scatter_parts
 from ._cpu_native import cpu_helper
 from ._engines import CPU_TRANSFER, CpuTransfer, Transfer
 from ._kinds import LAYOUTS, LayoutKind, layout_kind
@@ -26,4 +27,5 @@ __all__ = [
     "gather",
     "layout_kind",
     "scatter",
+    "scatter_parts",
 ]

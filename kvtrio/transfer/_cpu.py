@@ -43,7 +43,7 @@ import numpy.typing as npt
 from ._cpu_native import cpu_helper
 from ._layouts import KVLayout
 
-__all__ = ["gather", "scatter"]
+__all__ = ["gather", "scatter", "scatter_parts"]
 
 Array = npt.NDArray[Any]
 IndexArray = npt.NDArray[np.intp]
@@ -127,6 +127,51 @@ def scatter(
             _layer_rows(layout, layer)[rows] = data
         else:
             _scatter_blockwise(layout, layer, ids, data)
+
+
+def scatter_parts(
+    layout: KVLayout,
+    layers: Sequence[Array],
+    parts: Sequence[tuple[Sequence[int] | npt.NDArray[np.integer[Any]], Array, int]],
+) -> None:
+    """Scatter several chunks, or parts of chunks: part ``(block_ids, src, first)`` copies
+    blocks ``[first, first + len(block_ids))`` of the canonical chunk ``src`` (of any whole
+    number of blocks, a buffer as :func:`scatter` takes) into blocks ``block_ids``.
+
+    The same bytes as a :func:`scatter` per part of a contiguous copy of its blocks, without
+    that copy; ``vllm_cpu`` layers with the C helper are copied in one call that releases the
+    GIL once for all the parts (a retrieve's eight 11 MiB chunks took ~2 ms of GIL hand-offs
+    and a 10 MiB extra copy for its partial last chunk the other way). Block ids must be
+    distinct across all the parts. ``ValueError`` saying what is wrong with an argument;
+    nothing is written then. Synchronous, as :func:`scatter`.
+    """
+    _check_layers(layout, layers, writeable=True)
+    block_bytes = layout.chunk_nbytes(layout.block_size)
+    checked: list[tuple[IndexArray, Array, int, int]] = []
+    for block_ids, src, first in parts:
+        ids = _check_block_ids(layout, block_ids, unique=False)
+        span = src.nbytes // block_bytes if isinstance(src, np.ndarray) else 0
+        if span < 1 or not 0 <= first <= span - ids.size:
+            raise ValueError(
+                f"a part of blocks [{first}, {first + ids.size}) does not fit its chunk of "
+                f"{span} block(s)"
+            )
+        _chunk_rows(layout, src, span, name="src", writeable=False)
+        checked.append((ids, src, first, span))
+    if not checked:
+        return
+    _check_block_ids(layout, np.concatenate([ids for ids, *_ in checked]), unique=True)
+    helper = cpu_helper()
+    if helper is not None and layout.kind == "vllm_cpu":
+        helper.vllm_cpu_parts(layout, layers, [(i, s.reshape(-1), f, n) for i, s, f, n in checked],
+                              gather=False)  # fmt: skip
+        return
+    for ids, src, first, span in checked:
+        if first or ids.size != span:  # a contiguous copy of the part's blocks
+            rows = src.reshape(-1).view(np.uint8).reshape(layout.num_layers, layout.kv, -1)
+            size = layout.block_size * layout.row_elements * layout.element_size
+            src = np.ascontiguousarray(rows[:, :, first * size : (first + ids.size) * size])
+        scatter(layout, layers, ids, src.reshape(-1))
 
 
 def _native(

@@ -40,12 +40,15 @@ __all__ = ["ISAS", "SOURCE", "CpuHelper", "build_cpu_library", "cpu_helper", "re
 log = logging.getLogger("kvtrio.transfer")
 
 SOURCE = Path(__file__).with_name("cpu_ext") / "kvtrio_cpu.c"
-_ABI = 4
+_ABI = 5
 
 ISAS = ("scalar", "sse2", "avx2")
 """The instruction sets the helper's copies can use, in the order of ``kvt_cpu_isa``'s levels."""
 
 Array = npt.NDArray[Any]
+ChunkPart = tuple[npt.NDArray[np.intp], Array, int, int]
+"""``(block ids, chunk, first, span)``: blocks ``[first, first + len(ids))`` of a canonical chunk
+of ``span`` blocks (see :meth:`CpuHelper.vllm_cpu_parts`)."""
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -94,7 +97,7 @@ def _load(path: Path) -> ctypes.CDLL:
         raise RuntimeError(f"{path} has ABI {lib.kvt_cpu_abi()}, expected {_ABI}")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.kvt_cpu_vllm_cpu_copy.argtypes = [
-        ptr, i64, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ptr, ctypes.c_int
+        ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_int
     ]  # fmt: skip
     lib.kvt_cpu_vllm_cpu_copy.restype = ctypes.c_int
     lib.kvt_cpu_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int]
@@ -202,19 +205,41 @@ class CpuHelper:
         gather: bool,
     ) -> None:  # fmt: skip
         """Blocks ``ids`` of ``vllm_cpu`` layers (last two axes contiguous) to or from ``chunk``."""
+        self.vllm_cpu_parts(layout, layers, [(ids, chunk, 0, len(ids))], gather)
+
+    def vllm_cpu_parts(
+        self, layout: KVLayout, layers: Sequence[Array], parts: Sequence[ChunkPart], gather: bool
+    ) -> None:
+        """Several chunks in one call (the GIL is given back once): part ``(ids, chunk, first,
+        span)`` moves blocks ``ids`` to or from blocks ``[first, first + len(ids))`` of ``chunk``,
+        a canonical chunk of ``span`` blocks."""
         strides = {layer.strides for layer in layers}
         if len(strides) != 1:  # one stride set per call; rare enough to split per layer
-            per_layer = chunk.reshape(len(layers), -1)
-            for layer, part in zip(layers, per_layer, strict=True):
-                self.vllm_cpu(layout, [layer], ids, part, gather)
+            for index, layer in enumerate(layers):
+                per_layer = [
+                    (ids, chunk.reshape(len(layers), -1)[index], first, span)
+                    for ids, chunk, first, span in parts
+                ]
+                self.vllm_cpu_parts(layout, [layer], per_layer, gather)
             return
         ((block, head, kv, _, _),) = strides
         bases = _bases(layers)
-        ids64 = np.ascontiguousarray(ids, dtype=np.int64)
+        kblock = layout.block_size * layout.num_heads * layout.head_dim * layout.element_size
+        ids64 = np.concatenate(
+            [np.asarray(ids, dtype=np.int64) for ids, _, _, _ in parts] or [np.empty(0, np.int64)]
+        )
+        counts = np.fromiter((len(ids) for ids, _, _, _ in parts), np.int64, len(parts))
+        spans = np.fromiter((span for _, _, _, span in parts), np.int64, len(parts))
+        chunks = np.fromiter(
+            (chunk.ctypes.data + first * kblock for _, chunk, first, _ in parts),
+            np.uint64,
+            len(parts),
+        )
         code = self._lib.kvt_cpu_vllm_cpu_copy(
-            bases.ctypes.data, len(layers), ids64.ctypes.data, len(ids64), layout.num_heads,
+            bases.ctypes.data, len(layers), ids64.ctypes.data, counts.ctypes.data,
+            spans.ctypes.data, chunks.ctypes.data, len(parts), layout.num_heads,
             layout.block_size, layout.head_dim, layout.element_size, block, head, kv,
-            chunk.ctypes.data, int(gather),
+            int(gather),
         )  # fmt: skip
         if code == 2:
             raise MemoryError("the CPU copy helper could not allocate its stage")

@@ -203,3 +203,47 @@ async def test_the_prompts_partial_chunk_is_stored_looked_up_and_loaded_to_the_l
         assert np.array_equal(view[:, TARGET[part]], old16[:, part])
         assert not view[:, TARGET[2 * PER_CHUNK - 1]].any()  # the last block: left alone
         assert not view[:, TARGET[:PER_CHUNK]].any()  # before start: not touched
+
+
+class _ChunkAtATime:
+    """A copy engine that is not the CPU one: scatters whole chunks only."""
+
+    name = "chunks"
+
+    def gather(self, layout: Any, layers: Any, block_ids: Any, out: Any) -> None:
+        raise AssertionError("not used")
+
+    def scatter(self, layout: Any, layers: Any, block_ids: Any, src: Any) -> None:
+        assert src.nbytes == layout.chunk_nbytes(len(block_ids) * layout.block_size)
+        CpuTransfer().scatter(layout, layers, block_ids, src)
+
+
+@pytest.mark.parametrize("kind", ["flash_attn", "vllm_cpu"])
+def test_a_retrieves_parts_are_scattered_alike_by_any_copy_engine(kind: str) -> None:
+    """Parts of chunks (a partial last chunk, a chunk the engine has the start of) land in the
+    same blocks whether the CPU engine copies them all at once or another a chunk at a time."""
+    from kvtrio.client._arena_worker import ArenaCopies, _some_blocks
+    from kvtrio.client._failures import Failures
+    from kvtrio.transfer import KVLayout, gather
+
+    layout = KVLayout(kind, LAYERS, 12, 4, 2, 8, "float16")
+    rng = np.random.default_rng(3)
+    size = layout.chunk_nbytes(layout.block_size)
+    chunks = [rng.integers(0, 256, 3 * size, dtype=np.uint8) for _ in range(2)]
+    parts: list[tuple[Any, np.ndarray, int]] = [
+        ([5, 1, 7], chunks[0], 0),
+        ([2], chunks[1], 1),
+    ]
+    results = []
+    for transfer in (CpuTransfer(), _ChunkAtATime()):
+        arrays = [np.zeros(layout.layer_shape, np.float16) for _ in range(LAYERS)]
+        copies = ArenaCopies(None, layout, arrays, Failures(), lambda: None, transfer)  # type: ignore[arg-type]
+        copies._scatter(parts)
+        results.append([a.tobytes() for a in arrays])
+        whole = np.empty(3 * size, np.uint8)
+        gather(layout, arrays, [5, 1, 7], whole)
+        assert whole.tobytes() == chunks[0].tobytes()
+        one = np.empty(size, np.uint8)
+        gather(layout, arrays, [2], one)
+        assert one.tobytes() == _some_blocks(layout, chunks[1], 1, 2).tobytes()
+    assert results[0] == results[1]

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from kvtrio.transfer import KVLayout, gather, scatter
+from kvtrio.transfer import KVLayout, gather, scatter, scatter_parts
 from kvtrio.transfer import _cpu_native as native
 
 from .._support.kv_layouts import DTYPES, as_bytes, reference_gather, reference_scatter
@@ -207,6 +207,63 @@ def test_wrong_arguments_are_refused_before_the_helper_writes() -> None:
         scatter(layout, layers, [1, 1], src)
     with pytest.raises(ValueError, match="bytes, expected"):
         scatter(layout, layers, [1], src)
+    assert as_bytes(layers) == before
+
+
+def parts_of(layout: KVLayout, seed: int) -> tuple[list[tuple[list[int], Array, int]], Array]:
+    """Three parts (a whole chunk of 2 blocks, blocks 1-2 of a chunk of 4, the first block of
+    a chunk of 3) and the chunk of 4 blocks their bytes make when cut out contiguously."""
+    rng = np.random.default_rng(seed)
+    size = layout.chunk_nbytes(layout.block_size)
+    chunks = [rng.integers(0, 256, n * size, dtype=np.uint8) for n in (2, 4, 3)]
+    parts = [([4, 0], chunks[0], 0), ([8, 2], chunks[1], 1), ([6], chunks[2], 0)]
+    blocks = []
+    for ids, chunk, first in parts:
+        rows = chunk.reshape(layout.num_layers, layout.kv, -1, size // layout.num_layers // 2)
+        blocks.append(rows[:, :, first : first + len(ids)])
+    return parts, np.ascontiguousarray(np.concatenate(blocks, axis=2)).reshape(-1)
+
+
+@needs_compiler
+@pytest.mark.parametrize("spread", [False, True], ids=["contiguous", "gaps-between-heads"])
+@pytest.mark.parametrize("element_size", [1, 4])
+def test_scatter_parts_is_a_scatter_of_the_parts_blocks(
+    element_size: int, spread: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One call for several chunks and parts of chunks (a retrieve's partial last chunk): the
+    same bytes as one scatter of those blocks cut out, with the helper and with numpy."""
+    layout = layout_of(element_size, 5, 3, 6)
+    parts, joined = parts_of(layout, seed=2)
+    expected = layers_of(layout, seed=1, spread=spread)
+    reference_scatter(layout, expected, [4, 0, 8, 2, 6], joined)
+    results = []
+    for no_ext in (False, True):
+        if no_ext:
+            monkeypatch.setenv("KVTRIO_NO_EXT", "1")
+            native.reset()
+        assert (native.cpu_helper() is None) == no_ext
+        layers = layers_of(layout, seed=1, spread=spread)
+        scatter_parts(layout, layers, parts)
+        results.append(as_bytes(layers))
+    assert results == [as_bytes(expected)] * 2
+
+
+@needs_compiler
+def test_scatter_parts_refuses_wrong_parts_before_writing() -> None:
+    layout = layout_of(2, 16, 2, 16)
+    layers = layers_of(layout)
+    before = as_bytes(layers)
+    chunk = np.ones(layout.chunk_nbytes(32), np.uint8)  # 2 blocks
+    with pytest.raises(ValueError, match="does not fit"):
+        scatter_parts(layout, layers, [([1], chunk, 0), ([2, 3], chunk, 1)])
+    with pytest.raises(ValueError, match="distinct"):
+        scatter_parts(layout, layers, [([1], chunk, 0), ([1], chunk, 1)])
+    with pytest.raises(ValueError, match="out of range"):
+        scatter_parts(layout, layers, [([1, 9], chunk, 0)])
+    with pytest.raises(ValueError, match="bytes, expected"):  # not a whole number of blocks
+        scatter_parts(layout, layers, [([1], chunk[:-1], 0)])
+    assert as_bytes(layers) == before
+    scatter_parts(layout, layers, [])  # nothing to do
     assert as_bytes(layers) == before
 
 

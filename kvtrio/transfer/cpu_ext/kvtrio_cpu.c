@@ -22,7 +22,7 @@
 #define KVT_AVX2 __attribute__((target("avx2")))
 #endif
 
-#define KVT_CPU_ABI 4
+#define KVT_CPU_ABI 5
 
 int kvt_cpu_abi(void) { return KVT_CPU_ABI; }
 
@@ -264,12 +264,13 @@ static transpose_fn pick_transpose(int64_t elem, int isa) {
 
 /* ------------------------------------------------------------------------ vllm_cpu */
 
-/* Copy blocks ids[0..n) of every layer to (gather) or from (scatter) the canonical chunk.
+/* Copy blocks ids[0..n) of every layer to (gather) or from (scatter) blocks [0, n) of a canonical
+ * chunk of span >= n blocks (the part of a bigger chunk that starts at `chunk`).
  *
  * layers: num_layers base addresses of (blocks, heads, 2, block_size, head_dim) tensors whose
- * last two axes are contiguous; block_stride, head_stride, kv_stride in bytes. chunk: per layer
- * (2, n * block_size, heads, head_dim), contiguous. elem: 1, 2 or 4 bytes. Returns 0, 1 for a
- * bad element size, 2 if the stage could not be allocated (nothing written then).
+ * last two axes are contiguous; block_stride, head_stride, kv_stride in bytes. The chunk: per
+ * layer (2, span * block_size, heads, head_dim), contiguous. elem: 1, 2 or 4 bytes; stage: a
+ * 64-byte aligned buffer of block_size * head_dim elements.
  *
  * One head of one block at a time: its K ([head_dim, block_size] in the engine) is transposed
  * through a stage of block_size x head_dim elements that stays in L1, and K and V then move as
@@ -286,23 +287,20 @@ static transpose_fn pick_transpose(int64_t elem, int isa) {
  * head (a column of rows) at a time, which the hardware prefetchers follow no better; it
  * prefetches the next block's rows, spread the same way (0.75 -> 0.95 from a chunk that is not
  * in the cache; staging the block's rows with sequential copies instead did not help). */
-int kvt_cpu_vllm_cpu_copy(const uint64_t *layers, int64_t num_layers, const int64_t *ids,
-                          int64_t n, int64_t heads, int64_t block_size, int64_t head_dim,
-                          int64_t elem, int64_t block_stride, int64_t head_stride,
-                          int64_t kv_stride, uint8_t *chunk, int gather) {
-    if (elem != 1 && elem != 2 && elem != 4) return 1;
-    const transpose_fn transpose = pick_transpose(elem, kvt_cpu_isa(-1));
+static void vllm_cpu_part(const uint64_t *layers, int64_t num_layers, const int64_t *ids,
+                          int64_t n, int64_t span, int64_t heads, int64_t block_size,
+                          int64_t head_dim, int64_t elem, int64_t block_stride,
+                          int64_t head_stride, int64_t kv_stride, uint8_t *chunk, int gather,
+                          transpose_fn transpose, uint8_t *stage) {
     const int64_t pitch = heads * head_dim * elem; /* bytes of a token's row in the chunk */
     const int64_t run = head_dim * elem;           /* bytes of one head of one token */
     const int64_t kblock = block_size * pitch;     /* bytes of a block's K in the chunk */
-    const int64_t half = n * kblock;               /* bytes of K (or V) of one layer */
+    const int64_t half = span * kblock;            /* bytes of K (or V) of one layer */
     const int64_t region = block_size * run;       /* bytes of one head's K (or V), engine */
     /* A gather writes rows of `run` bytes, `pitch` apart: non-temporal stores only if those are
      * whole cache lines (see copy_out). */
     void (*const out)(uint8_t *, const uint8_t *, int64_t) =
         (((uintptr_t)chunk | (uintptr_t)run) & 63) == 0 ? copy_out : copy_bytes;
-    uint8_t *stage = aligned_alloc(64, (size_t)((region + 63) / 64 * 64));
-    if (stage == NULL) return 2;
     for (int64_t l = 0; l < num_layers; l++) {
         uint8_t *base = (uint8_t *)(uintptr_t)layers[l];
         uint8_t *ck = chunk + l * 2 * half, *cv = ck + half;
@@ -352,6 +350,29 @@ int kvt_cpu_vllm_cpu_copy(const uint64_t *layers, int64_t num_layers, const int6
             }
         }
     }
+}
+
+/* Copy the blocks of n_chunks chunks (or parts of chunks) in one call, so that a retrieve of many
+ * chunks gives the GIL back to the caller once, not once per chunk. Chunk c: counts[c] blocks,
+ * the next counts[c] of ids, to or from the part of a canonical chunk of spans[c] >= counts[c]
+ * blocks that starts at address chunks[c] (see vllm_cpu_part: a part that skips the first s
+ * blocks of a chunk starts s * block_size * heads * head_dim * elem bytes into it). Returns 0,
+ * 1 for a bad element size, 2 if the stage could not be allocated (nothing written then). */
+int kvt_cpu_vllm_cpu_copy(const uint64_t *layers, int64_t num_layers, const int64_t *ids,
+                          const int64_t *counts, const int64_t *spans, const uint64_t *chunks,
+                          int64_t n_chunks, int64_t heads, int64_t block_size, int64_t head_dim,
+                          int64_t elem, int64_t block_stride, int64_t head_stride,
+                          int64_t kv_stride, int gather) {
+    if (elem != 1 && elem != 2 && elem != 4) return 1;
+    const transpose_fn transpose = pick_transpose(elem, kvt_cpu_isa(-1));
+    const int64_t region = block_size * head_dim * elem;
+    uint8_t *stage = aligned_alloc(64, (size_t)((region + 63) / 64 * 64));
+    if (stage == NULL) return 2;
+    for (int64_t c = 0; c < n_chunks; ids += counts[c], c++)
+        if (counts[c] > 0)
+            vllm_cpu_part(layers, num_layers, ids, counts[c], spans[c], heads, block_size,
+                          head_dim, elem, block_stride, head_stride, kv_stride,
+                          (uint8_t *)(uintptr_t)chunks[c], gather, transpose, stage);
     kvt_fence();
     free(stage);
     return 0;

@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import os
 import re
@@ -193,22 +194,41 @@ def prometheus(text: str) -> dict[str, float]:
 
 
 def connector_counters(log_text: str) -> dict[str, Any]:
-    """The kvtrio connector's load-policy account, read from an engine's log: the last
-    ``kvtrio load policy: {...}`` line (logged at shutdown when the policy skipped a load:
-    ``loads``, ``skipped``, ``skipped_tokens``, ``explored``, ``saved_ms``), and the reasons
-    of the skips it logged (``… is computed, not loaded: …``). {} if there is none.
-
-    THE HOOK for the connector's counters: adapt it when they move (e.g. a per-run metric)."""
+    """The kvtrio connector's load-policy account over the whole engine, read from its log:
+    the last ``kvtrio load policy: {...}`` line (JSON: every counter, logged once a minute
+    while they change and at shutdown), and the reasons of the skips it logged (``… is
+    computed, not loaded: …``). {} if there is none."""
     account: dict[str, Any] = {}
     for match in re.finditer(r"kvtrio load policy: (\{.*\})", log_text):
         try:
-            account = dict(ast.literal_eval(match.group(1)))
-        except (ValueError, SyntaxError):
-            continue
+            account = dict(json.loads(match.group(1)))
+        except ValueError:
+            try:
+                account = dict(ast.literal_eval(match.group(1)))
+            except (ValueError, SyntaxError):
+                continue
     reasons = re.findall(r"is computed, not loaded: (.*)", log_text)
     if reasons:
         account["skip_reasons"] = reasons[-5:]
     return account
+
+
+def interval_counters(log_text: str) -> dict[str, float]:
+    """The connector's counters summed over vLLM's periodic stats lines in ``log_text`` (a
+    slice of an engine's log): ``KV Transfer metrics: loads=3, skipped_contention=1, …``, each
+    what was gained over one interval, zero counters left out."""
+    total: dict[str, float] = {}
+    for line in re.findall(r"KV Transfer metrics: (.*)", log_text):
+        for key, value in re.findall(r"(\w+)=(-?[0-9.]+)", line):
+            total[key] = total.get(key, 0.0) + float(value)
+    return total
+
+
+def place_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` (and so those it starts later) on ``cpus``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(task.name), cpus)
 
 
 def omp_binding(log_text: str) -> list[str]:
@@ -328,6 +348,9 @@ class Bench:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         cpus = cpus or 1
         self.omp_cpus = "0" if cpus <= 2 else f"0-{cpus - 2}"
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+        self.spare_cpus = set(allowed) - set(range(cpus - 1)) if cpus > 1 else set()
+        """Where ``kvtrio serve`` runs: the CPUs the engines do not compute on."""
         logging_path = workdir / "logging.json"
         logging_path.write_text(json.dumps(LOGGING))
         env = {**os.environ, **ENGINE_ENV}
@@ -393,6 +416,8 @@ class Bench:
         try:
             if server is not None:
                 server.start(timeout=120)
+                if self.spare_cpus and server.pid:  # off the engines' compute cores
+                    place_process(server.pid, self.spare_cpus)
             engine = ApiServer(self, case, server.endpoint if server else None, tag)
             info["startup_s"] = engine.wait_up()
             info["omp_binding"] = omp_binding(engine.log_text())
@@ -418,9 +443,13 @@ class Bench:
                 if status not in (0, None):
                     self.problems.append(f"{tag}: kvtrio serve exited with {status}")
             self.engines.append(info)
-            for run in self.runs:
-                if run["tag"] == tag:
-                    run["connector"] = info.get("connector", {})
+            # Each run's share of the stats lines: from its start to the next run's start
+            mine = [run for run in self.runs if run["tag"] == tag]
+            text = engine.log_text() if engine is not None else ""
+            for run, after in zip(mine, [*mine[1:], None], strict=True):
+                end = after["log_offset"] if after is not None else len(text)
+                run["policy"] = interval_counters(text[run["log_offset"] : end])
+                run["connector"] = info.get("connector", {})
 
     def run_one(
         self, rep: int, case: str, workload: str, rate: float, engine: ApiServer,
@@ -431,6 +460,7 @@ class Bench:
         name = f"{tag}-{workload}-{rate:g}"
         settle([engine.proc.pid, server.pid if server else None], timeout=30)
         engine.reset_prefix_cache()
+        log_offset = len(engine.log_text())
         before_metrics = engine.metrics()
         before_kv = stats(server.endpoint) if server else None
         argv = [
@@ -461,7 +491,7 @@ class Bench:
         run: dict[str, Any] = {
             "repetition": rep, "case": case, "workload": workload, "rate": rate, "tag": tag,
             "seed": seed, "wall_s": wall, "dataset": about, "client_result": str(result_path),
-            "load_average": os.getloadavg()[0],
+            "load_average": os.getloadavg()[0], "log_offset": log_offset,
         }  # fmt: skip
         for key in (
             "completed", "failed", "duration", "request_throughput", "output_throughput",
@@ -630,8 +660,12 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         "max": values[-1],
                     }
             row["failed"] = sum(r["failed"] or 0 for r in mine)
-            skipped = [r.get("connector", {}).get("skipped") for r in mine]
-            row["policy_skipped"] = sorted({s for s in skipped if s is not None})
+            # the load policy's decisions, summed over repetitions (vLLM's stats lines)
+            policy: dict[str, float] = {}
+            for r in mine:
+                for key, value in r.get("policy", {}).items():
+                    policy[key] = policy.get(key, 0.0) + value
+            row["policy"] = policy
             rows.append(row)
     return rows
 
@@ -649,7 +683,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     head = (
         f"{'workload':9} {'rate':>5} {'case':8} {'n':>2} {'TTFT p50':>18} {'TTFT p99':>18} "
         f"{'ITL p50':>14} {'ITL p99':>14} {'req/s':>18} {'tok/s':>14} {'vLLM hit':>8} "
-        f"{'kv L1':>6} {'kv L2':>6} {'skips':>5}"
+        f"{'kv L1':>6} {'kv L2':>6} {'load/split/skip':>15} {'regret':>9}"
     )
     lines = [
         head,
@@ -665,10 +699,27 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             f"{cell(row, 'vllm_hit_ratio', percent=True):>8} "
             f"{cell(row, 'kvtrio_l1_hit_ratio', percent=True):>6} "
             f"{cell(row, 'kvtrio_l2_hit_ratio', percent=True):>6} "
-            f"{','.join(map(str, row['policy_skipped'])) or '-':>5}"
+            f"{_decisions(row):>15} {_regret(row):>9}"
             + (f"  ✗ {row['failed']} failed" if row["failed"] else "")
         )
     return lines
+
+
+def _decisions(row: dict[str, Any]) -> str:
+    """``loads/splits/skips`` of the connector's load policy (``-`` for vLLM alone)."""
+    policy = row.get("policy") or {}
+    if row["case"] == "vllm" or not policy:
+        return "-"
+    skips = sum(v for k, v in policy.items() if k.startswith("skipped_") and k != "skipped_tokens")
+    return f"{policy.get('loads', 0):.0f}/{policy.get('split', 0):.0f}/{skips:.0f}"
+
+
+def _regret(row: dict[str, Any]) -> str:
+    """``regret/judged`` decisions (those found slower than the alternative, afterwards)."""
+    policy = row.get("policy") or {}
+    if row["case"] == "vllm" or not policy.get("judged"):
+        return "-"
+    return f"{policy.get('regret', 0):.0f}/{policy['judged']:.0f}"
 
 
 def plot(rows: list[dict[str, Any]], header: list[str], path: Path) -> str:

@@ -123,6 +123,16 @@ def test_what_the_bench_reads_from_vllm_and_the_connector(
     assert account["skipped"] == 1
     assert account["skip_reasons"] == ["loading takes ~9.0 ms, computing ~5.0 ms here"]
     assert serve.connector_counters("nothing") == {}
+    assert serve.connector_counters('kvtrio load policy: {"loads": 2, "on": true}')["loads"] == 2
+    stats = (
+        "INFO [loggers.py] KV Transfer metrics: loads=3, split=1, skipped_idle=2, judged=4, "
+        "regret=1\nINFO other\nINFO [loggers.py] KV Transfer metrics: loads=2, judged=2\n"
+    )
+    assert serve.interval_counters(stats) == {
+        "loads": 5, "split": 1, "skipped_idle": 2, "judged": 6, "regret": 1
+    }  # fmt: skip
+    row = {"case": "l1", "policy": serve.interval_counters(stats)}
+    assert (serve._decisions(row), serve._regret(row)) == ("5/1/2", "1/6")
 
 
 def test_the_summary_gives_medians_and_spreads(bench: tuple[ModuleType, ModuleType]) -> None:

@@ -232,7 +232,8 @@ def place_process(pid: int, cpus: set[int]) -> None:
 
 
 def omp_binding(log_text: str) -> list[str]:
-    """vLLM's "OpenMP thread binding info" message(s): the line and its indented lines."""
+    """vLLM's "OpenMP thread binding info" message(s): the line and its indented lines, each
+    different one once."""
     lines = log_text.splitlines()
     out = []
     for i, line in enumerate(lines):
@@ -243,7 +244,7 @@ def omp_binding(log_text: str) -> list[str]:
                     break
                 block.append(follow.strip())
             out.append(" ".join(block))
-    return out
+    return list(dict.fromkeys(out))  # once each (a worker may log it again)
 
 
 # --------------------------------------------------------------------------- processes

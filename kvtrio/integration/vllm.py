@@ -130,7 +130,13 @@ def _cpu_cores(
     try:
         from vllm.utils.ompmultiprocessing import OMPProcessManager
 
-        manager = OMPProcessManager(vllm_config)
+        quiet = logging.getLogger("vllm.utils.ompmultiprocessing")  # logged once already
+        level = quiet.level
+        quiet.setLevel(logging.WARNING)
+        try:
+            manager = OMPProcessManager(vllm_config)
+        finally:
+            quiet.setLevel(level)
         lists: list[list[int]] = manager.cpu_lists
         reserved = frozenset(manager.reserved_cpu_list)
     except Exception as exc:  # another vLLM: this rank's own cores, where it is the only one

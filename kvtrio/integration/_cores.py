@@ -15,10 +15,12 @@ free a core. No vLLM import.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
 
 from ..client import ThreadPlacement
 
-__all__ = ["SHARED_NICE", "affinity", "worker_placement"]
+__all__ = ["SHARED_NICE", "affinity", "omp_env_cpus", "worker_placement"]
 
 SHARED_NICE = 10
 """Nice increment of kvtrio's worker threads where they share every core with the engine's
@@ -32,6 +34,31 @@ def affinity(pid: int = 0) -> frozenset[int] | None:
         return frozenset(os.sched_getaffinity(pid))
     except (OSError, AttributeError):
         return None
+
+
+def _cpu_ids(text: str) -> set[int]:
+    """``"0-2,5 7"`` (ranges, by commas or spaces) → ``{0, 1, 2, 5, 7}``; strides ``0-6:2``
+    as GOMP writes them."""
+    cpus: set[int] = set()
+    for part in re.split(r"[,\s]+", text.strip()):
+        found = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+))?)?", part)
+        if found:
+            first, last, step = found.groups()
+            cpus.update(range(int(first), int(last or first) + 1, int(step or 1)))
+    return cpus
+
+
+def omp_env_cpus(environ: Mapping[str, str]) -> frozenset[int] | None:
+    """The cores this process's OpenMP threads are bound to, as vLLM told OpenMP through the
+    environment it started the worker with (``GOMP_CPU_AFFINITY`` with libgomp preloaded,
+    ``KMP_AFFINITY``'s ``proclist`` with Intel's, else ``OMP_PLACES``); None if none says."""
+    if gomp := environ.get("GOMP_CPU_AFFINITY"):
+        return frozenset(_cpu_ids(gomp)) or None
+    if (kmp := re.search(r"proclist=\[([^\]]*)\]", environ.get("KMP_AFFINITY", ""))) is not None:
+        return frozenset(_cpu_ids(kmp.group(1))) or None
+    if places := environ.get("OMP_PLACES"):
+        return frozenset(_cpu_ids(places.replace("{", ",").replace("}", ","))) or None
+    return None
 
 
 def worker_placement(

@@ -25,6 +25,7 @@ backend which kernels it runs, when a worker registers).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,7 @@ except ImportError:  # pragma: no cover - older vLLM: the counters are only in k
     KVConnectorStats = None  # type: ignore[assignment,misc]
 
 from ..client import EngineIdentity, SchedulerAdapter, WorkerAdapter
-from ._cores import affinity, worker_placement
+from ._cores import affinity, omp_env_cpus, worker_placement
 from ._engine_keys import key_scheme
 from ._events import EngineEvents, event_hashes_of
 from ._kv_groups import unsupported_kv_cache
@@ -64,7 +65,7 @@ except ImportError:  # pragma: no cover - older vLLM
     _HOST = None
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Iterator
 
     import torch
     from vllm.config import VllmConfig
@@ -121,30 +122,54 @@ def _cpu_cores(
     vllm_config: VllmConfig,
 ) -> tuple[frozenset[int] | None, frozenset[int], frozenset[int] | None]:
     """For a worker of a CPU engine: the cores every rank computes on, those vLLM reserves for
-    other work, and those the engine may use (:func:`._cores.worker_placement`'s arguments),
-    as vLLM's own OpenMP set-up computed them; ``(None, ∅, None)`` for other engines."""
+    other work, and those the engine may use (:func:`._cores.worker_placement`'s arguments);
+    ``(None, ∅, None)`` for other engines.
+
+    The compute cores are this rank's OpenMP set-up (the environment vLLM gave this process)
+    and every rank's as vLLM's ``OMPProcessManager`` computes them. It is built here as vLLM's
+    engine process built it: with that process's view of the machine (this thread is bound
+    to one compute core already, which would make it see one CPU)."""
     if getattr(vllm_config.device_config, "device_type", None) != "cpu":
         return None, frozenset(), None
-    own = affinity(0)  # torch bound this thread to this rank's compute cores
-    allowed = (affinity(os.getppid()) or frozenset()) | (own or frozenset())
+    own = affinity(0) or frozenset()
+    allowed = (affinity(os.getppid()) or frozenset()) | own
+    compute = omp_env_cpus(os.environ) or frozenset()
+    reserved: frozenset[int] = frozenset()
     try:
         from vllm.utils.ompmultiprocessing import OMPProcessManager
 
         quiet = logging.getLogger("vllm.utils.ompmultiprocessing")  # logged once already
         level = quiet.level
-        quiet.setLevel(logging.WARNING)
+        quiet.setLevel(logging.ERROR)
         try:
-            manager = OMPProcessManager(vllm_config)
+            with _bound_to(allowed):
+                manager = OMPProcessManager(vllm_config)
         finally:
             quiet.setLevel(level)
         lists: list[list[int]] = manager.cpu_lists
+        compute |= frozenset(cpu for cpus in lists for cpu in cpus)
         reserved = frozenset(manager.reserved_cpu_list)
-    except Exception as exc:  # another vLLM: this rank's own cores, where it is the only one
+        if manager.skip_setup:  # nobind: OpenMP threads go anywhere
+            compute |= allowed
+    except Exception as exc:  # another vLLM: this rank's cores, where it is the only one
         log.debug("kvtrio: vLLM's OpenMP core lists unknown (%r)", exc)
-        alone = vllm_config.parallel_config.world_size == 1
-        return (own if alone else None), frozenset(), allowed
-    compute = frozenset(cpu for cpus in lists for cpu in cpus) if lists else own
-    return compute, reserved, allowed
+        if vllm_config.parallel_config.world_size > 1:
+            return None, frozenset(), allowed
+    return compute or own or None, reserved, allowed
+
+
+@contextlib.contextmanager
+def _bound_to(cpus: frozenset[int]) -> Iterator[None]:
+    """The calling thread on ``cpus`` for the block (then back as it was)."""
+    before = affinity(0)
+    if not cpus or before is None or before == cpus:
+        yield
+        return
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 class KvtrioConnectorMetadata(KVConnectorMetadata, StepPlan):  # type: ignore[misc]

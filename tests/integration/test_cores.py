@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtrio.integration._cores import SHARED_NICE, worker_placement
+from kvtrio.integration._cores import SHARED_NICE, omp_env_cpus, worker_placement
 
 
 def test_kvtrio_takes_the_cores_vllm_reserves() -> None:
@@ -36,3 +36,13 @@ def test_a_reserved_core_that_also_computes_is_not_taken() -> None:
     placement, _ = worker_placement(frozenset({0, 1}), frozenset({1}), frozenset({0, 1}))
     assert placement.cpus is None
     assert placement.nice == SHARED_NICE
+
+
+def test_the_openmp_cores_vllm_set_for_this_worker() -> None:
+    assert omp_env_cpus({"GOMP_CPU_AFFINITY": "0 1", "OMP_PLACES": "{5}"}) == {0, 1}
+    assert omp_env_cpus({"GOMP_CPU_AFFINITY": "0-6:2"}) == {0, 2, 4, 6}
+    kmp = "granularity=fine,explicit,proclist=[2,3,8-9]"
+    assert omp_env_cpus({"KMP_AFFINITY": kmp}) == {2, 3, 8, 9}
+    assert omp_env_cpus({"OMP_PLACES": "{0,1,2}"}) == {0, 1, 2}
+    assert omp_env_cpus({"OMP_PLACES": "{0},{1}", "OMP_NUM_THREADS": "2"}) == {0, 1}
+    assert omp_env_cpus({"OMP_NUM_THREADS": "2"}) is None

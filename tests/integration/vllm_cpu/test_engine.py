@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -31,11 +32,22 @@ from kvtrio.launch import ServerProcess
 from kvtrio.protocol import CacheStats, GetStats, StatsReply
 
 from ..._support.vllm_cpu import CONTROL, PREFIX, STARTUP
+from ..._support.waiting import wait_for
 from ..._support.web import free_port, http, prometheus
 from ..tiny_model import write_tiny_model
 from .engine import ENV
 
 ENGINE = Path(__file__).with_name("engine.py")
+API_LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(levelname)s [%(name)s] %(message)s"}},
+    "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {
+        "vllm": {"handlers": ["out"], "level": "INFO", "propagate": False},
+        "kvtrio": {"handlers": ["out"], "level": "INFO", "propagate": False},
+    },
+}
 CHUNK = 128  # kvtrio's chunk size: 4 of vLLM's 32-token blocks
 PROMPTS = {
     "A": PREFIX,
@@ -156,8 +168,14 @@ def through_api(
         "--enable-prompt-tokens-details",
         "--kv-transfer-config", json.dumps(kv_transfer_config(kvtrio.endpoint)),
     ]  # fmt: skip
+    # kvtrio's INFO lines in the log (vLLM leaves the kvtrio loggers unconfigured), and vLLM's
+    # stats line (with the connector's counters) every second instead of every 10 s
+    logging_path = workdir / "api-logging.json"
+    logging_path.write_text(json.dumps(API_LOGGING))
+    env = {**environment(), "VLLM_LOGGING_CONFIG_PATH": str(logging_path),
+           "VLLM_LOG_STATS_INTERVAL": "1"}  # fmt: skip
     with log_path.open("w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment())
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + STARTUP
         while True:
@@ -186,7 +204,10 @@ def through_api(
         assert status == 200, body
         completion = json.loads(body)
         metrics = http(f"{base}/metrics")[1].decode()
-        yield {"completion": completion, "metrics": metrics}
+        # the stats line that counts C's load (logged within a second or two of it)
+        wait_for(lambda: "KV Transfer metrics: " in log_path.read_text(), timeout=30,
+                 what="vLLM's stats line with the connector's counters")  # fmt: skip
+        yield {"completion": completion, "metrics": metrics, "log": log_path.read_text()}
     finally:
         proc.terminate()
         try:
@@ -257,6 +278,39 @@ def test_a_restarted_vllm_loads_from_kvtrio_through_the_openai_api(
     metrics = through_api["metrics"]
     assert prometheus(metrics, "vllm:external_prefix_cache_hits_total") == HIT
     assert prometheus(metrics, "vllm:external_prefix_cache_queries_total") == len(PROMPTS["C"])
+
+
+def test_the_load_policy_counts_the_apis_hit_in_vllms_stats_line(
+    through_api: dict[str, Any],
+) -> None:
+    """The connector's counters reach vLLM's own stats line: C's hit was loaded (no cost was
+    known yet, so auto loads it), nothing skipped, nothing split."""
+    counted: dict[str, int] = {}
+    for line in re.findall(r"KV Transfer metrics: (.*)", through_api["log"]):
+        for key, value in re.findall(r"(\w+)=(\d+)", line):
+            counted[key] = counted.get(key, 0) + int(value)
+    print("\nconnector counters in vLLM's stats lines:", counted)
+    assert counted.get("loads") == 1
+    assert not any(counted.get(k) for k in ("skipped", "split"))
+
+
+def test_kvtrio_threads_run_off_the_engines_compute_cores(through_api: dict[str, Any]) -> None:
+    """The worker says where kvtrio's threads went: on cores vLLM's OpenMP threads do not use,
+    or, where every core computes (vLLM's auto binding on a small machine), on them at a
+    lower priority, with a warning naming the setting that frees one."""
+    text = through_api["log"]
+    (compute,) = set(re.findall(r"core ids=\[([0-9, ]*)\]", text))
+    compute_cpus = {int(c) for c in compute.split(",")}
+    placed = re.findall(r"kvtrio's copies run on CPUs ([0-9,-]+)", text)
+    shared = "so kvtrio's copies share them" in text
+    print("\nvLLM computes on", sorted(compute_cpus), "; kvtrio:", placed or "shared")
+    assert bool(placed) != shared
+    for cpus in placed:
+        spans = [part.split("-") for part in cpus.split(",")]
+        mine = {c for span in spans for c in range(int(span[0]), int(span[-1]) + 1)}
+        assert not mine & compute_cpus
+    if shared:
+        assert "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in text
 
 
 def test_kvtrio_holds_no_pin_once_vllm_is_done(

@@ -9,18 +9,23 @@ both cores of a 2-core machine computing, decode steps took 3-10x longer while s
 for an engine with a connector (``reserve_cpu_num``); this module finds the cores the engine's
 processes may use but do not compute on, and puts kvtrio's threads there. Where there are none
 (every core computes) they run at a lower priority instead, and the engine's log says how to
-free a core. No vLLM import.
+free a core. vLLM is imported only by :func:`engine_cpu_cores`, when a worker starts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from ..client import ThreadPlacement
 
-__all__ = ["SHARED_NICE", "affinity", "omp_env_cpus", "worker_placement"]
+__all__ = ["SHARED_NICE", "affinity", "engine_cpu_cores", "omp_env_cpus", "worker_placement"]
+
+log = logging.getLogger("kvtrio.vllm")
 
 SHARED_NICE = 10
 """Nice increment of kvtrio's worker threads where they share every core with the engine's
@@ -91,3 +96,57 @@ def worker_placement(
         "VLLM_CPU_OMP_THREADS_BIND without the last core), as vLLM does for an engine with "
         "a connector where it has cores to spare"
     )
+
+
+def engine_cpu_cores(
+    vllm_config: Any,
+) -> tuple[frozenset[int] | None, frozenset[int], frozenset[int] | None]:
+    """For a worker of a CPU engine: the cores every rank computes on, those vLLM reserves for
+    other work, and those the engine may use (:func:`worker_placement`'s arguments);
+    ``(None, ∅, None)`` for other engines.
+
+    The compute cores are this rank's OpenMP set-up (the environment vLLM gave this process)
+    and every rank's as vLLM's ``OMPProcessManager`` computes them. It is built here as vLLM's
+    engine process built it: with that process's view of the machine (this thread is bound
+    to one compute core already, which would make it see one CPU)."""
+    if getattr(vllm_config.device_config, "device_type", None) != "cpu":
+        return None, frozenset(), None
+    own = affinity(0) or frozenset()
+    allowed = (affinity(os.getppid()) or frozenset()) | own
+    compute = omp_env_cpus(os.environ) or frozenset()
+    reserved: frozenset[int] = frozenset()
+    try:
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+        quiet = logging.getLogger("vllm.utils.ompmultiprocessing")  # logged once already
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            with _bound_to(allowed):
+                manager = OMPProcessManager(vllm_config)
+        finally:
+            quiet.setLevel(level)
+        lists: list[list[int]] = manager.cpu_lists
+        compute |= frozenset(cpu for cpus in lists for cpu in cpus)
+        reserved = frozenset(manager.reserved_cpu_list)
+        if manager.skip_setup:  # nobind: OpenMP threads go anywhere
+            compute |= allowed
+    except Exception as exc:  # another vLLM: this rank's cores, where it is the only one
+        log.debug("kvtrio: vLLM's OpenMP core lists unknown (%r)", exc)
+        if vllm_config.parallel_config.world_size > 1:
+            return None, frozenset(), allowed
+    return compute or own or None, reserved, allowed
+
+
+@contextlib.contextmanager
+def _bound_to(cpus: frozenset[int]) -> Iterator[None]:
+    """The calling thread on ``cpus`` for the block (then back as it was)."""
+    before = affinity(0)
+    if not cpus or before is None or before == cpus:
+        yield
+        return
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

@@ -19,15 +19,14 @@ engine, with one warning: vLLM then runs as without it.
 Nothing here raises into vLLM's step loop: a kvtrio server that is away means misses and skipped
 stores, and vLLM recomputes any block whose load failed. Bad options are refused when vLLM
 starts, with a message naming them. This is the only kvtrio module that imports vLLM when it
-is imported (:mod:`._cpu_kernels` asks vLLM's CPU
-backend which kernels it runs, when a worker registers).
+is imported (:mod:`._cpu_kernels` asks vLLM's CPU backend which kernels it runs, when a worker
+registers; :mod:`._cores` asks it which cores the engine computes on, when a worker starts,
+to run kvtrio's threads on others).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -48,7 +47,7 @@ except ImportError:  # pragma: no cover - older vLLM: the counters are only in k
     KVConnectorStats = None  # type: ignore[assignment,misc]
 
 from ..client import EngineIdentity, SchedulerAdapter, WorkerAdapter
-from ._cores import affinity, omp_env_cpus, worker_placement
+from ._cores import engine_cpu_cores, worker_placement
 from ._engine_keys import key_scheme
 from ._events import EngineEvents, event_hashes_of
 from ._kv_groups import unsupported_kv_cache
@@ -65,7 +64,7 @@ except ImportError:  # pragma: no cover - older vLLM
     _HOST = None
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Iterator
+    from collections.abc import Iterable
 
     import torch
     from vllm.config import VllmConfig
@@ -116,60 +115,6 @@ def _int_block_hashes() -> bool:
 
 
 log = logging.getLogger("kvtrio.vllm")
-
-
-def _cpu_cores(
-    vllm_config: VllmConfig,
-) -> tuple[frozenset[int] | None, frozenset[int], frozenset[int] | None]:
-    """For a worker of a CPU engine: the cores every rank computes on, those vLLM reserves for
-    other work, and those the engine may use (:func:`._cores.worker_placement`'s arguments);
-    ``(None, ∅, None)`` for other engines.
-
-    The compute cores are this rank's OpenMP set-up (the environment vLLM gave this process)
-    and every rank's as vLLM's ``OMPProcessManager`` computes them. It is built here as vLLM's
-    engine process built it: with that process's view of the machine (this thread is bound
-    to one compute core already, which would make it see one CPU)."""
-    if getattr(vllm_config.device_config, "device_type", None) != "cpu":
-        return None, frozenset(), None
-    own = affinity(0) or frozenset()
-    allowed = (affinity(os.getppid()) or frozenset()) | own
-    compute = omp_env_cpus(os.environ) or frozenset()
-    reserved: frozenset[int] = frozenset()
-    try:
-        from vllm.utils.ompmultiprocessing import OMPProcessManager
-
-        quiet = logging.getLogger("vllm.utils.ompmultiprocessing")  # logged once already
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
-        try:
-            with _bound_to(allowed):
-                manager = OMPProcessManager(vllm_config)
-        finally:
-            quiet.setLevel(level)
-        lists: list[list[int]] = manager.cpu_lists
-        compute |= frozenset(cpu for cpus in lists for cpu in cpus)
-        reserved = frozenset(manager.reserved_cpu_list)
-        if manager.skip_setup:  # nobind: OpenMP threads go anywhere
-            compute |= allowed
-    except Exception as exc:  # another vLLM: this rank's cores, where it is the only one
-        log.debug("kvtrio: vLLM's OpenMP core lists unknown (%r)", exc)
-        if vllm_config.parallel_config.world_size > 1:
-            return None, frozenset(), allowed
-    return compute or own or None, reserved, allowed
-
-
-@contextlib.contextmanager
-def _bound_to(cpus: frozenset[int]) -> Iterator[None]:
-    """The calling thread on ``cpus`` for the block (then back as it was)."""
-    before = affinity(0)
-    if not cpus or before is None or before == cpus:
-        yield
-        return
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 class KvtrioConnectorMetadata(KVConnectorMetadata, StepPlan):  # type: ignore[misc]
@@ -286,7 +231,7 @@ class KvtrioConnector(KVConnectorBase_V1):
             if options.events:
                 self._events = EngineEvents(options)
         else:
-            placement, where = worker_placement(*_cpu_cores(vllm_config))
+            placement, where = worker_placement(*engine_cpu_cores(vllm_config))
             log.log(logging.WARNING if placement.nice else logging.INFO, "kvtrio: %s", where)
             worker = WorkerAdapter.from_identity(identity, placement=placement)
             self._worker = WorkerSide(worker, vllm_config)

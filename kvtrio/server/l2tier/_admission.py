@@ -12,7 +12,14 @@ committed chunk is written only if it is likely to be read again:
 - **the continuation of a reused prefix** (a conversation's history, what follows a shared
   system prompt): its parent was seen before, or was admitted itself (a bit set of admitted
   keys, cleared with the halving), so a conversation's turn writes its whole new tail once its
-  prefix proved reused.
+  prefix proved reused;
+- **seen once, while such chunks come back**: while at least 1 in :data:`RETURNS` of the chunks
+  lookups missed in L1 for the first time comes back to a later lookup (found in L1 after a
+  refusal, or missed there again: L1 dropped it, and only L2 could have served it; a workload
+  of pairs, say, a prompt asked twice an hour apart), a chunk seen once is written too: it
+  cannot be told apart from those at its commit, and a load from L2 costs far less than
+  recomputing it. The counts are halved with the sketch. With no reuse at all nothing comes
+  back, and nothing seen once is written.
 
 A chunk refused at its commit is remembered (:data:`REFUSED` at most, the oldest forgotten)
 and **admitted later** when it is used again while still in L1 (:meth:`Admission.used`: a
@@ -45,7 +52,12 @@ log = logging.getLogger("kvtrio.l2")
 ADMISSION_MODES = ("auto", "all", "reuse")
 THRESHOLD = 2
 """Distinct requests that must have looked a chunk up for it to count as seen before."""
-SAMPLE = 1 << 18
+RETURNS = 50
+"""Chunks seen once are written while at least 1 in this many of the chunks lookups missed
+in L1 for the first time came back to a later lookup after L1 dropped them."""
+_MIN_FIRST = 256
+"""First sightings needed before the share that came back is trusted (until then: refused)."""
+SAMPLE = 1 << 17
 """Counts between two halvings of the sketch (and resets of its bit sets)."""
 REFUSED = 65536
 """Refused chunks remembered, to be admitted when used again from L1."""
@@ -56,7 +68,7 @@ _SUMMARY_INTERVAL = 60.0
 
 _ROWS = 4
 _ROW_BITS = 18  # 4 rows of 2^18 one-byte counters: 1 MiB
-_SET_BITS = 21  # each bit set: 2^21 bits, 256 KiB (about 5 % false positives at SAMPLE keys)
+_SET_BITS = 22  # each bit set: 2^22 bits, 512 KiB (0.4 % false positives at SAMPLE keys)
 _HALVE = bytes(i >> 1 for i in range(256))
 _MAX_COUNT = 15
 
@@ -117,6 +129,10 @@ class ReuseSketch:
         self.counted = 0
         """Counts since the last halving."""
         self.halvings = 0
+        self.first = 0
+        """Keys counted that had not been counted since the last halving (halved with it)."""
+        self.again = 0
+        """Keys counted that had been counted before (halved with it)."""
 
     def _cells(self, mixed: int) -> list[int]:
         width, mask = self._width, self._width - 1
@@ -129,7 +145,9 @@ class ReuseSketch:
     def add_mixed(self, mixed: int) -> None:
         if mixed not in self.doorkeeper:
             self.doorkeeper.add(mixed)
+            self.first += 1
         else:
+            self.again += 1
             counters = self._counters
             for cell in self._cells(mixed):
                 if counters[cell] < _MAX_COUNT:
@@ -152,6 +170,8 @@ class ReuseSketch:
         """Halve every counter and clear the doorkeeper (the periodic aging)."""
         self._counters = bytearray(self._counters.translate(_HALVE))
         self.doorkeeper.clear()
+        self.first //= 2
+        self.again //= 2
         self.counted = 0
         self.halvings += 1
 
@@ -181,6 +201,8 @@ class Admission(Generic[T]):
         """Chunks refused at their commit."""
         self.admitted_later = 0
         """Refused chunks admitted later, when used again from L1."""
+        self._returned = 0
+        """Refused chunks used again from L1 (halved with the sketch): see :attr:`returning`."""
         self._logged_refusal = False
         self._summary_at = -1.0
 
@@ -211,7 +233,8 @@ class Admission(Generic[T]):
 
     def count(self, keys: Iterable[bytes]) -> None:
         """A lookup asked for ``keys`` beyond its L1 prefix (see :meth:`first_lookup`): count
-        each once. Chunks found in L1 need no count: a hit admits them (:meth:`used`)."""
+        each once. Chunks found in L1 need no count: a hit admits them (:meth:`used`); a key
+        counted before is one that came back after L1 dropped it (see :attr:`returning`)."""
         add = self.sketch.add_mixed
         for key in keys:
             add(_mix(key))
@@ -225,8 +248,10 @@ class Admission(Generic[T]):
             return True
         self._age()
         mixed = _mix(key)
-        if self.sketch.estimate_mixed(mixed) >= THRESHOLD or (
-            parent is not None and self._hot(parent)
+        if (
+            self.sketch.estimate_mixed(mixed) >= THRESHOLD
+            or (parent is not None and self._hot(parent))
+            or self.returning
         ):
             self.admitted += 1
             self._admitted_keys.add(mixed)
@@ -261,9 +286,18 @@ class Admission(Generic[T]):
                 parent = older[0]
             for chunk, (_, value) in reversed(chain):
                 self.admitted_later += 1
+                self._returned += 1
                 self._admitted_keys.add(_mix(chunk))
                 out.append((chunk, value))
         return out
+
+    @property
+    def returning(self) -> bool:
+        """Whether chunks seen once come back after L1 dropped them often enough (1 in
+        :data:`RETURNS`) that writing them pays (see the module docstring)."""
+        sketch = self.sketch
+        returned = sketch.again + self._returned
+        return sketch.first >= _MIN_FIRST and returned * RETURNS >= sketch.first
 
     def _hot(self, parent: bytes) -> bool:
         """Whether a chunk after ``parent`` continues a reused prefix."""
@@ -275,6 +309,7 @@ class Admission(Generic[T]):
         if self.sketch.halvings != self._halvings:
             self._halvings = self.sketch.halvings
             self._admitted_keys.clear()
+            self._returned //= 2
 
     def _log(self, now: float) -> None:
         """One INFO line at the first refusal; then a DEBUG summary at most every

@@ -92,6 +92,8 @@ def replay(
                 continue
             if admission.commit(key, parent, None):
                 write(key)
+            for older, _ in admission.backlog():  # (as WriteBehind.commit)
+                write(older)
         for key in pinned:
             l1.unpin(key)
     return writes, l2_hits, total

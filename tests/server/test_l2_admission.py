@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from kvtrio.server.l2tier import Admission
-from kvtrio.server.l2tier._admission import RETURNS, ReuseSketch
+from kvtrio.server.l2tier._admission import BACKLOG, RETURNS, ReuseSketch
 
 
 def key(name: str) -> bytes:
@@ -156,6 +156,23 @@ def test_chunks_seen_once_are_written_while_enough_of_them_come_back() -> None:
     admission.count(first[: len(first) // RETURNS + 1])  # (missed in L1 again)
     assert admission.returning
     assert admission.commit(key("new 1"), None, None)
+    # The chunk refused before is caught up with, BACKLOG per commit (oldest first).
+    assert admission.backlog() == [(key("new 0"), None)]
+    assert (admission.waiting, admission.admitted_later) == (0, 1)
+
+
+def test_the_backlog_is_empty_while_nothing_comes_back() -> None:
+    admission = Admission[int]("reuse")
+    refused = [key(f"refused {i}") for i in range(10)]
+    for index, chunk in enumerate(refused):
+        admission.commit(chunk, None, index)
+    assert admission.backlog() == []
+    admission.first_lookup("firsts")
+    admission.count([key(f"first {i}") for i in range(1_000)])
+    admission.first_lookup("returns")
+    admission.count([key(f"first {i}") for i in range(100)])
+    assert admission.backlog() == [(refused[i], i) for i in range(BACKLOG)]
+    assert admission.backlog() == [(refused[i], i) for i in range(BACKLOG, 2 * BACKLOG)]
 
 
 def test_the_first_refusal_is_logged_at_info_once(caplog: pytest.LogCaptureFixture) -> None:

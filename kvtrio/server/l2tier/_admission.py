@@ -19,7 +19,8 @@ committed chunk is written only if it is likely to be read again:
   of pairs, say, a prompt asked twice an hour apart), a chunk seen once is written too: it
   cannot be told apart from those at its commit, and a load from L2 costs far less than
   recomputing it. The counts are halved with the sketch. With no reuse at all nothing comes
-  back, and nothing seen once is written.
+  back, and nothing seen once is written. Meanwhile the chunks refused before are caught up
+  with, :data:`BACKLOG` per commit, oldest first (:meth:`Admission.backlog`).
 
 A chunk refused at its commit is remembered (:data:`REFUSED` at most, the oldest forgotten)
 and **admitted later** when it is used again while still in L1 (:meth:`Admission.used`: a
@@ -45,7 +46,7 @@ from typing import Generic, TypeVar
 
 from ..._logging import event
 
-__all__ = ["REFUSED", "RETURNS", "SAMPLE", "THRESHOLD", "Admission", "ReuseSketch"]
+__all__ = ["BACKLOG", "REFUSED", "RETURNS", "SAMPLE", "THRESHOLD", "Admission", "ReuseSketch"]
 
 log = logging.getLogger("kvtrio.l2")
 
@@ -54,6 +55,8 @@ THRESHOLD = 2
 RETURNS = 50
 """Chunks seen once are written while at least 1 in this many of the chunks lookups missed
 in L1 for the first time came back (see the module docstring)."""
+BACKLOG = 2
+"""Refused chunks admitted per commit while chunks seen once are (see the module docstring)."""
 _MIN_FIRST = 256
 """First sightings needed before the share that came back is trusted (until then: refused)."""
 SAMPLE = 1 << 17
@@ -298,6 +301,20 @@ class Admission(Generic[T]):
         sketch = self.sketch
         returned = sketch.again + self._returned
         return sketch.first >= _MIN_FIRST and returned * RETURNS >= sketch.first
+
+    def backlog(self) -> list[tuple[bytes, T]]:
+        """While chunks seen once are written (:attr:`returning`), the :data:`BACKLOG` oldest
+        refused ones, now admitted (``(key, value)``; the caller checks they are still in
+        L1); else nothing. Called after each commit."""
+        if not self._refused or not self.returning:
+            return []
+        out = []
+        for _ in range(min(BACKLOG, len(self._refused))):
+            chunk, (_, value) = self._refused.popitem(last=False)
+            self.admitted_later += 1
+            self._admitted_keys.add(_mix(chunk))
+            out.append((chunk, value))
+        return out
 
     def _hot(self, parent: bytes) -> bool:
         """Whether a chunk after ``parent`` continues a reused prefix."""

@@ -126,9 +126,11 @@ class WriteBehind:
             return None
         entry = self.l1.get(key)
         parent = None if entry is None else entry.parent
-        if not self.admission.commit(key, parent, (fingerprint, tenant), trio.current_time()):
-            return None
-        return self.write_behind(key, fingerprint, tenant)
+        admitted = self.admission.commit(key, parent, (fingerprint, tenant), trio.current_time())
+        for older, (older_fingerprint, older_tenant) in self.admission.backlog():
+            if self.l1.get(older) is not None:
+                self.write_behind(older, older_fingerprint, older_tenant)
+        return self.write_behind(key, fingerprint, tenant) if admitted else None
 
     def write_behind(self, key: bytes, fingerprint: bytes, tenant: str = "") -> trio.Event | None:
         """Queue ``tenant``'s committed L1 chunk for the backends (pinned until written); never

@@ -10,6 +10,7 @@ plain sets.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,8 @@ def bench(tmp_path: Path, *args: str) -> dict[str, Any]:
         capture_output=True,
         text=True,
         timeout=120,
+        # (every chunk to an L2: these tests compare with a cache that loses nothing)
+        env={**os.environ, "KVTRIO_L2_ADMISSION": "all"},
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "checksum failures" in run.stdout  # the table

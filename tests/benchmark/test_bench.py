@@ -112,8 +112,9 @@ def test_mooncake_trace_replay_hits_what_an_unbounded_prefix_cache_would(tmp_pat
     rows = synthetic_trace(trace)
     chunk = 256
     # A small L1 (evictions) with an L2 behind it that gets every chunk: nothing is lost, so
-    # the hit ratio is still the unbounded cache's, and some hits come from L2. (At 2MiB the write-behind queue, a
-    # quarter of L1's bytes, is smaller than one request's store, and skips some chunks.)
+    # the hit ratio is still the unbounded cache's, and some hits come from L2. (At 2MiB the
+    # write-behind queue, a quarter of L1's bytes, is smaller than one request's store, and
+    # skips some chunks.)
     result = bench(
         tmp_path,
         *("--trace", str(trace), "--concurrency", "1", "--chunk-size", str(chunk)),

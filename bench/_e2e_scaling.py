@@ -161,7 +161,7 @@ def from_l2(
     directory = tempfile.mkdtemp(prefix="kvb-l2-", dir="/tmp")
     # (fault's inner disk takes its default path, under the server's HOME)
     l2 = f"fault:inner=disk,latency={latency}" if latency else f"disk:path={directory}"
-    options = ("--l1-size", "2GiB", "--l2", l2, "--retrieve-timeout", "60")
+    options = ("--l1-size", "2GiB", "--l2", l2, "--retrieve-timeout", "60", "--l2-admission", "all")
     sequences: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}
     try:
         with Server(*options, home=directory) as server:

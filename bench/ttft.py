@@ -559,6 +559,7 @@ class Bench:
                 "--chunk-size", str(CHUNK),
                 "--l1-size", f"{self.l1_bytes >> 20}MiB",
                 "--l2", f"disk:path={workdir / 'l2'},capacity={self.l2_bytes >> 20}MiB",
+                "--l2-admission", "all",  # (phase C loads every chunk stored from disk)
                 "--drain-timeout", "30",
             ],
             self.env,

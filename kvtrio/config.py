@@ -227,6 +227,15 @@ class ServerConfig:
             "wait): bounds when other servers sharing the L2 see them (docs/fleet.md)."
         },
     )
+    l2_admission: str = field(
+        default="auto",
+        validator=one_of("auto", "all", "reuse"),
+        metadata={
+            "help": "Which committed chunks are written to L2: all; reuse (those likely to be "
+            "read again: looked up before, or continuing a reused prefix; others once used "
+            "again while in L1); auto: reuse unless a backend is a shared store (redis, s3)."
+        },
+    )
     shm_dir: str = field(
         default="",
         metadata={"help": "Directory of the shared-memory L1 file."},
@@ -342,6 +351,7 @@ def config_summary(config: ServerConfig) -> dict[str, Any]:
         "lookup_timeout": config.lookup_timeout,
         "retrieve_timeout": config.retrieve_timeout,
         "l2_write_through": config.l2_write_through,
+        "l2_admission": config.l2_admission,
         "heartbeat_timeout": config.heartbeat_timeout,
         "drain_timeout": config.drain_timeout,
         "pin_ttl": config.pin_ttl,

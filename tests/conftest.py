@@ -56,11 +56,12 @@ def endpoint(short_dir: Path) -> str:
 
 @pytest.fixture
 def server_config(request: pytest.FixtureRequest, endpoint: str) -> ServerConfig:
-    """Test server settings; parametrize indirectly with a dict to override fields."""
+    """Test server settings; parametrize indirectly with a dict to override fields. Every
+    committed chunk is written to an L2 the test gives (``l2_admission="all"``: the tests of
+    the L2 tier are about what happens to written chunks; admission has tests of its own)."""
     overrides = getattr(request, "param", {})
-    return ServerConfig(
-        **{"endpoint": endpoint, "drain_timeout": 2.0, "l1_size": 64 << 20, "l2": (), **overrides}
-    )
+    defaults = {"endpoint": endpoint, "drain_timeout": 2.0, "l1_size": 64 << 20, "l2": ()}
+    return ServerConfig(**{**defaults, "l2_admission": "all", **overrides})
 
 
 @pytest.fixture
@@ -87,6 +88,7 @@ def server_process(short_dir: Path, endpoint: str) -> Iterator[Callable[..., Ser
             "PYTHONUNBUFFERED": "1",
             "KVTRIO_L1_SIZE": "64MiB",
             "KVTRIO_L2": "none",
+            "KVTRIO_L2_ADMISSION": "all",  # (as server_config)
             "KVTRIO_DRAIN_TIMEOUT": "1",
             **(env or {}),
         }

@@ -50,6 +50,8 @@ class BenchOptions:
     """Backends of our own server; ``disk`` without a path gets a temporary directory."""
     eviction: str = ""
     """L1 eviction policy of our own server; empty: the server's default."""
+    l2_admission: str = ""
+    """L2 admission of our own server (``all``, ``reuse``, ``auto``); empty: the server's."""
     # the built-in workload
     conversations: int = 48
     system_prompts: int = 4
@@ -140,6 +142,8 @@ class BenchOptions:
             raise BenchError(f"--l1-size: {exc}") from None
         if self.eviction and self.eviction not in EVICTION_POLICIES:
             raise BenchError(f"--eviction: one of {', '.join(EVICTION_POLICIES)}")
+        if self.l2_admission not in ("", "auto", "all", "reuse"):
+            raise BenchError("--l2-admission: one of auto, all, reuse")
         try:
             if any(int(c) < 0 for c in self.capacities.split(",")):
                 raise ValueError
@@ -175,6 +179,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.eviction,
         choices=list(EVICTION_POLICIES),
         help="L1 eviction policy of the started server [default: the server's]",
+    )
+    where.add_argument(
+        "--l2-admission",
+        default=d.l2_admission,
+        choices=["auto", "all", "reuse"],
+        help="which chunks the started server writes to L2 [default: the server's]",
     )
     where.add_argument(
         "--l2",

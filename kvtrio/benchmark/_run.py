@@ -309,6 +309,8 @@ def _own_server(options: BenchOptions, console: Console) -> Iterator[str]:
     args += ["--log-level", "warning"]
     if options.eviction:
         args += ["--eviction", options.eviction]
+    if options.l2_admission:
+        args += ["--l2-admission", options.l2_admission]
     for spec in options.l2:
         if spec == "disk":
             spec = f"disk:path={workdir / 'l2'}"

@@ -225,6 +225,12 @@ class CacheStats:
     write_behind_skipped: int = 0
     """Chunks not written to L2 because the write-behind queue was full."""
     l2_corrupt: int = 0
+    l2_admitted: int = 0
+    """Committed chunks admitted to L2 at their commit (every one with ``l2_admission=all``)."""
+    l2_refused: int = 0
+    """Committed chunks L2 admission refused at their commit (seen once, nothing reused)."""
+    l2_admitted_later: int = 0
+    """Refused chunks admitted when used again while in L1."""
 
 
 @frozen

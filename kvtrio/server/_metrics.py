@@ -336,6 +336,19 @@ def _cache_families(stats: StatsReply) -> Iterator[Metric]:
         "Chunks not written to L2 because the write-behind queue was full.",
         cache.write_behind_skipped,
     )
+    admission = CounterMetricFamily(
+        "kvtrio_l2_admission_chunks",
+        "Committed chunks by L2 admission's decision: admitted at commit, refused (seen once), "
+        "admitted_later (refused, then used again while in L1).",
+        labels=["decision"],
+    )
+    for decision, count in (
+        ("admitted", cache.l2_admitted),
+        ("refused", cache.l2_refused),
+        ("admitted_later", cache.l2_admitted_later),
+    ):
+        admission.add_metric([decision], count)
+    yield admission
 
 
 _BACKEND_USAGE = (

@@ -195,6 +195,7 @@ async def open_server(
                             listener=announcer,
                             chunk_size=config.chunk_size,
                             write_through=config.l2_write_through > 0,
+                            admission=config.l2_admission,
                         )
                         cache = CacheService(config, arenas, l2, CudaTransfers(cuda_runtime))
                         cache.core.announcer = announcer

@@ -153,6 +153,9 @@ def status_document(stats: StatsReply) -> dict[str, Any]:
         document["write_behind"] = {
             "queued": cache.write_behind_queued,
             "skipped": cache.write_behind_skipped,
+            "admitted": cache.l2_admitted,
+            "refused": cache.l2_refused,
+            "admitted_later": cache.l2_admitted_later,
         }
     document["l2"] = [
         {

@@ -36,10 +36,10 @@ ARENA_CHUNKS = 64
 
 
 def tcp_config(**overrides: Any) -> ServerConfig:
-    """A server on loopback tcp (CURVE), 16 MiB of L1, no L2, and ``overrides``."""
-    return ServerConfig(
-        **{"endpoint": "tcp://127.0.0.1:0", "l1_size": 16 << 20, "l2": (), **overrides}
-    )
+    """A server on loopback tcp (CURVE), 16 MiB of L1, no L2 (every chunk written to one a
+    test gives), and ``overrides``."""
+    defaults = {"endpoint": "tcp://127.0.0.1:0", "l1_size": 16 << 20, "l2": ()}
+    return ServerConfig(**{**defaults, "l2_admission": "all", **overrides})
 
 
 @asynccontextmanager

@@ -111,13 +111,14 @@ def test_mooncake_trace_replay_hits_what_an_unbounded_prefix_cache_would(tmp_pat
     trace = tmp_path / "trace.jsonl"
     rows = synthetic_trace(trace)
     chunk = 256
-    # A small L1 (evictions) with an L2 behind it: nothing is lost, so the hit ratio is still
-    # the unbounded cache's, and some hits come from L2. (At 2MiB the write-behind queue, a
-    # quarter of L1's bytes, is smaller than one request's store, and skips some chunks.)
+    # A small L1 (evictions) with an L2 behind it that gets every chunk: nothing is lost, so
+    # the hit ratio is still the unbounded cache's, and some hits come from L2. (At 2MiB the
+    # write-behind queue, a quarter of L1's bytes, is smaller than one request's store, and
+    # skips some chunks.)
     result = bench(
         tmp_path,
         *("--trace", str(trace), "--concurrency", "1", "--chunk-size", str(chunk)),
-        *("--l1-size", "2560KiB", "--l2", "memory", "--speed", "100"),
+        *("--l1-size", "2560KiB", "--l2", "memory", "--l2-admission", "all", "--speed", "100"),
     )
     # Token i of a request lies in the 512-token block hash_ids[i // 512]: that id names the
     # block and everything before it, so (id, place in the block) names the token's prefix.

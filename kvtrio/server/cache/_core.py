@@ -201,7 +201,7 @@ class CacheCore:
             self.l1.commit(object_key)
             arena = self.arenas.of_key(object_key)
             tenant = "" if arena is None or arena.tenant is None else arena.tenant
-            event = self.l2.writes.write_behind(object_key, fingerprint, tenant)
+            event = self.l2.writes.commit(object_key, fingerprint, tenant)
             if event is not None and written is not None:
                 written.append(event)
         elif how == "abort":

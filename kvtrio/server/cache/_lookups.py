@@ -183,6 +183,13 @@ class Lookups:
         started belong to the request and end with it.
         """
         core = self.core
+        admission = core.l2.writes.admission
+        if admission.first_lookup(request):  # (seen by one more request: L2 admission)
+            keys = [space + h for h in hashes[hit:] for space in model.spaces]
+            for first in range(0, len(keys), SLICE_KEYS):
+                if first:
+                    await core.turn()
+                admission.count(keys[first : first + SLICE_KEYS])
         sources: list[list[TierBackend]] = []
         with trio.move_on_after(core.config.lookup_timeout) as scope:
             sources = await core.l2.loads.lookup(model.spaces, hashes[hit:])

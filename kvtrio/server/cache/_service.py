@@ -136,6 +136,9 @@ class CacheService:
             write_behind_queued=core.l2.writes.queued,
             write_behind_skipped=core.l2.writes.skipped_stores,
             l2_corrupt=core.l2.loads.corrupt,
+            l2_admitted=core.l2.writes.admission.admitted,
+            l2_refused=core.l2.writes.admission.refused,
+            l2_admitted_later=core.l2.writes.admission.admitted_later,
         )
 
     def l2_stats(self) -> tuple[L2Stats, ...]:

@@ -7,6 +7,7 @@ calls into them are in ``_backends``. The backends themselves (``kvtrio.l2``) on
 framing and verification happen here.
 """
 
+from ._admission import Admission
 from ._backends import Observe, TierBackend, TierListener
 from ._loads import Load, Loads
 from ._tier import L2Tier
@@ -14,6 +15,7 @@ from ._touches import Touches
 from ._writes import WriteBehind
 
 __all__ = [
+    "Admission",
     "L2Tier",
     "Load",
     "Loads",

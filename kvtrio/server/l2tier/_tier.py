@@ -61,16 +61,22 @@ class L2Tier:
         chunk_size: int = 256,
         instance: str = "",
         write_through: bool = False,
+        admission: str = "all",
     ) -> None:
         """``observe`` is told of every backend call (the metrics'; see :data:`Observe`);
         ``tenants`` says how many tenants the server serves (their fair shares of the
         write-behind queue); ``chunk_size`` and ``instance`` (the server's) go into the fleet
-        records; ``write_through``: a store's commit waits for its chunks' L2 writes."""
+        records; ``write_through``: a store's commit waits for its chunks' L2 writes;
+        ``admission``: which committed chunks are written (``all``, ``reuse``, or ``auto``:
+        ``reuse`` unless a backend is a shared store; see ``_admission``)."""
         names = [name for name, _ in backends]
         self.backends = [
             TierBackend(backend, name, name if names.count(name) == 1 else f"{name}#{i + 1}")
             for i, (name, backend) in enumerate(backends)
         ]
+        if admission == "auto":
+            shared = any(b.capabilities.shared for b in self.backends)
+            admission = "all" if shared else "reuse"
         self._calls = Calls(observe)
         self._calls.listener = listener
         self.writes = WriteBehind(
@@ -82,6 +88,7 @@ class L2Tier:
             flushers=flushers,
             tenants=tenants,
             write_through=write_through,
+            admission=admission,
         )
         """Committed chunks on their way to the backends."""
         self.loads = Loads(self.backends, arena, self._calls, loaders=loaders)

@@ -18,6 +18,11 @@ this a hot prefix that stays in L1 through an L2 outage is never written: in a f
 servers would miss it for as long as this one keeps it (found by ``tests/fleet``: a killed
 primary, a prefix used by every request, never a hit on the other server again).
 
+**Admission** (``_admission``; ``--l2-admission``). With ``reuse`` a committed chunk is
+queued only if it is likely to be read again; a refused one is queued when it is used again
+while still in L1 (:meth:`WriteBehind.rewrite`, with its refused ancestors first). A refused
+chunk gets no write-through event: nothing is written for it.
+
 **Write-through.** A chunk queued with ``wait`` gets an event, set once its batch's stores
 ended (written, refused or failed): the commit that queued it waits on it (bounded by
 ``--l2-write-through``), so that once a store is finished here its chunks are already in the
@@ -35,6 +40,7 @@ import trio
 from ...l2 import header
 from ...shm import SharedArena
 from ...storage import L1Cache
+from ._admission import Admission
 from ._backends import Calls, TierBackend
 
 __all__ = ["WriteBehind", "owner_tag"]
@@ -73,9 +79,11 @@ class WriteBehind:
         flushers: int,
         tenants: Callable[[], int] = lambda: 1,
         write_through: bool = False,
+        admission: str = "all",
     ) -> None:
         """``tenants`` says how many tenants the server serves now (its L1 arenas');
-        ``write_through``: every chunk queued gets an event (see the module docstring)."""
+        ``write_through``: every chunk queued gets an event (see the module docstring);
+        ``admission``: ``all`` or ``reuse`` (see ``_admission``)."""
         self.backends = backends
         self._tenant_count = tenants
         self.l1 = l1
@@ -101,12 +109,28 @@ class WriteBehind:
         """Chunks not written to every backend: key → (fingerprint, tenant), oldest first."""
         self.rewrites = 0
         """Chunks queued again because they were used again (see the module docstring)."""
+        self.admission = Admission[tuple[bytes, str]](admission)
+        """Which committed chunks are written (``reuse``: those likely to be read again)."""
 
     def start(self, nursery: trio.Nursery) -> None:
         """Start the flushers in ``nursery`` (none without backends); they run until it is
         cancelled."""
         for _ in range(self._flushers if self.backends else 0):
             nursery.start_soon(self._flush, self._receive.clone())
+
+    def commit(self, key: bytes, fingerprint: bytes, tenant: str = "") -> trio.Event | None:
+        """``tenant``'s chunk ``key`` was committed to L1: queue it (:meth:`write_behind`) if
+        admission admits it, else remember it until it is used again (:meth:`rewrite`). Never
+        waits. Returns what :meth:`write_behind` returns (None where refused)."""
+        if not self.backends:
+            return None
+        entry = self.l1.get(key)
+        parent = None if entry is None else entry.parent
+        admitted = self.admission.commit(key, parent, (fingerprint, tenant), trio.current_time())
+        for older, (older_fingerprint, older_tenant) in self.admission.backlog():
+            if self.l1.get(older) is not None:
+                self.write_behind(older, older_fingerprint, older_tenant)
+        return self.write_behind(key, fingerprint, tenant) if admitted else None
 
     def write_behind(self, key: bytes, fingerprint: bytes, tenant: str = "") -> trio.Event | None:
         """Queue ``tenant``'s committed L1 chunk for the backends (pinned until written); never
@@ -144,8 +168,14 @@ class WriteBehind:
         return written
 
     def rewrite(self, keys: Iterable[bytes]) -> None:
-        """``keys`` are in L1 and used again (a store found them there, a lookup hit them):
-        queue those that were not written to every backend again. Never waits."""
+        """``keys`` are in L1 and used again (a store found them there, a lookup hit them), in
+        prompt order: queue those admission refused (now proven reused, their refused
+        ancestors first) and those that were not written to every backend. Never waits."""
+        if self.admission.waiting:
+            keys = list(keys)
+            for key, (fingerprint, tenant) in self.admission.used(keys):
+                if self.l1.get(key) is not None:
+                    self.write_behind(key, fingerprint, tenant)
         if not self.unwritten:
             return
         for key in keys:

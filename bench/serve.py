@@ -610,7 +610,8 @@ def kvtrio_delta(before: Any, after: Any) -> dict[str, Any]:
     b, a = _cache_dict(before), _cache_dict(after)
     d = {k: a.get(k, 0) - b.get(k, 0) for k in
          ("lookups", "lookup_hit_chunks", "lookup_miss_chunks", "lookup_l2_chunks",
-          "l1_evictions", "write_behind_skipped")}  # fmt: skip
+          "l1_evictions", "write_behind_skipped", "l2_admitted", "l2_refused",
+          "l2_admitted_later")}  # fmt: skip
     looked = d["lookup_hit_chunks"] + d["lookup_miss_chunks"]
     l2 = d["lookup_l2_chunks"]
     d["l1_hit_ratio"] = (d["lookup_hit_chunks"] - l2) / looked if looked else 0.0
@@ -651,6 +652,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ("external_hit_ratio", lambda r: r["external_hit_ratio"]),
                 ("kvtrio_l1_hit_ratio", lambda r: r.get("kvtrio", {}).get("l1_hit_ratio")),
                 ("kvtrio_l2_hit_ratio", lambda r: r.get("kvtrio", {}).get("l2_hit_ratio")),
+                ("l2_writes", _l2_writes),
             ]
             for key, get in [*((k, (lambda r, k=k: r[k])) for k, _ in FIGURES), *extra]:
                 values = sorted(v for v in (get(r) for r in mine) if v is not None)
@@ -684,7 +686,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     head = (
         f"{'workload':9} {'rate':>5} {'case':8} {'n':>2} {'TTFT p50':>18} {'TTFT p99':>18} "
         f"{'ITL p50':>14} {'ITL p99':>14} {'req/s':>18} {'tok/s':>14} {'vLLM hit':>8} "
-        f"{'kv L1':>6} {'kv L2':>6} {'load/split/skip':>15} {'regret':>9}"
+        f"{'kv L1':>6} {'kv L2':>6} {'L2 wr':>6} {'load/split/skip':>15} {'regret':>9}"
     )
     lines = [
         head,
@@ -700,10 +702,18 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             f"{cell(row, 'vllm_hit_ratio', percent=True):>8} "
             f"{cell(row, 'kvtrio_l1_hit_ratio', percent=True):>6} "
             f"{cell(row, 'kvtrio_l2_hit_ratio', percent=True):>6} "
-            f"{_decisions(row):>15} {_regret(row):>9}"
+            f"{cell(row, 'l2_writes'):>6} {_decisions(row):>15} {_regret(row):>9}"
             + (f"  ✗ {row['failed']} failed" if row["failed"] else "")
         )
     return lines
+
+
+def _l2_writes(run: dict[str, Any]) -> float | None:
+    """Chunks admitted to the disk L2 in a run (at commit or later), ``l1+disk`` only."""
+    kv = run.get("kvtrio")
+    if run["case"] != "l1+disk" or not kv:
+        return None
+    return float(kv.get("l2_admitted", 0) + kv.get("l2_admitted_later", 0))
 
 
 def _decisions(row: dict[str, Any]) -> str:

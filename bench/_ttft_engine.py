@@ -44,6 +44,22 @@ ENV = {
 """Set (where not set already) for every engine: vLLM stays offline and on loopback."""
 
 
+def engine_env(**settings: str) -> dict[str, str]:
+    """The environment of every engine a bench compares: this process's, :data:`ENV`, OpenMP
+    on all CPUs but the last (``VLLM_CPU_OMP_THREADS_BIND``: vLLM picks that for an engine
+    without connector and one core fewer for one with, so left alone the engines would differ),
+    ``PYTHONUNBUFFERED``, and ``settings``."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    last = (cpus or 1) - 1
+    return {
+        **os.environ,
+        **ENV,
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0" if last <= 1 else f"0-{last - 1}",
+        **settings,
+    }
+
+
 def _send(channel: TextIO, message: dict[str, Any]) -> None:
     channel.write(json.dumps(message) + "\n")
     channel.flush()

@@ -47,6 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _ttft_engine import engine_env
 from _ttft_model import SHAPES, kv_bytes_per_token, write_model
 from ttft import BLOCK, CHUNK, Engine, environment, ready_chunks, wait_stored
 
@@ -113,21 +114,8 @@ def main() -> None:
     model = write_model(args.model_shape, args.cache_dir)
     max_model_len = -(-(args.length + args.max_tokens) // BLOCK) * BLOCK + BLOCK
     kv_space = max(1, -(-(2 * max_model_len * kv_bytes_per_token(config)) // 2**30))
-    cpus = os.cpu_count() or 1
-    omp = "0" if cpus <= 2 else f"0-{cpus - 2}"  # as bench/ttft.py: every engine alike
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_LOOPBACK_IP": "127.0.0.1",
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_space),
-        "VLLM_CPU_OMP_THREADS_BIND": omp,
-    }
-    cpu = environment()["cpu_model"]
+    env = engine_env(VLLM_CPU_KVCACHE_SPACE=str(kv_space))  # as bench/ttft.py: engines alike
+    cpu, cpus, omp = environment()["cpu_model"], os.cpu_count(), env["VLLM_CPU_OMP_THREADS_BIND"]
     print(f"hit profile: CPU {cpu} ({cpus} CPUs), python {platform.python_version()}, "
           f"{args.model_shape}, {args.length} tokens, OpenMP on CPUs {omp}, load average "
           f"{os.getloadavg()[0]:.2f} at start")  # fmt: skip

@@ -104,7 +104,7 @@ from pathlib import Path
 from typing import Any
 
 from _serve_workloads import WORKLOADS, Workload, served_model
-from _ttft_engine import ENV as ENGINE_ENV
+from _ttft_engine import engine_env
 from _ttft_model import SHAPES, kv_bytes_per_token
 from ttft import _cache_dict, disk_counters, environment, log, settle, size_text, stats
 
@@ -348,19 +348,17 @@ class Bench:
         self.extra_config: dict[str, Any] = dict(args.extra_config)
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         cpus = cpus or 1
-        self.omp_cpus = "0" if cpus <= 2 else f"0-{cpus - 2}"
         allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
         self.spare_cpus = set(allowed) - set(range(cpus - 1)) if cpus > 1 else set()
         """Where ``kvtrio serve`` runs: the CPUs the engines do not compute on."""
         logging_path = workdir / "logging.json"
         logging_path.write_text(json.dumps(LOGGING))
-        env = {**os.environ, **ENGINE_ENV}
+        env = engine_env()
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+        self.omp_cpus = env["VLLM_CPU_OMP_THREADS_BIND"]
         self.env = {
             **env,
-            "PYTHONUNBUFFERED": "1",
             "PYTHONHASHSEED": "0",
-            "VLLM_CPU_OMP_THREADS_BIND": self.omp_cpus,
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
             "VLLM_SERVER_DEV_MODE": "1",  # for POST /reset_prefix_cache
             "VLLM_LOGGING_CONFIG_PATH": str(logging_path),

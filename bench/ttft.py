@@ -81,6 +81,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from _ttft_engine import engine_env
 from _ttft_model import SHAPES, kv_bytes_per_token, write_model
 
 import kvtrio
@@ -538,20 +539,8 @@ class Bench:
         # without one and the engines with kvtrio would compute on different numbers of cores
         # (on 2 CPUs: 1 and 2). Every engine gets what vLLM gives one without a connector:
         # all CPUs but one (left to the engine's scheduler process, and here to kvtrio).
-        cpus = os.cpu_count() or 1
-        self.omp_cpus = "0" if cpus <= 2 else f"0-{cpus - 2}"
-        self.env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "VLLM_CPU_KVCACHE_SPACE": str(kv_space),
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_HOST_IP": "127.0.0.1",
-            "VLLM_LOOPBACK_IP": "127.0.0.1",
-            "VLLM_CPU_OMP_THREADS_BIND": self.omp_cpus,
-        }
+        self.env = engine_env(VLLM_CPU_KVCACHE_SPACE=str(kv_space))
+        self.omp_cpus = self.env["VLLM_CPU_OMP_THREADS_BIND"]
         self.env_kv_space = kv_space
         self.server = ServerProcess(
             self.url,

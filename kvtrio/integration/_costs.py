@@ -17,21 +17,36 @@ engine measures them, no calibration run needed:
   queued behind others takes longer, and the line learns by how much).
 
 A hit is judged where it waits (:meth:`CostModel.decide`), with what the scheduler sees then:
-the loads in flight per tier and the engine's prefill **backlog** (prompt tokens it has yet to
-compute for the requests it runs, ahead of this one). With ``c`` the compute seconds per token,
-``B`` the backlog and ``N`` the hit's tokens, the engine would have computed the hit at
-``(B + N)·c``; a load of time ``L`` lets the request compute its rest at ``max(L, B·c)``: a
-load that finishes after the engine would have computed the tokens anyway does not pay, one
-that finishes while the request would still be queued costs nothing. Three choices: load the
-whole hit, load only its L1 part and compute the L2 part (``split``: ``max(L₁, B·c) + N₂·c``),
-or compute it all; the fastest wins (computing on a tie).
+the loads in flight per tier, the engine's prefill **backlog** (prompt tokens it has yet to
+compute for the requests it runs, ahead of this one) and the **other requests** it serves. With
+``c`` the compute seconds per token, ``B`` the backlog, ``N`` the hit's tokens, ``r`` the
+prompt's tokens after the hit and ``S`` a step of the engine (the median of its forward steps),
+both ways end with the request's own prefill step, ``S + r·c`` (the *tail*):
+
+* **compute**: ``B·c + N·c + tail``; and every one of the ``M`` other requests waits ``N·c``
+  longer for its next step (a prefill on the engine's cores delays the whole batch), so the
+  cost counted is ``B·c + N·c·(1 + M) + tail``;
+* **load**: ``max(L, B·c) + tail``, with ``L`` the load's time as the scheduler sees it (from
+  the step that hands it out to the step that reports it done: a load lands at a step
+  boundary); the copy runs on kvtrio's own threads, off the engine's cores, so the others do
+  not wait for it. A load that finishes while the request would still be queued costs
+  nothing;
+* **split**: the L1 part loaded, the L2 part (``N₂`` tokens) computed:
+  ``max(L₁, B·c) + N₂·c·(1 + M) + tail``.
+
+The cheapest wins (computing on a tie). With ``M = 0`` this is the request's own time to its
+first token; under a served load (``M`` large) a computed hit is paid by every request in the
+engine, which is why loads that are a step slower for one request still serve more.
 
 While a cost is unknown the hit is loaded (the first loads teach it). A hit that does not pay
 is still loaded now and then (``explore_every``-th skip), so the model follows a changing
 machine (an L2 that became fast, a cache that warmed up); an exploration that turns out slower
 doubles the gap to the next (up to ``max_explore_every``), one that pays resets it.
-:class:`LoadPolicy` counts the decisions and their **regret**: afterwards, the measured time of
-the choice against the estimate of the alternative. Time and counters only: no vLLM here.
+:class:`LoadPolicy` counts the decisions and their **regret**: afterwards, the measured cost of
+the choice against the estimate of the alternative, in the same terms (a load: its measured time
+plus the tail; a computed hit: the measured time from the decision until its tokens were computed,
+its own step included, plus the others' wait, which is estimated: ``M·N·c``). Time and counters
+only: no vLLM here.
 """
 
 from __future__ import annotations
@@ -81,7 +96,13 @@ class LoadDecision:
     wait_seconds: float = 0.0
     """``B·c``: a load shorter than this is hidden behind the engine's backlog."""
     rest_seconds: float = 0.0
-    """A split's computing of the L2 part."""
+    """A split's computing of the L2 part, the others' wait for it included."""
+    tail_seconds: float = 0.0
+    """``S + r·c``: the request's own prefill step after the hit, the same either way (taken
+    off a computed hit's measured time when it is judged)."""
+    others_seconds: float = 0.0
+    """``M·N·c``: what computing the hit makes the other requests wait (added to a computed
+    hit's measured time when it is judged)."""
 
     @property
     def load(self) -> bool:
@@ -138,20 +159,32 @@ class CostModel:
     """The gap between explorations grows up to this while they turn out slower."""
     _steps: collections.deque[float] = attrs.field(init=False)
     _per_token: float | None = attrs.field(init=False, default=None)
+    _durations: collections.deque[float] = attrs.field(init=False)
+    _step: float | None = attrs.field(init=False, default=None)
     _lines: dict[str, _Line] = attrs.field(init=False)
     _skipped_in_a_row: int = attrs.field(init=False, default=0)
     _explore_gap: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         self._steps = collections.deque(maxlen=self.window)
+        self._durations = collections.deque(maxlen=self.window)
         self._lines = {"l1": _Line(self.window), "l2": _Line(self.window)}
         self._explore_gap = self.explore_every
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A step computed ``tokens`` tokens in ``seconds``."""
+        if tokens > 0 and seconds > 0:
+            self._durations.append(seconds)
+            self._step = None
         if tokens >= self.min_step_tokens and seconds > 0:
             self._steps.append(seconds / tokens)
             self._per_token = None
+
+    def step_seconds(self) -> float:
+        """The median of the engine's recent forward steps (0 before the first)."""
+        if self._step is None:
+            self._step = statistics.median(self._durations) if self._durations else 0.0
+        return self._step
 
     def observe_load(self, tokens: int, seconds: float, tier: Tier = "l1", queued: int = 0) -> None:
         """A load of ``tokens`` tokens from ``tier`` took ``seconds`` as the request waited for
@@ -187,11 +220,14 @@ class CostModel:
         queued_l1: int = 0,
         queued_l2: int = 0,
         backlog: int = 0,
+        rest: int = 0,
+        others: int = 0,
     ) -> LoadDecision:
         """What to load of a hit of ``tokens`` tokens whose first ``l1_tokens`` are in L1,
-        with ``queued_l1`` / ``queued_l2`` tokens of loads in flight per tier and ``backlog``
-        prefill tokens ahead of it in the engine (see the module docstring). A few float
-        operations: the lines and the median are refitted when a sample comes, not here."""
+        with ``queued_l1`` / ``queued_l2`` tokens of loads in flight per tier, ``backlog``
+        prefill tokens ahead of it in the engine, ``rest`` prompt tokens after the hit and
+        ``others`` other requests in the engine (see the module docstring). A few float
+        operations: the lines and medians are refitted when a sample comes, not here."""
         l1 = max(0, min(l1_tokens, tokens))
         l2 = tokens - l1
         tier: Tier = "l2" if l2 else "l1"
@@ -201,41 +237,47 @@ class CostModel:
         if load is None or per_token is None:
             self._skipped_in_a_row = 0
             return LoadDecision(tokens, load, None if per_token is None else per_token * tokens)
+        shared = 1 + max(0, others)
         wait = backlog * per_token
-        compute = wait + tokens * per_token
+        tail = self.step_seconds() + max(0, rest) * per_token
+        others_wait = (shared - 1) * tokens * per_token
+        compute = wait + tokens * per_token + others_wait
         full = max(load, wait)
-        split = rest = None
+        split = rest_l2 = None
         if l1 and l2:
             l1_load = self._lines["l1"].seconds(l1 + queued_l1)
             if l1_load is not None:
-                rest = l2 * per_token
-                split = max(l1_load, wait) + rest
+                rest_l2 = l2 * per_token * shared
+                split = max(l1_load, wait) + rest_l2
         if full < compute and (split is None or full <= split):
             self._skipped_in_a_row = 0
             other = compute if split is None else min(compute, split)
             return LoadDecision(tokens, load, compute, chosen_seconds=full,
                                 alternative_seconds=other, wait_seconds=wait)  # fmt: skip
-        if split is not None and rest is not None and split < compute:
+        if split is not None and rest_l2 is not None and split < compute:
             self._skipped_in_a_row = 0
             return LoadDecision(l1, load, compute, split=True, chosen_seconds=split,
                                 alternative_seconds=min(compute, full), wait_seconds=wait,
-                                rest_seconds=rest)  # fmt: skip
+                                rest_seconds=rest_l2)  # fmt: skip
         best_load = full if split is None else min(full, split)
         self._skipped_in_a_row += 1
         if self._skipped_in_a_row >= self._explore_gap:
             self._skipped_in_a_row = 0
             return LoadDecision(tokens, load, compute, explored=True, chosen_seconds=full,
                                 alternative_seconds=compute, wait_seconds=wait)  # fmt: skip
-        reason: SkipReason = "idle" if backlog <= 0 else "slower"
-        if queued or (rest is not None and queued_l1):  # would it pay with no load in flight?
+        reason: SkipReason = "idle" if backlog <= 0 and others <= 0 else "slower"
+        if queued or (rest_l2 is not None and queued_l1):  # would it pay with no load in flight?
             alone = self._lines[tier].seconds(tokens)
-            alone_l1 = self._lines["l1"].seconds(l1) if rest is not None else None
+            alone_l1 = self._lines["l1"].seconds(l1) if rest_l2 is not None else None
             if (alone is not None and max(alone, wait) < compute) or (
-                alone_l1 is not None and rest is not None and max(alone_l1, wait) + rest < compute
+                alone_l1 is not None
+                and rest_l2 is not None
+                and max(alone_l1, wait) + rest_l2 < compute
             ):
                 reason = "contention"
         return LoadDecision(0, load, compute, reason=reason, chosen_seconds=compute,
-                            alternative_seconds=best_load, wait_seconds=wait)  # fmt: skip
+                            alternative_seconds=best_load, wait_seconds=wait,
+                            tail_seconds=tail, others_seconds=others_wait)  # fmt: skip
 
     def explored(self, paid: bool) -> None:
         """An exploration's outcome: one that paid resets the gap between explorations, one
@@ -290,6 +332,8 @@ class LoadPolicy:
         queued_l1: int = 0,
         queued_l2: int = 0,
         backlog: int = 0,
+        rest: int = 0,
+        others: int = 0,
     ) -> LoadDecision:
         """What to load of request ``request_id``'s hit (see :meth:`CostModel.decide`); the
         decision is counted and kept for its measurement."""
@@ -297,7 +341,8 @@ class LoadPolicy:
             self.stats["loads"] += 1
             return LoadDecision(tokens, None, None)
         decision = self.model.decide(tokens, l1_tokens, queued_l1=queued_l1,
-                                     queued_l2=queued_l2, backlog=backlog)  # fmt: skip
+                                     queued_l2=queued_l2, backlog=backlog, rest=rest,
+                                     others=others)  # fmt: skip
         if decision.alternative_seconds is not None:
             self._pending[request_id] = decision
         if decision.load:
@@ -333,12 +378,15 @@ class LoadPolicy:
         self._judge(decision, actual, "regret_loads")
 
     def compute_measured(self, request_id: str, seconds: float) -> None:
-        """Request ``request_id``'s skipped hit was computed ``seconds`` after its blocks were
-        allocated: judge its decision."""
+        """Request ``request_id``'s skipped hit was computed ``seconds`` after it was decided
+        (the step that computed it included): judge its decision. A load lands before the
+        request's own prefill step, so that step's estimate (the tail) is taken off the
+        measured time, and the others' estimated wait added."""
         decision = self._pending.pop(request_id, None)
         if decision is None or decision.load:
             return
-        self._judge(decision, seconds, "regret_skips")
+        actual = max(0.0, seconds - decision.tail_seconds) + decision.others_seconds
+        self._judge(decision, actual, "regret_skips")
 
     def _judge(self, decision: LoadDecision, actual: float, kind: str) -> None:
         alternative = decision.alternative_seconds

@@ -83,10 +83,11 @@ class SchedulerSide:
         tokens of the tier's loads in flight before it)."""
         self._queued: dict[str, int] = {"l1": 0, "l2": 0}
         """Tokens of the loads in flight, per tier."""
-        self._skipped: dict[str, int] = {}
-        """Skipped hits waiting for their blocks: request → the token the hit ended at."""
+        self._skipped: dict[str, tuple[float, int]] = {}
+        """Skipped hits waiting for their blocks: request → (decided at, the token the hit
+        ended at)."""
         self._computing: dict[str, tuple[float, int]] = {}
-        """Skipped hits being computed: request → (blocks allocated at, tokens to reach)."""
+        """Skipped hits being computed: request → (decided at, tokens to reach)."""
         self._backlog = 0
         """Prefill tokens the engine has yet to compute for the requests it runs (as of the
         last step, plus the prefills decided since)."""
@@ -162,11 +163,13 @@ class SchedulerSide:
             queued_l1=self._queued["l1"],
             queued_l2=self._queued["l2"],
             backlog=self._backlog,
+            rest=max(0, len(request.all_token_ids) - plan.local_tokens - need),
+            others=max(0, len(self._plans) - 1),
         )
         plan.load_end = plan.local_tokens + decision.tokens
         plan.load_tier = "l2" if decision.tokens > l1_need else "l1"
         if not decision.load and self.policy.pending(request.request_id) is not None:
-            self._skipped[request.request_id] = plan.local_tokens + need
+            self._skipped[request.request_id] = (self._clock(), plan.local_tokens + need)
 
     def _refuse_chunk_size(self, chunk_size: int) -> None:
         if not self._warned_chunk:
@@ -249,9 +252,9 @@ class SchedulerSide:
             self._ready.append(load)
         else:
             self.adapter.free_lookup_locks(request.request_id)
-        skipped_end = self._skipped.pop(request.request_id, None)
-        if skipped_end is not None:  # a skipped hit: time its prefill from now
-            self._computing[request.request_id] = (self._clock(), skipped_end)
+        skipped = self._skipped.pop(request.request_id, None)
+        if skipped is not None:  # a skipped hit: its prefill is timed from the decision
+            self._computing[request.request_id] = skipped
         plan.locked = False  # the lookup is used up: a second call plans nothing
         plan.hit_tokens = 0
 

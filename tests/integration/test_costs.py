@@ -265,3 +265,44 @@ def test_contention_is_named_where_only_the_split_would_have_paid() -> None:
     assert model.decide(2000, 1000).split
     crowded = model.decide(2000, 1000, queued_l1=5000)
     assert (crowded.tokens, crowded.reason) == (0, "contention")
+
+
+# ------------------------------------------------------------------- under a served load
+
+
+def test_other_requests_make_a_load_pay_that_an_idle_engine_would_compute() -> None:
+    model = contended_model(per_token=4e-6)  # 4 ms to compute 1,000 tokens, 5 ms to load them
+    assert model.decide(1000, 1000).reason == "idle"
+    # Three other requests in the engine: each waits 4 ms more for its next step while the
+    # hit is computed, so computing costs 16 ms in all against the load's 5 ms.
+    served = model.decide(1000, 1000, others=3)
+    assert served.tokens == 1000
+    assert served.compute_seconds == pytest.approx(0.016)
+    # A load slower than all of that is still computed, and the reason is no longer "idle".
+    slow = model.decide(1000, 0, others=3)  # from L2: 50 ms
+    assert (slow.tokens, slow.reason) == (0, "slower")
+    assert slow.others_seconds == pytest.approx(0.012)
+    # A split's computed L2 part makes the others wait as well.
+    split = model.decide(2000, 1000, others=1)  # 5 ms + 1,000 × 4 µs × 2 = 13 ms
+    assert split.split
+    assert split.chosen_seconds == pytest.approx(0.013)
+
+
+def test_a_computed_hit_is_judged_without_its_own_step_and_with_the_others_wait() -> None:
+    # Steps of 30 ms: a computed hit's measured time includes the step that computed it, which
+    # a load would have needed after landing too; the request's rest (100 tokens) likewise.
+    model = contended_model(per_token=10e-6)
+    for _ in range(3):
+        model.observe_step(8, 0.030)  # decode steps: they teach the step, not the per-token cost
+    assert model.step_seconds() == pytest.approx(0.030)
+    policy = LoadPolicy("auto", model)
+    decision = policy.decide("r", 1000, 0, rest=100)  # L2: 50 ms against 10 ms
+    assert not decision.load
+    assert decision.tail_seconds == pytest.approx(0.031)
+    policy.compute_measured("r", 0.045)  # 45 - 31 = 14 ms of computing the hit: < 50 ms
+    assert (policy.stats["judged"], policy.stats["regret"]) == (1, 0)
+    # With two others in the engine the same measurement is judged with their wait: 14 + 20 ms
+    # against the load's 50 ms, still no regret; a hit that took 80 ms more is one.
+    assert not policy.decide("s", 1000, 0, rest=100, others=2).load
+    policy.compute_measured("s", 0.125)  # 94 + 20 = 114 ms > 50 ms
+    assert policy.stats["regret_skips"] == 1

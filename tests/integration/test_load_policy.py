@@ -122,10 +122,14 @@ def test_a_split_loads_only_the_l1_part_and_is_judged_when_it_is_done() -> None:
 
 
 def test_loads_in_flight_make_a_marginal_hit_compute() -> None:
-    # 320 L1 tokens: ~2.96 ms to load against 3.2 ms to compute, alone.
-    side, adapter, clock = scheduler(model())
-    adapter.hits.update(first=(320, 320), second=(320, 320), third=(320, 320))
-    (first,) = hand_out(side, Request("first")).transfers  # in flight from now
+    # 320 L1 tokens: ~2.96 ms to load alone, ~6.8 ms behind the first's 1,280 in flight;
+    # computing them takes 1.76 ms, and as long again of waiting for the other request.
+    side, adapter, clock = scheduler(model(per_token=5.5e-6))
+    adapter.hits.update(first=(1280, 1280), second=(320, 320), third=(320, 320))
+    request = Request("first", 1280 + 10)
+    assert side.matched_tokens(request, 0, preempted=False) == (1280, True)  # 5.8 < 7 ms
+    side.allocated(request, list(range(100, 181)), 1280)
+    (first,) = side.build_step({}, (), 0, None).transfers  # in flight from now
     assert first.kind == "load"
     second = Request("second")
     assert side.matched_tokens(second, 0, preempted=False) == (0, False)

@@ -85,6 +85,9 @@ class LoadDecision:
     """Only the hit's L1 part is loaded; the L2 part is computed."""
     explored: bool = False
     """Loaded although it does not pay, to measure loading again."""
+    in_step: bool = False
+    """Loaded inside the request's first step, before its forward (a short L1 load: the
+    batch waits for the copy, the request saves the step an asynchronous load lands after)."""
     reason: SkipReason | None = None
     """Why nothing is loaded: ``slower`` (the load takes longer than the engine's queue and
     the prefill), ``contention`` (it would pay without the loads in flight), ``idle`` (the
@@ -160,6 +163,7 @@ class CostModel:
     _steps: collections.deque[float] = attrs.field(init=False)
     _per_token: float | None = attrs.field(init=False, default=None)
     _durations: collections.deque[float] = attrs.field(init=False)
+    _copy: _Line = attrs.field(init=False)
     _step: float | None = attrs.field(init=False, default=None)
     _lines: dict[str, _Line] = attrs.field(init=False)
     _skipped_in_a_row: int = attrs.field(init=False, default=0)
@@ -168,6 +172,7 @@ class CostModel:
     def __attrs_post_init__(self) -> None:
         self._steps = collections.deque(maxlen=self.window)
         self._durations = collections.deque(maxlen=self.window)
+        self._copy = _Line(self.window)
         self._lines = {"l1": _Line(self.window), "l2": _Line(self.window)}
         self._explore_gap = self.explore_every
 
@@ -191,6 +196,16 @@ class CostModel:
         it, started behind ``queued`` tokens of the tier's loads in flight."""
         if tokens > 0 and seconds >= 0:
             self._lines[tier].add(tokens + max(0, queued), seconds)
+
+    def observe_copy(self, tokens: int, seconds: float) -> None:
+        """A worker copied ``tokens`` tokens of L1 chunks in ``seconds`` (the retrieve's own
+        time, not waiting for a step)."""
+        if tokens > 0 and seconds >= 0:
+            self._copy.add(tokens, seconds)
+
+    def copy_seconds(self, tokens: int) -> float | None:
+        """What a worker's copy of ``tokens`` L1 tokens costs (None: none timed yet)."""
+        return self._copy.seconds(tokens)
 
     def compute_seconds(self, tokens: int) -> float | None:
         """What computing ``tokens`` tokens costs (None: no prefill step seen yet)."""
@@ -243,6 +258,13 @@ class CostModel:
         others_wait = (shared - 1) * tokens * per_token
         compute = wait + tokens * per_token + others_wait
         full = max(load, wait)
+        in_step = False
+        copy = None if l2 else self._copy.seconds(tokens + queued_l1)
+        in_step_others = 0.0
+        if copy is not None and wait + shared * copy < full:
+            # Inside the request's first step: the whole batch waits for the copy, and the
+            # request starts its step at once instead of a step later.
+            full, in_step, in_step_others = wait + shared * copy, True, (shared - 1) * copy
         split = rest_l2 = None
         if l1 and l2:
             l1_load = self._lines["l1"].seconds(l1 + queued_l1)
@@ -252,8 +274,9 @@ class CostModel:
         if full < compute and (split is None or full <= split):
             self._skipped_in_a_row = 0
             other = compute if split is None else min(compute, split)
-            return LoadDecision(tokens, load, compute, chosen_seconds=full,
-                                alternative_seconds=other, wait_seconds=wait)  # fmt: skip
+            return LoadDecision(tokens, load, compute, chosen_seconds=full, in_step=in_step,
+                                alternative_seconds=other, wait_seconds=wait,
+                                tail_seconds=tail, others_seconds=in_step_others)  # fmt: skip
         if split is not None and rest_l2 is not None and split < compute:
             self._skipped_in_a_row = 0
             return LoadDecision(l1, load, compute, split=True, chosen_seconds=split,
@@ -349,6 +372,8 @@ class LoadPolicy:
             self.stats["loads"] += 1
             if decision.split:
                 self.stats["split"] += 1
+            if decision.in_step:
+                self.stats["in_step"] += 1
             if decision.explored:
                 self.stats["explored"] += 1
             if decision.chosen_seconds is not None and decision.compute_seconds is not None:
@@ -370,23 +395,26 @@ class LoadPolicy:
         return decision
 
     def load_measured(self, request_id: str, seconds: float) -> None:
-        """Request ``request_id``'s load took ``seconds``: judge its decision."""
-        decision = self._pending.pop(request_id, None)
-        if decision is None or not decision.load:
+        """Request ``request_id``'s load between steps took ``seconds``: judge its decision."""
+        decision = self._pending.get(request_id)
+        if decision is None or not decision.load or decision.in_step:
             return
+        del self._pending[request_id]
         actual = max(seconds, decision.wait_seconds) + decision.rest_seconds
         self._judge(decision, actual, "regret_loads")
 
     def compute_measured(self, request_id: str, seconds: float) -> None:
-        """Request ``request_id``'s skipped hit was computed ``seconds`` after it was decided
-        (the step that computed it included): judge its decision. A load lands before the
-        request's own prefill step, so that step's estimate (the tail) is taken off the
-        measured time, and the others' estimated wait added."""
-        decision = self._pending.pop(request_id, None)
-        if decision is None or decision.load:
+        """Request ``request_id``'s hit was in the engine ``seconds`` after it was decided, the
+        step that computed it (or loaded it inside the step) included: judge its decision. A
+        load between steps lands before the request's own prefill step, so that step's
+        estimate (the tail) is taken off the measured time, and the others' estimated wait
+        (for the computed hit, or for the copy inside their step) added."""
+        decision = self._pending.get(request_id)
+        if decision is None or (decision.load and not decision.in_step):
             return
+        del self._pending[request_id]
         actual = max(0.0, seconds - decision.tail_seconds) + decision.others_seconds
-        self._judge(decision, actual, "regret_skips")
+        self._judge(decision, actual, "regret_loads" if decision.load else "regret_skips")
 
     def _judge(self, decision: LoadDecision, actual: float, kind: str) -> None:
         alternative = decision.alternative_seconds
@@ -411,7 +439,7 @@ class LoadPolicy:
         return self._pending.get(request_id)
 
     COUNTERS = (
-        "loads", "split", "explored", "saved_ms", "skipped", "skipped_slower",
+        "loads", "split", "in_step", "explored", "saved_ms", "skipped", "skipped_slower",
         "skipped_contention", "skipped_idle", "skipped_tokens", "judged", "regret",
         "regret_loads", "regret_skips", "regret_explored", "regret_ms",
     )  # fmt: skip
@@ -424,7 +452,8 @@ class LoadPolicy:
 
 class Measurements:
     """A worker's side of ``load_policy=auto``: the time of its forward steps and of its
-    asynchronous loads, as ``(tokens, seconds)``, until reported. Loads finish in the adapter's
+    loads of L1 chunks (the copy's own time, from the retrieve's submission to its end), as
+    ``(tokens, seconds)``, until reported. Loads finish in the adapter's
     transfer thread: the deques are appended to from there (atomic in CPython)."""
 
     def __init__(self) -> None:

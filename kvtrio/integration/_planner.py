@@ -43,6 +43,9 @@ class PlannedTransfer:
     op: LoadStoreOp
     sync: bool = False
     """Loads: done before the step's forward (True) or between steps (False)."""
+    tier: str = "l1"
+    """Loads: ``l1`` if every chunk was in the server's L1 at lookup (the worker times such
+    loads as the copy's own cost), else ``l2``."""
 
 
 @attrs.define
@@ -68,6 +71,9 @@ class RequestPlan:
     it can allocate the blocks: the hit is judged, and counted, once."""
     load_tier: str = "l1"
     """Where the decided load comes from: ``l1``, or ``l2`` if some of its chunks do."""
+    load_in_step: bool = False
+    """The load policy chose to load inside the request's first step, before its forward,
+    rather than between steps (a short L1 load that costs the batch less than a step)."""
     locked: bool = False
     """The lookup pinned chunks at kvtrio that no load has taken over yet."""
     stores: int = 0
@@ -120,7 +126,7 @@ def plan_load(
         end=end,
         skip_first_n_tokens=plan.local_tokens - start,
     )
-    return PlannedTransfer(plan.request_id, "load", op, sync=sync)
+    return PlannedTransfer(plan.request_id, "load", op, sync=sync, tier=plan.load_tier)
 
 
 def plan_store(

@@ -84,10 +84,10 @@ class SchedulerSide:
         self._queued: dict[str, int] = {"l1": 0, "l2": 0}
         """Tokens of the loads in flight, per tier."""
         self._skipped: dict[str, tuple[float, int]] = {}
-        """Skipped hits waiting for their blocks: request → (decided at, the token the hit
-        ended at)."""
+        """Hits judged when their tokens are in the engine (skipped, or loaded inside the
+        step), waiting for their blocks: request → (decided at, the token the hit ends at)."""
         self._computing: dict[str, tuple[float, int]] = {}
-        """Skipped hits being computed: request → (decided at, tokens to reach)."""
+        """Such hits being computed or loaded: request → (decided at, tokens to reach)."""
         self._backlog = 0
         """Prefill tokens the engine has yet to compute for the requests it runs (as of the
         last step, plus the prefills decided since)."""
@@ -149,7 +149,7 @@ class SchedulerSide:
         if need <= 0:
             plan.hit_tokens = 0
             return 0, False
-        return need, self.options.async_load
+        return need, self.options.async_load and not plan.load_in_step
 
     def _decide(self, request: Any, plan: RequestPlan, need: int) -> None:
         """Judge the hit of ``need`` tokens beyond the engine's own prefix (once per request),
@@ -168,7 +168,9 @@ class SchedulerSide:
         )
         plan.load_end = plan.local_tokens + decision.tokens
         plan.load_tier = "l2" if decision.tokens > l1_need else "l1"
-        if not decision.load and self.policy.pending(request.request_id) is not None:
+        plan.load_in_step = decision.in_step
+        judged_at_prefill = not decision.load or decision.in_step
+        if judged_at_prefill and self.policy.pending(request.request_id) is not None:
             self._skipped[request.request_id] = (self._clock(), plan.local_tokens + need)
 
     def _refuse_chunk_size(self, chunk_size: int) -> None:
@@ -245,7 +247,7 @@ class SchedulerSide:
                 external_tokens=external_tokens,
                 block_size=self.block_size,
                 chunk_size=self.adapter.chunk_size,
-                sync=not self.options.async_load,
+                sync=not self.options.async_load or plan.load_in_step,
                 block_hashes=self._hashes(request),
             )
         if load is not None:
@@ -253,7 +255,7 @@ class SchedulerSide:
         else:
             self.adapter.free_lookup_locks(request.request_id)
         skipped = self._skipped.pop(request.request_id, None)
-        if skipped is not None:  # a skipped hit: its prefill is timed from the decision
+        if skipped is not None:  # timed from the decision until its tokens are in
             self._computing[request.request_id] = skipped
         plan.locked = False  # the lookup is used up: a second call plans nothing
         plan.hit_tokens = 0
@@ -361,11 +363,13 @@ class SchedulerSide:
     def measured(
         self, steps: Iterable[tuple[int, float]], loads: Iterable[tuple[int, float]]
     ) -> None:
-        """What the workers measured: forward steps and loads, as ``(tokens, seconds)``."""
+        """What the workers measured: forward steps and L1 loads' copies, as ``(tokens,
+        seconds)``."""
         for tokens, seconds in steps:
             self.policy.model.observe_step(tokens, seconds)
-        for tokens, seconds in loads:  # (the loads' own time; the policy times the wait)
+        for tokens, seconds in loads:  # (L1 copies' own time; the policy times the wait too)
             log.debug("a worker's load of %d tokens took %.1f ms", tokens, seconds * 1e3)
+            self.policy.model.observe_copy(tokens, seconds)
 
     def finished(self, request_id: str) -> bool:
         """The request is done or aborted: release what it holds at kvtrio; True if it issued

@@ -65,12 +65,13 @@ class WorkerSide:
         sync: list[concurrent.futures.Future[None]] = []
         for transfer in self._transfers("load"):
             future = self.adapter.submit_retrieve_request(transfer.request_id, transfer.op)
+            op = transfer.op
+            if transfer.tier == "l1":  # the copy's own time, for the load policy
+                self.measured.time_load(op.end - op.start - op.skip_first_n_tokens, future)
             if transfer.sync:
                 sync.append(future)
             else:
                 self._async_loads.add(transfer.request_id)
-                op = transfer.op
-                self.measured.time_load(op.end - op.start - op.skip_first_n_tokens, future)
         if sync:
             concurrent.futures.wait(sync)  # each retrieve ends within kvtrio.timeout
             self.measured.step_started(self._step.step_tokens if self._step else 0)

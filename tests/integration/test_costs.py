@@ -306,3 +306,19 @@ def test_a_computed_hit_is_judged_without_its_own_step_and_with_the_others_wait(
     assert not policy.decide("s", 1000, 0, rest=100, others=2).load
     policy.compute_measured("s", 0.125)  # 94 + 20 = 114 ms > 50 ms
     assert policy.stats["regret_skips"] == 1
+
+
+def test_a_short_copy_loads_inside_the_step_where_the_batch_waits_less_than_a_step() -> None:
+    model = contended_model(per_token=10e-6)  # the load line: 5 ms for 1,000 L1 tokens
+    assert not model.decide(1000, 1000).in_step  # no copy timed yet: between steps
+    model.observe_copy(1000, 0.001)
+    model.observe_copy(2000, 0.002)  # the workers copy 1,000 tokens in 1 ms
+    alone = model.decide(1000, 1000)
+    assert (alone.tokens, alone.in_step) == (1000, True)
+    assert alone.chosen_seconds == pytest.approx(0.001)
+    # Ten requests share the step: they would all wait 1 ms, 11 ms in all, more than the
+    # load between steps (5 ms) costs its own request.
+    crowded = model.decide(1000, 1000, others=10)
+    assert (crowded.tokens, crowded.in_step) == (1000, False)
+    # An L2 part is never copied inside the step.
+    assert not model.decide(1000, 0).in_step

@@ -203,8 +203,35 @@ def test_the_counters_are_logged_as_json_now_and_then_and_at_shutdown(
     assert counters[0] == counters[1]
     assert counters[0]["loads"] == 1
     assert set(counters[0]) == {
-        "loads", "split", "explored", "saved_ms", "skipped", "skipped_slower",
+        "loads", "split", "in_step", "explored", "saved_ms", "skipped", "skipped_slower",
         "skipped_contention", "skipped_idle", "skipped_tokens", "judged", "regret",
         "regret_loads", "regret_skips", "regret_explored", "regret_ms",
     }  # fmt: skip
     assert sum(counters[0].values()) == 1
+
+
+def test_a_short_l1_load_in_a_busy_engine_is_loaded_inside_the_step_and_judged_there() -> None:
+    # Steps of 50 ms; a 320-token L1 load lands ~3 ms later at a step boundary (the line says),
+    # but the workers copied 320 tokens in 0.5 ms: inside the request's first step the batch
+    # (the request and one other) waits 1 ms, less than the load between steps.
+    side, adapter, clock = scheduler(model())
+    side.measured([(8, 0.050)] * 3, [(320, 0.0005), (640, 0.001)])
+    adapter.hits.update(other=(0, 0), fast=(320, 320), slow=(320, 0))
+    side.new_request(Request("other"))
+    fast = Request("fast")
+    assert side.matched_tokens(fast, 0, preempted=False) == (320, False)  # not asynchronous
+    assert side.policy.stats["in_step"] == 1
+    side.allocated(fast, BLOCKS, 320)
+    (load,) = side.build_step({"fast": 10}, (), 10, None).transfers
+    assert (load.kind, load.sync, load.tier) == ("load", True, "l1")
+    # Judged when its tokens are in: 52 ms after the decision, less the step (50 ms) and the
+    # rest (10 tokens), plus the other's wait for the copy: ~2 ms against ~3 ms; no regret.
+    clock.now += 0.052
+    fast.num_computed_tokens = 330
+    side.build_step({}, (), 0, None)
+    assert (side.policy.stats["judged"], side.policy.stats["regret"]) == (1, 0)
+    # An L2 hit never loads inside the step (the server reads its backend first): this one is
+    # computed (100 ms to load against ~10 ms for it and the two others).
+    assert side.matched_tokens(Request("slow"), 0, preempted=False) == (0, False)
+    assert not side.costs.decide(320, 0, others=2).in_step
+    assert side.costs.decide(320, 0, others=2, backlog=100_000).tokens == 320  # between steps

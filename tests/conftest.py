@@ -20,6 +20,14 @@ from kvtrio.launch import ServerProcess
 from kvtrio.server import ServerHandle, serve
 
 from ._support.disk_faults import BadRecords
+from ._support.lengths import report_long_modules
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    """The module-length report of ``tests/test_layers.py``, after the run's results."""
+    report_long_modules(terminalreporter, config)
 
 
 @pytest.fixture(scope="session", autouse=True)

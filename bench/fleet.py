@@ -29,6 +29,7 @@ import contextlib
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -57,8 +58,11 @@ from kvtrio.protocol import (
     block_chunk_hashes,
     block_hash_scheme,
 )
-from kvtrio.testing import LocalRedisCluster, redis_cluster
 from kvtrio.transport import ensure_default_keys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_support: test servers
+
+from tests._support.redis_servers import LocalRedisCluster, redis_cluster
 
 TRACE = Path(__file__).resolve().parents[1] / "docs" / "sample_trace.jsonl"
 """The repository's small trace (120 requests); docs/fleet.md's figures are of the Mooncake

@@ -47,6 +47,7 @@ from kvtrio.client import Client
 from kvtrio.errors import KvtrioError, ServerError
 from kvtrio.launch import launch_server
 from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
     Commit,
     LayoutSpec,
     Lookup,
@@ -59,7 +60,7 @@ from kvtrio.protocol import (
 
 CHUNK = 256
 LAYOUT = LayoutSpec("flash_attn", 2, 64, 16, 1, 16, "float16")
-SCHEME = "tokens/sha256-128/v1"
+SCHEME = HASH_SCHEME_TOKENS
 
 VICTIM = r"""
 import json, os, sys, time

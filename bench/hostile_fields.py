@@ -41,7 +41,7 @@ layout = LayoutSpec("flash_attn", 2, 64, 16, 2, 16, "float16")
 ok = refused = 0
 first = ""
 with Client(endpoint, timeout=60) as client:
-    client.request(Register("e", "m", 1, 0, layout, "tokens/sha256-128/v1"))
+    client.request(Register("e", "m", 1, 0, layout, HASH_SCHEME_TOKENS))
     hashes = tuple(token_chunk_hashes(tuple(range(256)), 256))
     client.request(Store("s", 0, 256, chunk_hashes=hashes))
     client.request(Commit("s", written=hashes))
@@ -53,7 +53,7 @@ with Client(endpoint, timeout=60) as client:
             if attack == "lookups":
                 client.request(Lookup(name, "m", 1, hashes, engine="e"))
             else:
-                client.request(Register("e", name, 1, 0, layout, "tokens/sha256-128/v1"))
+                client.request(Register("e", name, 1, 0, layout, HASH_SCHEME_TOKENS))
             ok += 1
         except ServerError as exc:
             refused += 1

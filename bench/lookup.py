@@ -48,7 +48,7 @@ def cpu():
 layout = LayoutSpec("flash_attn", 4, 64, 16, 2, 32, "float16")
 out = {}
 with Client(endpoint, timeout=30) as client:
-    client.request(Register("", "m", 1, 0, layout, "tokens/sha256-128/v1"))
+    client.request(Register("", "m", 1, 0, layout, HASH_SCHEME_TOKENS))
     rng = random.Random(1)
     for size in sizes:
         prompts = [[rng.randrange(150_000) for _ in range(size)] for _ in range(8)]

@@ -43,7 +43,7 @@ CHUNK = 256
 HASH = bytes(range(16))
 
 def setup(client, tenant):
-    client.request(Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant))
+    client.request(Register("w", "m", 1, 0, LAYOUT, HASH_SCHEME_TOKENS, tenant=tenant))
     client.call(Store("s", 0, CHUNK, chunk_hashes=(HASH,)), StoreReply)
     client.request(Commit("s", written=(HASH,)))
 

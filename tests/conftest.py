@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import shutil
 import signal
@@ -20,6 +19,14 @@ from kvtrio.launch import ServerProcess
 from kvtrio.server import ServerHandle, serve
 
 from ._support.disk_faults import BadRecords
+from ._support.lengths import report_long_modules
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    """The module-length report of ``tests/test_layers.py``, after the run's results."""
+    report_long_modules(terminalreporter, config)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -125,21 +132,18 @@ def host_library(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture
-def fault_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+def fault_registered() -> Iterator[None]:
     """Register the test backend ``fault`` (:class:`kvtrio.testing.FaultBackend`, which kvtrio
-    does not install) under the ``kvtrio.backends`` entry points for this test, as a test-only
-    plugin's entry point would: ``create_backend("fault", …)`` and an in-process server's
+    does not install) for this test with :func:`kvtrio.l2.register`, as a test-only plugin's
+    entry point would: ``create_backend("fault", …)`` and an in-process server's
     ``--l2 fault:…`` find it. A server process does not (it reads the installed metadata)."""
-    from kvtrio.l2 import GROUP
+    from kvtrio.l2 import register, unregister
 
-    real = importlib.metadata.entry_points
-    fault = importlib.metadata.EntryPoint("fault", "kvtrio.testing:FaultBackend", GROUP)
-
-    def entry_points(**kwargs: Any) -> Any:
-        found = real(**kwargs)
-        return [*found, fault] if kwargs.get("group") == GROUP else found
-
-    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    register("fault", "kvtrio.testing:FaultBackend")
+    try:
+        yield
+    finally:
+        unregister("fault")
 
 
 @pytest.fixture

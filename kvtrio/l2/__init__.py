@@ -13,7 +13,15 @@ from ._interface import (
     capabilities,
 )
 from ._locks import LocalLocks
-from ._registry import GROUP, BackendInfo, create_backend, describe_backends, load_backend_class
+from ._registry import (
+    GROUP,
+    BackendInfo,
+    create_backend,
+    describe_backends,
+    load_backend_class,
+    register,
+    unregister,
+)
 
 __all__ = [
     "FORMAT_VERSION",
@@ -36,4 +44,6 @@ __all__ = [
     "describe_backends",
     "header",
     "load_backend_class",
+    "register",
+    "unregister",
 ]

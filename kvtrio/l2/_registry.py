@@ -3,6 +3,10 @@
 Like fsspec and keyring: the registry knows names from entry-point metadata without importing
 anything; a backend's module is imported when a server uses it, or when ``kvtrio backends``
 describes it. A backend that fails to import is reported with the reason and an install hint.
+
+:func:`register` adds a backend for this process only, as an installed entry point would: for
+a test backend (``kvtrio.testing.FaultBackend``) or a script that brings its own. A server
+process started from the command line reads only the installed metadata.
 """
 
 from __future__ import annotations
@@ -17,7 +21,15 @@ from ..errors import ConfigError
 from ..options import structure_options
 from ._interface import Backend
 
-__all__ = ["GROUP", "BackendInfo", "create_backend", "describe_backends", "load_backend_class"]
+__all__ = [
+    "GROUP",
+    "BackendInfo",
+    "create_backend",
+    "describe_backends",
+    "load_backend_class",
+    "register",
+    "unregister",
+]
 
 GROUP = "kvtrio.backends"
 
@@ -39,8 +51,36 @@ class BackendInfo:
     error: str | None = None
 
 
+_REGISTERED: dict[str, importlib.metadata.EntryPoint] = {}
+"""Backends registered in this process by :func:`register`, by name."""
+
+
+def register(name: str, target: str | type) -> None:
+    """Make backend ``name`` known to this process, as an entry point of the ``kvtrio.backends``
+    group would: ``target`` is ``"module:Class"`` (imported when first used) or the class.
+
+    Registering the same target again is allowed; a name that is installed or registered with
+    another target raises :class:`ConfigError`. :func:`unregister` removes it again.
+    """
+    value = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+    module, colon, attribute = value.partition(":")
+    if not (name and module and colon and attribute):
+        raise ConfigError(f"register({name!r}, {value!r}): expected a name and 'module:Class'")
+    known = _entry_points().get(name)
+    if known is not None and known.value != value:
+        raise ConfigError(f"the L2 backend {name!r} is already {known.value}, not {value}")
+    _REGISTERED[name] = importlib.metadata.EntryPoint(name, value, GROUP)
+
+
+def unregister(name: str) -> None:
+    """Forget a backend :func:`register` added (installed entry points stay); no error if it
+    was not registered."""
+    _REGISTERED.pop(name, None)
+
+
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=GROUP)}
+    found = {ep.name: ep for ep in importlib.metadata.entry_points(group=GROUP)}
+    return {**found, **_REGISTERED}
 
 
 def _hint(name: str) -> str:

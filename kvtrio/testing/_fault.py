@@ -1,8 +1,9 @@
 """``fault``: a test backend that wraps another and injects latency, errors and dropped loads.
 
 For kvtrio's own tests (and anyone testing how a deployment degrades). Not an installed backend:
-construct it (``FaultBackend(inner=MemoryBackend())``), or register it under the entry-point
-group ``kvtrio.backends`` in a test (kvtrio's suite: the ``fault_registered`` fixture) to use
+construct it (``FaultBackend(inner=MemoryBackend())``), or register it in the process
+(``kvtrio.l2.register("fault", FaultBackend)``; kvtrio's suite: the ``fault_registered``
+fixture) to use
 ``--l2 fault:inner=memory,latency=0.5,error_rate=0.1,seed=1``. Deterministic for a given seed
 and call sequence. The knobs can be changed at run time with :meth:`FaultBackend.configure`.
 """

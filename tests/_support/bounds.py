@@ -13,6 +13,7 @@ import msgpack
 
 from kvtrio.protocol import (
     FIELD_BOUNDS,
+    HASH_SCHEME_TOKENS,
     PROTOCOL_VERSION,
     REQUEST_TYPES,
     Bound,
@@ -46,7 +47,7 @@ VALID: dict[type[Request], Request] = {
         256,  # (so that every rank in 0…255 is in range)
         0,
         LayoutSpec("flash_attn", 2, 4, 16, 2, 16, "float16"),
-        "tokens/sha256-128/v1",
+        HASH_SCHEME_TOKENS,
         cuda=CudaCache("GPU-0", (LAYER,)),
     ),
     Lookup: Lookup("r", "m", 1, (HASH,)),

@@ -24,6 +24,7 @@ import attrs
 
 from kvtrio.client import SchedulerAdapter
 from kvtrio.launch import ServerProcess
+from kvtrio.protocol import HASH_SCHEME_TOKENS
 from kvtrio.transport import ensure_default_keys
 
 from .e2e import BLOCK, CHUNK, Worker, lookup, stats
@@ -191,7 +192,7 @@ def diagnosis(nodes: Sequence[Node], cluster: Any, spec: str, tokens: list[int])
             lines.append(f"  {backend.name} healthy={backend.healthy} {backend.counters}")
         log = node.server.log().splitlines()
         lines += [f"  {line}" for line in log if "WARNING" in line or "ERROR" in line][-6:]
-    profile = ModelProfile("tokens/sha256-128/v1", 0, 4, 2, 64, "float16", False)
+    profile = ModelProfile(HASH_SCHEME_TOKENS, 0, 4, 2, 64, "float16", False)
     space = namespace("m", "", profile, 1, 0)
     prefix = spec.split("prefix=")[1].split(",")[0]
     for chunk_hash in token_chunk_hashes(tokens, CHUNK):

@@ -3,14 +3,11 @@ tier tests make on it (slot contents do not matter there)."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-import attrs
-
-from kvtrio.client import AsyncClient, open_client
+from kvtrio.client import AsyncClient
 from kvtrio.config import ServerConfig
 from kvtrio.l2 import Backend, Buffers
 from kvtrio.l2.memory import MemoryBackend
@@ -20,7 +17,6 @@ from kvtrio.protocol import (
     LayoutSpec,
     Lookup,
     LookupReply,
-    Register,
     Release,
     Retrieve,
     RetrieveReply,
@@ -28,9 +24,10 @@ from kvtrio.protocol import (
     Store,
     StoreReply,
 )
-from kvtrio.server import ServerHandle, open_server
+from kvtrio.server import ServerHandle
 from kvtrio.storage import token_chunk_hashes
 
+from .serving import serving
 from .waiting import await_async
 
 __all__ = [
@@ -48,31 +45,18 @@ __all__ = [
     "written_to_l2",
 ]
 
-_SERVERS = itertools.count()
 CHUNK = 256
 PROMPT = tuple(range(7000, 7000 + 10 * CHUNK))
 HASHES = tuple(token_chunk_hashes(PROMPT, CHUNK))
 LAYOUT = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")  # 256 KiB chunks
 
 
-@asynccontextmanager
-async def running(
+def running(
     config: ServerConfig, backend: Backend
-) -> AsyncIterator[tuple[ServerHandle, AsyncClient, AsyncClient]]:
-    """A server over ``backend``, a registered worker client and a scheduler client.
-
-    Each server gets an endpoint of its own: libzmq closes a stopped server's ipc listener
-    asynchronously, so a server started right after on the same path could find it still
-    accepting and refuse to start ("in use by another process")."""
-    config = attrs.evolve(config, endpoint=f"{config.endpoint}.{next(_SERVERS)}")
-    async with (
-        open_server(config, backends=[("l2", backend)]) as server,
-        open_client(server.endpoint) as worker,
-        open_client(server.endpoint) as scheduler,
-    ):
-        await worker.request(Register("", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
-        yield server, worker, scheduler
-        server.stop()
+) -> AbstractAsyncContextManager[tuple[ServerHandle, AsyncClient, AsyncClient]]:
+    """A server over ``backend``, a registered worker client and a scheduler client
+    (:func:`serving`)."""
+    return serving(config, LAYOUT, [("l2", backend)])
 
 
 async def stats(client: AsyncClient) -> StatsReply:

@@ -12,7 +12,16 @@ import attrs
 from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import ServerConfig
 from kvtrio.l2 import Backend
-from kvtrio.protocol import Commit, CommitReply, LayoutSpec, Register, Registered, Store, StoreReply
+from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
+    Commit,
+    CommitReply,
+    LayoutSpec,
+    Register,
+    Registered,
+    Store,
+    StoreReply,
+)
 from kvtrio.server import ServerHandle, open_server
 from kvtrio.shm import SharedArena
 from kvtrio.transport import write_keypair
@@ -85,7 +94,7 @@ def hashes(seed: int, count: int) -> tuple[bytes, ...]:
 async def register(client: AsyncClient, tenant: str) -> Registered:
     """Register a flash_attn worker of model ``m`` for ``tenant``."""
     return await client.call(
-        Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant), Registered
+        Register("w", "m", 1, 0, LAYOUT, HASH_SCHEME_TOKENS, tenant=tenant), Registered
     )
 
 

@@ -17,6 +17,7 @@ from kvtrio.client import Client, SchedulerAdapter
 from kvtrio.errors import BadRequest, Incompatible, NotRegistered
 from kvtrio.launch import ServerProcess
 from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
     Commit,
     CommitReply,
     EndSession,
@@ -263,7 +264,7 @@ def test_a_lookup_does_not_wait_for_another_clients_store_in_progress(
     sched = scheduler()
     with Client(server.endpoint) as slow_writer:
         layout = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")
-        slow_writer.request(Register("slow", "m", 1, 0, layout, "tokens/sha256-128/v1"))
+        slow_writer.request(Register("slow", "m", 1, 0, layout, HASH_SCHEME_TOKENS))
         reply = slow_writer.request(Store("s", 0, 4 * CHUNK, HASHES[:4]))
         assert {slot.status for slot in reply.slots} == {"write"}  # type: ignore[attr-defined]
         # The writer now "copies" (never commits). A lookup meanwhile answers at once, and the
@@ -306,11 +307,11 @@ def test_operations_without_registration_and_incompatible_engines_are_refused(
             client.request(Store("x", 0, CHUNK, HASHES[:1]))
         layout = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "bfloat16")
         # Another engine of the model with another profile coexists (its own namespace) ...
-        client.request(Register("other", "m", 1, 0, layout, "tokens/sha256-128/v1"))
+        client.request(Register("other", "m", 1, 0, layout, HASH_SCHEME_TOKENS))
         # ... but the workers of one engine must agree; the refusal names the field only.
         layout32 = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float32")
         with Client(server.endpoint) as second, pytest.raises(Incompatible) as refused:
-            second.request(Register("other", "m", 1, 0, layout32, "tokens/sha256-128/v1"))
+            second.request(Register("other", "m", 1, 0, layout32, HASH_SCHEME_TOKENS))
         assert "dtype" in str(refused.value)
         assert "bfloat16" not in str(refused.value)
         assert "float32" not in str(refused.value)
@@ -318,7 +319,7 @@ def test_operations_without_registration_and_incompatible_engines_are_refused(
         with pytest.raises(
             BadRequest, match="block size 48 does not divide the server's chunk size 256"
         ):
-            client.request(Register("odd", "odd", 1, 0, odd, "tokens/sha256-128/v1"))
+            client.request(Register("odd", "odd", 1, 0, odd, HASH_SCHEME_TOKENS))
         reply = client.request(Lookup("r", "unknown-model", 1, HASHES[:1]))
         assert reply == LookupReply(0, 0)
 
@@ -376,7 +377,7 @@ def test_a_store_in_flight_survives_the_end_of_its_request(
     workers()
     layout = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")
     with Client(server.endpoint) as writer, Client(server.endpoint) as sched:
-        writer.request(Register("w", "m", 1, 0, layout, "tokens/sha256-128/v1"))
+        writer.request(Register("w", "m", 1, 0, layout, HASH_SCHEME_TOKENS))
         reply = writer.request(Store("late", 0, 2 * CHUNK, HASHES[:2]))
         assert [slot.status for slot in reply.slots] == ["write", "write"]  # type: ignore[attr-defined]
         sched.request(EndSession("late", "m"))

@@ -77,7 +77,7 @@ def test_store_restart_then_hits_come_from_disk(
 
 @pytest.fixture(scope="module")
 def redis() -> Iterator[Any]:
-    from kvtrio.testing import ensure_redis_installed, redis_server
+    from .._support.redis_servers import ensure_redis_installed, redis_server
 
     ensure_redis_installed()
     with redis_server() as server:
@@ -86,8 +86,8 @@ def redis() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def redis_cluster() -> Iterator[Any]:
-    from kvtrio.testing import ensure_redis_installed
-    from kvtrio.testing import redis_cluster as cluster
+    from .._support.redis_servers import ensure_redis_installed
+    from .._support.redis_servers import redis_cluster as cluster
 
     ensure_redis_installed()
     with cluster(masters=3) as nodes:
@@ -96,7 +96,7 @@ def redis_cluster() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
-    from kvtrio.testing import seaweedfs
+    from .._support.seaweedfs import seaweedfs
 
     with seaweedfs() as server:
         yield server

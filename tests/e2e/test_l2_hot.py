@@ -16,6 +16,7 @@ from pathlib import Path
 from kvtrio.client import Client
 from kvtrio.launch import ServerProcess
 from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
     Commit,
     EndSession,
     GetStats,
@@ -73,7 +74,7 @@ def test_a_prompt_served_from_l1_stays_in_l2_across_a_restart(
 ) -> None:
     """Was: hot prompt hits after the restart 0 of 8 (evicted from L2 as the oldest)."""
     server = server_process(*ARGS, "--l2", f"disk:path={short_dir / 'l2'},capacity=2MiB")
-    register = Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1")
+    register = Register("w", "m", 1, 0, LAYOUT, HASH_SCHEME_TOKENS)
     with Client(server.endpoint) as worker, Client(server.endpoint) as scheduler:
         worker.request(register)
         store(worker, "hot", HOT)

@@ -19,10 +19,9 @@ from typing import Any
 
 import pytest
 
-from kvtrio.testing import LocalRedisCluster, ensure_redis_installed, redis_cluster
-
 from .._support.e2e import CHUNK
 from .._support.fleet import diagnosis, fetch, fleet, l2_counter, prompt, put
+from .._support.redis_servers import LocalRedisCluster, ensure_redis_installed, redis_cluster
 from .._support.waiting import wait_for
 
 _PREFIXES = itertools.count()
@@ -39,7 +38,7 @@ def valkey() -> Iterator[LocalRedisCluster]:
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[Any]:
-    from kvtrio.testing import seaweedfs
+    from .._support.seaweedfs import seaweedfs
 
     with seaweedfs() as server:
         yield server

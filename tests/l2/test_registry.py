@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -16,25 +16,19 @@ import pytest
 
 from kvtrio.config import BackendSpec, load_config, parse_backend_spec
 from kvtrio.errors import ConfigError
-from kvtrio.l2 import GROUP, create_backend, describe_backends
+from kvtrio.l2 import GROUP, create_backend, describe_backends, register, unregister
 from kvtrio.l2.disk import DiskBackend
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.testing import FaultBackend
 
 
 @pytest.fixture
-def broken_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = importlib.metadata.entry_points
-
-    def entry_points(**kwargs: str) -> object:
-        found = list(real(**kwargs))
-        if kwargs.get("group") == GROUP:
-            found.append(
-                importlib.metadata.EntryPoint("broken", "kvtrio_no_such_module:Backend", GROUP)
-            )
-        return found
-
-    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+def broken_plugin() -> Iterator[None]:
+    register("broken", "kvtrio_no_such_module:Backend")
+    try:
+        yield
+    finally:
+        unregister("broken")
 
 
 def test_our_backends_are_registered_like_plugins() -> None:
@@ -79,6 +73,31 @@ def test_a_test_registers_the_fault_backend_like_a_plugin(fault_registered: None
     assert isinstance(backend, FaultBackend)
     assert isinstance(backend.inner, MemoryBackend)
     assert (backend.latency, backend.error_rate, backend.drop_rate) == (0.5, 0.25, 0.0)
+
+
+def test_register_adds_a_backend_for_this_process_and_unregister_removes_it() -> None:
+    assert "fault" not in {info.name for info in describe_backends()}
+    register("fault", FaultBackend)  # the class, or "module:Class"
+    try:
+        register("fault", "kvtrio.testing._fault:FaultBackend")  # the same target again
+        backend = create_backend("fault", {"inner": "memory"})
+        assert isinstance(backend, FaultBackend)
+        with pytest.raises(ConfigError, match="already"):
+            register("fault", "kvtrio.l2.memory:MemoryBackend")
+    finally:
+        unregister("fault")
+    with pytest.raises(ConfigError, match="no L2 backend named 'fault'"):
+        create_backend("fault", {})
+
+
+def test_register_refuses_to_shadow_an_installed_backend() -> None:
+    with pytest.raises(ConfigError, match=r"'disk' is already kvtrio\.l2\.disk:DiskBackend"):
+        register("disk", "kvtrio.l2.memory:MemoryBackend")
+    register("disk", DiskBackend)  # what is installed: allowed, and changes nothing
+    unregister("disk")
+    assert create_backend("disk", {}).__class__ is DiskBackend
+    with pytest.raises(ConfigError, match="module:Class"):
+        register("x", "no_colon")
 
 
 def test_a_backend_that_fails_to_import_is_reported_not_raised(broken_plugin: None) -> None:

@@ -8,7 +8,12 @@ import struct
 import pytest
 
 import kvtrio.storage
-from kvtrio.protocol import block_chunk_hashes, block_hash_scheme, token_chunk_hashes
+from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
+    block_chunk_hashes,
+    block_hash_scheme,
+    token_chunk_hashes,
+)
 
 
 def reference_token_hashes(tokens: list[int], chunk_size: int) -> list[bytes]:
@@ -20,6 +25,11 @@ def reference_token_hashes(tokens: list[int], chunk_size: int) -> list[bytes]:
         previous = hashlib.sha256(previous + struct.pack(f"<{chunk_size}I", *chunk)).digest()[:16]
         hashes.append(previous)
     return hashes
+
+
+def test_the_token_scheme_has_its_documented_wire_name() -> None:
+    """The one literal of the suite: every other test names the scheme by this constant."""
+    assert HASH_SCHEME_TOKENS == "tokens/sha256-128/v1"  # docs/protocol.md, token mode
 
 
 def test_token_chain_matches_the_documented_algorithm() -> None:

@@ -7,6 +7,7 @@ import pytest
 
 from kvtrio.errors import ErrorCode, ProtocolError
 from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
     LayoutSpec,
     Register,
     decode_request,
@@ -20,7 +21,7 @@ LAYOUT = LayoutSpec("flash_attn", 2, 64, 16, 1, 16, "float16")
 @pytest.mark.parametrize("name", ["", "acme", "a.b_c-D9", "x" * 64])
 def test_tenant_names(name: str) -> None:
     assert tenant_problem(name) is None
-    Register("e", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=name)
+    Register("e", "m", 1, 0, LAYOUT, HASH_SCHEME_TOKENS, tenant=name)
 
 
 @pytest.mark.parametrize("name", ["a/b", "a b", "x" * 65, "caf\u00e9", "a\x00", "*"])

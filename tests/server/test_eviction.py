@@ -4,13 +4,9 @@ stored objects reachable), and ``--eviction lru`` still gives plain LRU for comp
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 import attrs
 import pytest
 
-from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import ServerConfig
 from kvtrio.protocol import (
     Commit,
@@ -19,13 +15,13 @@ from kvtrio.protocol import (
     LayoutSpec,
     Lookup,
     LookupReply,
-    Register,
     StatsReply,
     Store,
     StoreReply,
 )
-from kvtrio.server import open_server
 from kvtrio.storage.keys import token_chunk_hashes
+
+from .._support.serving import serving
 
 CHUNK = 256
 LAYOUT = LayoutSpec("flash_attn", 4, 256, 16, 2, 32, "float16")  # 256 KiB chunks
@@ -37,21 +33,9 @@ def prompt(number: int) -> tuple[int, ...]:
     return tuple(range(start, start + PROMPT_CHUNKS * CHUNK))
 
 
-@asynccontextmanager
-async def running(config: ServerConfig) -> AsyncIterator[tuple[AsyncClient, AsyncClient]]:
-    async with (
-        open_server(config, backends=[]) as server,
-        open_client(server.endpoint) as worker,
-        open_client(server.endpoint) as scheduler,
-    ):
-        await worker.request(Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
-        yield worker, scheduler
-        server.stop()
-
-
 async def fill_and_count(config: ServerConfig) -> tuple[int, int]:
     """Store 6 prompts of 8 chunks into an L1 of 20; (chunks stored, chunks reachable)."""
-    async with running(config) as (worker, scheduler):
+    async with serving(config, LAYOUT, engine="w") as (_, worker, scheduler):
         for number in range(6):
             request = f"p{number}"
             tokens = prompt(number)

@@ -9,7 +9,7 @@ import pytest
 from kvtrio.client import open_client
 from kvtrio.config import ServerConfig
 from kvtrio.errors import Incompatible
-from kvtrio.protocol import LayoutSpec, Register
+from kvtrio.protocol import HASH_SCHEME_TOKENS, LayoutSpec, Register
 from kvtrio.server import open_server
 
 from .._support.waiting import await_async
@@ -45,7 +45,7 @@ async def test_engines_with_another_root_or_algorithm_are_refused(
             await third.request(register("e3", scheme="blocks/xxhash/v1"))
         # Other models, and token mode, are other namespaces: left alone.
         await third.request(Register("e3", "m2", 1, 0, LAYOUT, SHA256, hash_seed="bb"))
-        await third.request(register("e3", "tokens/sha256-128/v1", seed=""))
+        await third.request(register("e3", HASH_SCHEME_TOKENS, seed=""))
         server.stop()
 
 

@@ -8,8 +8,7 @@ import re
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, MutableMapping
-from contextlib import asynccontextmanager
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ import trio
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import BackendSpec, ServerConfig, config_summary
 from kvtrio.errors import ConfigError
 from kvtrio.l2.memory import MemoryBackend
@@ -31,7 +29,6 @@ from kvtrio.protocol import (
     LayoutSpec,
     Lookup,
     LookupReply,
-    Register,
     StatsReply,
     Store,
     StoreReply,
@@ -42,6 +39,7 @@ from kvtrio.storage import token_chunk_hashes
 from kvtrio.testing import FaultBackend
 from kvtrio.transport import open_socket
 
+from .._support.serving import serving
 from .._support.waiting import await_async, await_condition
 
 METRICS_DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
@@ -87,22 +85,12 @@ def config(server_config: ServerConfig) -> ServerConfig:
     return attrs.evolve(server_config, http="127.0.0.1:0")
 
 
-@asynccontextmanager
-async def running(
-    config: ServerConfig, backend: Any
-) -> AsyncIterator[tuple[ServerHandle, AsyncClient, AsyncClient]]:
-    async with (
-        open_server(config, backends=[("memory", backend)]) as server,
-        open_client(server.endpoint) as worker,
-        open_client(server.endpoint) as scheduler,
-    ):
-        await worker.request(Register("", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
-        yield server, worker, scheduler
-        server.stop()
-
-
 async def test_metrics_count_requests_hits_misses_l1_and_l2(config: ServerConfig) -> None:
-    async with running(config, MemoryBackend()) as (server, worker, scheduler):
+    async with serving(config, LAYOUT, [("memory", MemoryBackend())]) as (
+        server,
+        worker,
+        scheduler,
+    ):
         reply = await worker.call(Store("a", 0, 4 * CHUNK, HASHES[:4]), StoreReply)
         await worker.request(Commit("a", written=tuple(HASHES[s.chunk] for s in reply.slots)))
         for name in ("x", "y"):  # 4 of 8 chunks in L1 each time
@@ -181,7 +169,7 @@ async def test_healthz_is_503_while_draining_and_the_request_in_flight_is_answer
 ) -> None:
     slow = FaultBackend(inner=MemoryBackend())
     config = attrs.evolve(config, lookup_timeout=1.5, drain_timeout=10.0)
-    async with running(config, slow) as (server, _, scheduler):
+    async with serving(config, LAYOUT, [("memory", slow)]) as (server, _, scheduler):
         assert server.http_url is not None
         assert await get(server.http_url + "/healthz") == (200, "text/plain", b"serving\n")
         slow.configure(latency=5.0)  # the lookup's L2 part holds it until its timeout
@@ -233,7 +221,7 @@ async def test_status_is_the_stats_document_and_names_no_backend_options(
     config: ServerConfig,
 ) -> None:
     config = attrs.evolve(config, l2=(BackendSpec("memory", {"password": "hunter2"}),))
-    async with running(config, MemoryBackend()) as (server, worker, _):
+    async with serving(config, LAYOUT, [("memory", MemoryBackend())]) as (server, worker, _):
         assert server.http_url is not None
         status, content_type, body = await get(server.http_url + "/status")
         stats = await worker.call(GetStats(), StatsReply)
@@ -252,7 +240,7 @@ async def test_status_is_the_stats_document_and_names_no_backend_options(
 
 
 async def test_other_paths_and_methods(config: ServerConfig) -> None:
-    async with running(config, MemoryBackend()) as (server, _, _):
+    async with serving(config, LAYOUT, [("memory", MemoryBackend())]) as (server, _, _):
         assert server.http_url is not None
         status, _, _ = await get(server.http_url + "/nope")
         assert status == 404

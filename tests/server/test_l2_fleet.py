@@ -15,7 +15,7 @@ from kvtrio.config import ServerConfig
 from kvtrio.errors import ConfigError
 from kvtrio.l2 import BackendMisconfigured, Buffers
 from kvtrio.l2.memory import MemoryBackend
-from kvtrio.protocol import Register
+from kvtrio.protocol import HASH_SCHEME_TOKENS, Register
 from kvtrio.server import open_server
 from kvtrio.server.l2tier import _fleet
 from kvtrio.server.l2tier._fleet import FleetRecord, record_key
@@ -189,7 +189,7 @@ async def test_the_models_checked_are_bounded_in_count_and_bytes(
         fleet.verify_delay = 60.0  # (each check stays running, waiting to read back)
         for index in range(20):
             model = f"model-{index}-" + "x" * 1000
-            await worker.request(Register("", model, 1, 0, LAYOUT, "tokens/sha256-128/v1"))
+            await worker.request(Register("", model, 1, 0, LAYOUT, HASH_SCHEME_TOKENS))
         assert len(fleet._seen) <= 8
         assert all(type(item) is bytes and len(item) == 32 for item in fleet._seen)
         assert fleet.checks <= 4

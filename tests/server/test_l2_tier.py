@@ -23,6 +23,7 @@ from kvtrio.l2 import BackendUnavailable, Buffers
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
     EndSession,
     Lookup,
     LookupBatch,
@@ -439,7 +440,7 @@ async def test_wide_lookups_and_batches_probe_a_backend_a_few_at_a_time(
     backend = _Probed()
     config = attrs.evolve(config, lookup_timeout=5.0)
     async with running(config, backend) as (_, _worker, scheduler):
-        await scheduler.request(Register("", "w", 64, 0, LAYOUT, "tokens/sha256-128/v1"))
+        await scheduler.request(Register("", "w", 64, 0, LAYOUT, HASH_SCHEME_TOKENS))
         wide = await scheduler.call(Lookup("r", "w", 64, HASHES[:2]), LookupReply)
         probes = (backend.calls, backend.most)
         backend.calls = backend.most = 0

@@ -23,6 +23,7 @@ from kvtrio.l2 import UnreadableObjects
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
     Commit,
     EndSession,
     GetStats,
@@ -79,7 +80,7 @@ async def running(config: ServerConfig, path: Path) -> AsyncIterator[Clients]:
     ):
         for client, tenant in ((a, "a"), (b, "b")):
             await client.request(
-                Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant)
+                Register("w", "m", 1, 0, LAYOUT, HASH_SCHEME_TOKENS, tenant=tenant)
             )
         yield Clients(a, b, scheduler, backend)
         server.stop()

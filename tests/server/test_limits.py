@@ -16,6 +16,7 @@ from kvtrio.config import ServerConfig
 from kvtrio.errors import BadRequest, RequestError, ServerBusy
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
     MAX_HASHES,
     MAX_LOOKUP_KEYS,
     Commit,
@@ -63,14 +64,14 @@ async def test_an_impossible_registration_is_a_one_line_bad_request(
     layout: LayoutSpec = attrs.evolve(LAYOUT, **changes)
     async with open_server(server_config) as server, open_client(server.endpoint) as client:
         with pytest.raises(BadRequest) as info:
-            await client.request(Register("w", "m", 1, 0, layout, "tokens/sha256-128/v1"))
+            await client.request(Register("w", "m", 1, 0, layout, HASH_SCHEME_TOKENS))
         assert message in str(info.value)
         assert "\n" not in str(info.value)
         with pytest.raises(BadRequest, match="world_size must be an integer in 1…256 "):
-            await client.request(Register("w", "m", 2**20, 0, LAYOUT, "tokens/sha256-128/v1"))
+            await client.request(Register("w", "m", 2**20, 0, LAYOUT, HASH_SCHEME_TOKENS))
         odd = attrs.evolve(LAYOUT, block_size=48)  # (still the registry's own message)
         with pytest.raises(BadRequest, match="block size 48 does not divide"):
-            await client.request(Register("w", "m", 1, 0, odd, "tokens/sha256-128/v1"))
+            await client.request(Register("w", "m", 1, 0, odd, HASH_SCHEME_TOKENS))
         server.stop()
 
 
@@ -206,7 +207,7 @@ async def test_a_world_size_beyond_the_limit_is_refused(server_config: ServerCon
         with pytest.raises(
             BadRequest, match=r"world_size must be an integer in 1…256 .*, got 4096"
         ):
-            await worker.request(Register("", "m", 4096, 0, LAYOUT, "tokens/sha256-128/v1"))
+            await worker.request(Register("", "m", 4096, 0, LAYOUT, HASH_SCHEME_TOKENS))
         with pytest.raises(BadRequest, match=r"1…256 \(MAX_WORLD_SIZE\), got 4096"):
             await scheduler.request(Lookup("r", "m", 4096, HASHES[:1]))
         with pytest.raises(BadRequest, match="MAX_WORLD_SIZE"):
@@ -219,7 +220,7 @@ async def test_a_lookup_of_more_keys_than_the_bound_is_refused_before_any_work(
     """world × hashes, summed over a batch, is bounded (a batch's lookups were admitted one by
     one, each against live pins only)."""
     async with running(server_config, MemoryBackend()) as (server, _, scheduler):
-        await scheduler.request(Register("", "w", 256, 0, LAYOUT, "tokens/sha256-128/v1"))
+        await scheduler.request(Register("", "w", 256, 0, LAYOUT, HASH_SCHEME_TOKENS))
         per = MAX_LOOKUP_KEYS // 256
         assert await scheduler.call(Lookup("ok", "w", 256, _hashes(per)), LookupReply)
         with pytest.raises(BadRequest, match=r"256 × 257 chunk hashes is 65792 keys.*MAX_LOOKUP"):
@@ -308,7 +309,7 @@ async def test_megabyte_ids_and_model_names_are_refused_and_never_logged(
         async with running(server_config, MemoryBackend()) as (_, worker, scheduler):
             for _ in range(5):
                 with pytest.raises(BadRequest, match="model must be at most 1024 char") as info:
-                    await worker.request(Register("w", huge, 1, 0, LAYOUT, "tokens/sha256-128/v1"))
+                    await worker.request(Register("w", huge, 1, 0, LAYOUT, HASH_SCHEME_TOKENS))
                 assert len(str(info.value)) < 200
                 with pytest.raises(BadRequest, match="request must be at most 512 char"):
                     await scheduler.request(Lookup(huge, "m", 1, HASHES[:1]))

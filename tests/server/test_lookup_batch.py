@@ -14,6 +14,7 @@ from kvtrio.config import ServerConfig
 from kvtrio.errors import BadRequest
 from kvtrio.l2.memory import MemoryBackend
 from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
     MAX_HASHES,
     MAX_LOOKUP_BATCH,
     MAX_LOOKUP_KEYS,
@@ -181,7 +182,7 @@ async def test_a_large_batch_yields_to_the_event_loop_between_slices(
         tuple((i * per + j).to_bytes(16, "little") for j in range(per)) for i in range(lookups)
     )
     async with open_server(server_config) as server, open_client(server.endpoint) as client:
-        await client.request(Register("", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
+        await client.request(Register("", "m", 1, 0, LAYOUT, HASH_SCHEME_TOKENS))
         counter = _LookupsPerStep(server.state.cache.lookups)  # type: ignore[union-attr]
         trio.lowlevel.add_instrument(counter)
         try:

@@ -12,6 +12,7 @@ from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import ServerConfig
 from kvtrio.errors import BadRequest, QuotaExceeded, RequestError
 from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
     CacheStats,
     Commit,
     CommitReply,
@@ -54,7 +55,7 @@ def prompt(seed: int, chunks: int) -> tuple[int, ...]:
 
 async def register(client: AsyncClient, tenant: str = "", engine: str = "w") -> Registered:
     reply = await client.call(
-        Register(engine, "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant), Registered
+        Register(engine, "m", 1, 0, LAYOUT, HASH_SCHEME_TOKENS, tenant=tenant), Registered
     )
     assert reply.chunk_bytes == CHUNK_BYTES
     return reply

@@ -18,6 +18,7 @@ import trio.lowlevel
 from kvtrio.client import open_client
 from kvtrio.config import ServerConfig
 from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
     Commit,
     CommitReply,
     LayoutSpec,
@@ -71,7 +72,7 @@ async def test_big_stores_commits_lookups_and_releases_yield_between_slices(
 
     config = attrs.evolve(server_config, l1_size=128 << 20)  # (COUNT chunks of 32 KiB)
     async with open_server(config) as server, open_client(server.endpoint, timeout=60) as worker:
-        await worker.request(Register("", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1"))
+        await worker.request(Register("", "m", 1, 0, LAYOUT, HASH_SCHEME_TOKENS))
         core = server.state.cache.core  # type: ignore[union-attr]
         l1 = core.l1
         steps = {name: _PerStep() for name in ("store", "commit", "lookup", "release")}

@@ -16,6 +16,7 @@ from kvtrio.config import BackendSpec, ServerConfig
 from kvtrio.errors import ErrorCode, QuotaExceeded, RequestError
 from kvtrio.launch import ServerProcess
 from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
     EndSession,
     GetStats,
     Lookup,
@@ -149,7 +150,7 @@ async def test_more_tenants_than_arenas_are_refused(short_dir: Path) -> None:
         await register(first, "acme")  # its own arena again
         with pytest.raises(QuotaExceeded, match="--l1-tenants"):
             await second.request(
-                Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant="victim")
+                Register("w", "m", 1, 0, LAYOUT, HASH_SCHEME_TOKENS, tenant="victim")
             )
 
 
@@ -224,7 +225,7 @@ def test_a_killed_servers_tenant_arenas_are_reclaimed_at_the_next_start(
     ):  # ipc peers may use any tenant
         for client, tenant in ((one, "a"), (two, "b")):
             reply = client.request(
-                Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant=tenant)
+                Register("w", "m", 1, 0, LAYOUT, HASH_SCHEME_TOKENS, tenant=tenant)
             )
             assert isinstance(reply, Registered)
         assert len(list(shm.iterdir())) == 2
@@ -272,7 +273,7 @@ async def test_an_idle_tenants_arena_is_renewed_for_another_with_none_of_its_byt
                 # acme comes back: the arena is the victim's now (registered), so it waits.
                 with pytest.raises(QuotaExceeded, match="--l1-tenants"):
                     await acme.request(
-                        Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant="acme")
+                        Register("w", "m", 1, 0, LAYOUT, HASH_SCHEME_TOKENS, tenant="acme")
                     )
             finally:
                 new.close()
@@ -292,7 +293,7 @@ async def test_an_arena_with_pins_or_a_registration_is_not_renewed(short_dir: Pa
             assert await store(acme, arena, "s", secret, 0x11) == 4
         finally:
             arena.close()
-        refused = Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant="victim")
+        refused = Register("w", "m", 1, 0, LAYOUT, HASH_SCHEME_TOKENS, tenant="victim")
         with pytest.raises(QuotaExceeded, match="--l1-tenants"):  # acme is registered
             await victim.request(refused)
         # acme's scheduler (another session of its key) pins the chunks; the worker leaves.
@@ -325,7 +326,7 @@ async def test_a_key_for_two_tenants_gives_back_the_arena_of_the_one_it_left(
         first = await register(one, "a")
         await register(two, "b")
         with pytest.raises(QuotaExceeded, match="--l1-tenants"):
-            await one.request(Register("w", "m", 1, 0, LAYOUT, "tokens/sha256-128/v1", tenant="c"))
+            await one.request(Register("w", "m", 1, 0, LAYOUT, HASH_SCHEME_TOKENS, tenant="c"))
         await one.call(Unregister(), Released)
         third = await register(one, "c")  # a's arena, renewed
         assert third.arena_path != first.arena_path

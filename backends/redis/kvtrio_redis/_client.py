@@ -150,10 +150,11 @@ class StandaloneClient:
         """:data:`NOT_STANDALONE` where the server is a cluster node (``INFO cluster``); None
         otherwise, also where INFO is not allowed (an ACL): MOVED replies say it then."""
         try:
-            info = self.redis.info("cluster")
+            # (typed a dict or an awaitable of one, depending on redis-py's version)
+            info: Any = self.redis.info("cluster")
         except exceptions.ResponseError:
             return None
-        enabled = cast("dict[str, Any]", info).get("cluster_enabled")
+        enabled = info.get("cluster_enabled")
         return NOT_STANDALONE if str(enabled) == "1" else None
 
     def exists(self, names: Sequence[bytes]) -> list[bool]:

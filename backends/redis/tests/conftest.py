@@ -3,11 +3,17 @@ per session (started on free loopback ports, stopped by PID), emptied before eve
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from kvtrio.testing import LocalRedis, LocalRedisCluster, redis_cluster, redis_server
+# kvtrio's test servers are test support in the repository (tests/_support, in no wheel):
+# its root goes first on sys.path, so these tests also run from this folder (`pytest` here).
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from tests._support.redis_servers import LocalRedis, LocalRedisCluster, redis_cluster, redis_server
 
 
 @pytest.fixture(scope="session")

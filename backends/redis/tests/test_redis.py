@@ -29,7 +29,7 @@ from kvtrio.l2 import (
     header,
     load_backend_class,
 )
-from kvtrio.testing import LocalRedis, LocalRedisCluster, redis_server
+from tests._support.redis_servers import LocalRedis, LocalRedisCluster, redis_server
 
 FP = b"redis-tests-fp16"
 

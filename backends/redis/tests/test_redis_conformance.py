@@ -10,7 +10,8 @@ import trio
 from kvtrio_redis import RedisBackend, RedisOptions
 
 from kvtrio.l2 import Backend
-from kvtrio.testing import BackendConformance, LocalRedis, LocalRedisCluster
+from kvtrio.testing import BackendConformance
+from tests._support.redis_servers import LocalRedis, LocalRedisCluster
 
 
 class TestRedis(BackendConformance):

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from kvtrio_s3 import S3Options
 
-from kvtrio.testing import SeaweedFS, seaweedfs
+# kvtrio's test servers are test support in the repository (tests/_support, in no wheel):
+# its root goes first on sys.path, so these tests also run from this folder (`pytest` here).
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from tests._support.seaweedfs import SeaweedFS, seaweedfs
 
 BUCKET = "kvtrio-tests"
 

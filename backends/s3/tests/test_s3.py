@@ -24,7 +24,7 @@ from kvtrio.l2 import (
     describe_backends,
     header,
 )
-from kvtrio.testing import SeaweedFS, seaweedfs
+from tests._support.seaweedfs import SeaweedFS, seaweedfs
 
 FINGERPRINT = b"s3-tests-fp-16by"
 

@@ -11,7 +11,8 @@ from kvtrio_s3 import S3Backend
 
 from conftest import options_for
 from kvtrio.l2 import Backend
-from kvtrio.testing import BackendConformance, SeaweedFS, seaweedfs
+from kvtrio.testing import BackendConformance
+from tests._support.seaweedfs import SeaweedFS, seaweedfs
 
 
 class TestS3(BackendConformance):

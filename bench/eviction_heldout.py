@@ -16,6 +16,7 @@ Traces: the Mooncake trace (``/work/shared/traces``) and the two generated ones 
 from __future__ import annotations
 
 import argparse
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -44,6 +45,34 @@ def measured(requests: Sequence[SimRequest], half: str) -> tuple[list[SimRequest
     return list(requests[:middle]), middle // 2
 
 
+def doorkeeper_lru(requests: Sequence[SimRequest], capacity: int, start: int) -> float:
+    """LRU behind a TinyLFU-style doorkeeper (L1 admission): a chunk is stored only at its
+    second sighting within the doorkeeper's window (a set of keys seen once, cleared every
+    ``4 × capacity`` sightings); hits counted from request ``start`` on."""
+    cache: OrderedDict[bytes, None] = OrderedDict()
+    doorkeeper: set[bytes] = set()
+    hits = total = 0
+    for number, request in enumerate(requests):
+        hit = 0
+        while hit < request.full and request.keys[hit] in cache:
+            hit += 1
+        if number >= start:
+            hits, total = hits + hit, total + request.full
+        for key in reversed(request.keys[: request.full]):
+            if key in cache:
+                cache.move_to_end(key)
+                continue
+            if key not in doorkeeper:
+                doorkeeper.add(key)
+                if len(doorkeeper) > 4 * capacity:
+                    doorkeeper.clear()
+                continue
+            cache[key] = None
+            if len(cache) > capacity:
+                cache.popitem(last=False)
+    return hits / total if total else 0.0
+
+
 def plot(results: dict[str, list[Row]], fractions: Sequence[float], path: Path) -> None:
     import matplotlib
 
@@ -53,7 +82,7 @@ def plot(results: dict[str, list[Row]], fractions: Sequence[float], path: Path) 
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
     for axis, (name, rows) in zip(axes[0], results.items(), strict=True):
         for policy in rows[0].ratios:
-            style = "--" if policy in ("optimum", "LFU") else "-"
+            style = "--" if policy in ("optimum", "LFU", "lru+doorkeeper") else "-"
             width = 2.5 if policy in ("reuse", "lru", "optimum") else 1.0
             axis.plot(
                 [f * 100 for f in fractions],
@@ -79,6 +108,9 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(EVICTION_POLICIES))
     parser.add_argument("--half", choices=("tune", "test"), default="test")
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument(
+        "--doorkeeper", action="store_true", help="also LRU behind a doorkeeper (L1 admission)"
+    )
     args = parser.parse_args()
     fractions = [float(f) for f in args.fractions.split(",")]
     results = {}
@@ -89,6 +121,9 @@ def main() -> None:
         rows, seconds = evaluate(
             requests, capacities, args.policies.split(","), order="server", start=start
         )
+        if args.doorkeeper:
+            for row in rows:
+                row.ratios["lru+doorkeeper"] = doorkeeper_lru(requests, row.capacity, start)
         results[name] = rows
         print(
             f"\n{name}: {len(requests)} requests, hits counted from request {start} "
@@ -101,7 +136,7 @@ def main() -> None:
                 f"  {fraction:.0%}: lru/optimum {lru / best:.2f}"
                 + "".join(
                     f", {p}/lru {row.ratios[p] / lru:.2f}"
-                    for p in ("reuse", "arc")
+                    for p in ("reuse", "arc", "lru+doorkeeper")
                     if p in row.ratios and lru
                 )
             )

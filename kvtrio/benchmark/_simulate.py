@@ -313,12 +313,14 @@ def simulate_main(options: BenchOptions, console: Console) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"cannot simulate: {exc}") from None
     chunks = sum(len(r.keys) for r in requests)
+    start = len(requests) // 2 if options.held_out else 0
+    counted = f", hits counted from request {start} (held-out half)" if start else ""
     console.print(
         f"eviction evaluator: {len(requests)} requests of {what} ({chunks:,} chunks), "
-        f"order {options.sim_order}; hit ratio (chunks) by L1 capacity in chunks",
+        f"order {options.sim_order}{counted}; hit ratio (chunks) by L1 capacity in chunks",
         highlight=False,
     )
-    rows, seconds = evaluate(requests, capacities, order=options.sim_order)
+    rows, seconds = evaluate(requests, capacities, order=options.sim_order, start=start)
     console.print(format_table(rows), highlight=False, markup=False, soft_wrap=True)
     console.print(f"({seconds:.1f} s)", highlight=False)
     return 0

@@ -159,3 +159,19 @@ def test_generated_traces_are_deterministic_and_prefix_chained(
             parent = request.keys[index - 1] if index else None
             assert parents.setdefault(key, parent) == parent  # a key names its whole prefix
     assert simulate_optimum(requests, 0) > 0.3  # (they reuse)
+
+
+def test_kvtrio_bench_simulate_held_out_counts_the_second_half() -> None:
+    run = subprocess.run(
+        [
+            *(KVTRIO, "bench", "--simulate", "--held-out", "--conversations", "20"),
+            *("--capacities", "30", "--sim-order", "server"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "(held-out half)" in run.stdout
+    assert " reuse " in run.stdout

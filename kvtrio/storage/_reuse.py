@@ -102,11 +102,13 @@ class ReusePolicy(PrefixPolicy):
         self._entered[node.kind] -= 1.0
         self._entered[kind] += 1.0
         node.kind = kind
-        if node.queue is not None:
-            node.queue.unlink(node)
+        queue = node.queue
+        if queue is None:
+            if node.home is not self._orphans:
+                node.home = self._queues[kind]
+        elif queue is not self._orphans:  # (an orphan stays one)
+            queue.unlink(node)
             self._place(node, self._queues[kind])
-        elif node.home is not self._orphans:
-            node.home = self._queues[kind]
 
     def _default_home(self) -> NodeList:
         return self._queues[NEW_LEAF]

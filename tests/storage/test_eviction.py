@@ -189,3 +189,13 @@ def test_the_reuse_policy_evicts_the_chunk_predicted_to_be_used_last() -> None:
     policy.touch(b"often")
     policy.touch(b"rarely")  # used once, 46 accesses after its first
     assert next(policy.victims()) == b"rarely"
+
+
+def test_the_reuse_policy_keeps_an_orphan_among_the_orphans_when_it_gets_a_successor() -> None:
+    policy = make_policy("reuse")
+    policy.add(b"a")
+    policy.add(b"b", b"a")
+    policy.add(b"x")
+    policy.discard(b"a")  # b is an orphan now
+    policy.add(b"c", b"b")  # b gets a successor: it is no longer a leaf, still an orphan
+    assert next(policy.victims()) == b"b"

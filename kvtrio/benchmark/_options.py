@@ -75,6 +75,8 @@ class BenchOptions:
     capacities: str = "2000,8000,20000,0"
     """Capacities to simulate, in chunks (0: unbounded)."""
     sim_order: str = "reversed"
+    held_out: bool = False
+    """Count hits over the second half of the requests only (the first half warms)."""
     # output
     json: Path | None = None
     plot: Path | None = None
@@ -243,6 +245,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.sim_order,
         help="store a prompt's chunks in reversed order (issue 16's conventions) or as the "
         "server does [default: %(default)s]",
+    )
+    sim.add_argument(
+        "--held-out",
+        action="store_true",
+        help="count hits over the second half of the requests only: the first half warms the "
+        "cache (the held-out half of docs/eviction.md)",
     )
     trace = parser.add_argument_group("trace replay (Mooncake format, hash mode)")
     trace.add_argument("--trace", type=Path, metavar="FILE.jsonl")

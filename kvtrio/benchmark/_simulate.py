@@ -102,18 +102,22 @@ def simulate_policy(
     capacity: int,
     factory: Callable[[], EvictionPolicy],
     order: str = "reversed",
+    start: int = 0,
 ) -> float:
-    """Hit ratio of an L1 of ``capacity`` chunks (0: unbounded) with the factory's policy."""
+    """Hit ratio of an L1 of ``capacity`` chunks (0: unbounded) with the factory's policy,
+    over the requests from index ``start`` on (those before only warm the cache: the held-out
+    half of a trace is measured with the first half as warm-up)."""
     if order not in ("reversed", "server"):
         raise ValueError(f"order must be 'reversed' or 'server', got {order!r}")
     size = capacity or 1 << 62
     l1 = L1Cache(size, policy=factory(), alignment=1)
     hits = total = 0
-    for request in requests:
+    for number, request in enumerate(requests):
         keys = request.keys
         hit = l1.prefix(keys[: request.full])
-        hits += hit
-        total += request.full
+        if number >= start:
+            hits += hit
+            total += request.full
         if order == "reversed":
             for index in range(len(keys) - 1, -1, -1):
                 _store(l1, keys[index], keys[index - 1] if index else None)
@@ -137,16 +141,17 @@ def _store(l1: L1Cache, key: bytes, parent: bytes | None) -> None:
         l1.commit(key)
 
 
-def simulate_lfu(requests: Sequence[SimRequest], capacity: int) -> float:
+def simulate_lfu(requests: Sequence[SimRequest], capacity: int, start: int = 0) -> float:
     """Plain LFU: each request counts once for each of its chunks, counts survive eviction,
     ties go to the least recently used. A reference, not a policy (its counts never shrink)."""
     freq: dict[bytes, int] = defaultdict(int)
     cache: dict[bytes, tuple[int, int]] = {}
     heap: list[tuple[int, int, bytes]] = []
     hits = total = clock = 0
-    for request in requests:
-        hits += _prefix_hits(cache, request)
-        total += request.full
+    for number, request in enumerate(requests):
+        if number >= start:
+            hits += _prefix_hits(cache, request)
+            total += request.full
         for key in reversed(request.keys):
             clock += 1
             freq[key] += 1
@@ -156,8 +161,9 @@ def simulate_lfu(requests: Sequence[SimRequest], capacity: int) -> float:
     return hits / total if total else 0.0
 
 
-def simulate_optimum(requests: Sequence[SimRequest], capacity: int) -> float:
-    """Belady's offline optimum over the reversed-order access stream of all chunks."""
+def simulate_optimum(requests: Sequence[SimRequest], capacity: int, start: int = 0) -> float:
+    """Belady's offline optimum over the reversed-order access stream of all chunks, counted
+    from request ``start`` on."""
     stream = [key for request in requests for key in reversed(request.keys)]
     next_use = [0] * len(stream)
     seen: dict[bytes, int] = {}
@@ -167,9 +173,10 @@ def simulate_optimum(requests: Sequence[SimRequest], capacity: int) -> float:
     cache: dict[bytes, tuple[int, int]] = {}
     heap: list[tuple[int, int, bytes]] = []
     hits = total = position = 0
-    for request in requests:
-        hits += _prefix_hits(cache, request)
-        total += request.full
+    for number, request in enumerate(requests):
+        if number >= start:
+            hits += _prefix_hits(cache, request)
+            total += request.full
         for key in reversed(request.keys):
             priority = (-next_use[position], position)
             cache[key] = priority
@@ -253,18 +260,20 @@ def evaluate(
     policies: Sequence[str] = tuple(EVICTION_POLICIES),
     order: str = "reversed",
     references: bool = True,
+    start: int = 0,
 ) -> tuple[list[Row], float]:
-    """Hit ratio per capacity for each named policy, LFU and the optimum; and seconds taken."""
+    """Hit ratio per capacity for each named policy, LFU and the optimum, over the requests
+    from ``start`` on (those before warm the cache); and seconds taken."""
     started = time.perf_counter()
     rows = []
     for capacity in capacities:
         ratios = {
-            name: simulate_policy(requests, capacity, EVICTION_POLICIES[name], order)
+            name: simulate_policy(requests, capacity, EVICTION_POLICIES[name], order, start)
             for name in policies
         }
         if references:
-            ratios["LFU"] = simulate_lfu(requests, capacity)
-            ratios["optimum"] = simulate_optimum(requests, capacity)
+            ratios["LFU"] = simulate_lfu(requests, capacity, start)
+            ratios["optimum"] = simulate_optimum(requests, capacity, start)
         rows.append(Row(capacity, ratios))
     return rows, time.perf_counter() - started
 
@@ -304,12 +313,14 @@ def simulate_main(options: BenchOptions, console: Console) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"cannot simulate: {exc}") from None
     chunks = sum(len(r.keys) for r in requests)
+    start = len(requests) // 2 if options.held_out else 0
+    counted = f", hits counted from request {start} (held-out half)" if start else ""
     console.print(
         f"eviction evaluator: {len(requests)} requests of {what} ({chunks:,} chunks), "
-        f"order {options.sim_order}; hit ratio (chunks) by L1 capacity in chunks",
+        f"order {options.sim_order}{counted}; hit ratio (chunks) by L1 capacity in chunks",
         highlight=False,
     )
-    rows, seconds = evaluate(requests, capacities, order=options.sim_order)
+    rows, seconds = evaluate(requests, capacities, order=options.sim_order, start=start)
     console.print(format_table(rows), highlight=False, markup=False, soft_wrap=True)
     console.print(f"({seconds:.1f} s)", highlight=False)
     return 0

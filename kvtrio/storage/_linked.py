@@ -14,7 +14,20 @@ class Node:
     """One key known to a policy: ``queue`` is the list it is linked in (None while held),
     ``home`` the list it returns to when released."""
 
-    __slots__ = ("freq", "home", "key", "kids", "next", "parent", "prev", "queue", "visited")
+    __slots__ = (
+        "freq",
+        "gap",
+        "home",
+        "key",
+        "kids",
+        "kind",
+        "next",
+        "parent",
+        "prev",
+        "queue",
+        "stamp",
+        "visited",
+    )
 
     def __init__(self, key: bytes, parent: bytes | None) -> None:
         self.key = key
@@ -26,6 +39,9 @@ class Node:
         self.kids: list[Node] | None = None  # nodes added with this one as parent (some stale)
         self.freq = 0
         self.visited = False
+        self.kind = 0  # the reuse predictor's class (``_reuse``)
+        self.stamp = 0  # the reuse predictor's clock at the last use
+        self.gap = 0  # the reuse predictor's last gap between two uses (0: none yet)
 
 
 class NodeList:

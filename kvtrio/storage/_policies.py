@@ -10,6 +10,7 @@ from collections.abc import Callable
 from ._arc import ARC
 from ._eviction import LRU, EvictionPolicy
 from ._plru import PrefixLRU
+from ._reuse import ReusePolicy
 from ._s3fifo import S3FIFO
 from ._sieve import Sieve
 
@@ -21,6 +22,7 @@ EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "plru": PrefixLRU,
     "s3fifo": S3FIFO,
     "sieve": Sieve,
+    "reuse": ReusePolicy,
 }
 """name → factory. ``lru`` is plain LRU, blind to prefixes, kept for comparison."""
 

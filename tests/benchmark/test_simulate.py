@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from kvtrio.benchmark._simulate import (
     simulate_policy,
     trace_requests,
 )
+from kvtrio.benchmark._traces import agent_requests, multi_turn_requests
 from kvtrio.storage import EVICTION_POLICIES, LRU
 
 TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
@@ -129,3 +131,47 @@ def test_kvtrio_bench_simulate_prints_the_table() -> None:
     )
     assert bad.returncode == 2
     assert "--capacities" in bad.stderr
+
+
+def test_a_held_out_half_counts_only_its_own_requests() -> None:
+    """``start``: the requests before it warm the cache and count nothing."""
+    a = SimRequest((b"a1", b"a2"), 2)
+    b = SimRequest((b"b1",), 1)
+    requests = [a, b, a, a]
+    for name in ("lru", "reuse"):
+        assert simulate_policy(requests, 0, EVICTION_POLICIES[name], "server", start=2) == 1.0
+        assert simulate_policy(requests, 0, EVICTION_POLICIES[name], "server") == 4 / 7
+    assert simulate_optimum(requests, 0, start=2) == 1.0
+    assert simulate_lfu(requests, 0, start=2) == 1.0
+
+
+@pytest.mark.parametrize("generate", [multi_turn_requests, agent_requests])
+def test_generated_traces_are_deterministic_and_prefix_chained(
+    generate: Callable[..., list[SimRequest]],
+) -> None:
+    requests = generate(300)
+    assert requests == generate(300)
+    assert len(requests) == 300
+    parents: dict[bytes, bytes | None] = {}
+    for request in requests:
+        assert 0 < request.full <= len(request.keys) <= request.full + 1
+        for index, key in enumerate(request.keys):
+            parent = request.keys[index - 1] if index else None
+            assert parents.setdefault(key, parent) == parent  # a key names its whole prefix
+    assert simulate_optimum(requests, 0) > 0.3  # (they reuse)
+
+
+def test_kvtrio_bench_simulate_held_out_counts_the_second_half() -> None:
+    run = subprocess.run(
+        [
+            *(KVTRIO, "bench", "--simulate", "--held-out", "--conversations", "20"),
+            *("--capacities", "30", "--sim-order", "server"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "(held-out half)" in run.stdout
+    assert " reuse " in run.stdout

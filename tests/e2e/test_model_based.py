@@ -17,7 +17,8 @@ Invariants, after every step:
 and at quiescence (every ``QUIESCE`` steps and at the end): no pins and no leases are left.
 
 ``KVTRIO_STATEFUL_STEPS`` (default 300) sets the number of steps (5000 for the long profile),
-``KVTRIO_STATEFUL_SEED`` the seed (default 10).
+``KVTRIO_STATEFUL_SEED`` the seed (default 10), ``KVTRIO_STATEFUL_EVICTION`` the server's
+eviction policy (default: the server's).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ ENGINES = (("e0", ""), ("e1", ""), ("e2", "t2"))
 REQUEST_IDS = ("r0", "r1", "r2")
 STEPS = int(os.environ.get("KVTRIO_STATEFUL_STEPS", "300"))
 SEED = int(os.environ.get("KVTRIO_STATEFUL_SEED", "10"))
+EVICTION = os.environ.get("KVTRIO_STATEFUL_EVICTION", "")
 QUIESCE = 50
 
 Prompt = tuple[int, ...]  # chunk values; the tokens follow from them
@@ -252,6 +254,7 @@ def driver(server_process: Callable[..., ServerProcess], short_dir: Path) -> Ite
         "--l2", f"disk:path={short_dir / 'l2'}",
         "--heartbeat-timeout", "1",
         "--pin-ttl", "30",
+        *(("--eviction", EVICTION) if EVICTION else ()),
     )  # fmt: skip
     driver = Driver(server, random.Random(SEED))
     yield driver

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from kvtrio.server.l2tier import Admission
-from kvtrio.server.l2tier._admission import BACKLOG, RETURNS, ReuseSketch
+from kvtrio.server.l2tier._admission import BACKLOG, FORGET, RETURNS, ReuseSketch
 
 
 def key(name: str) -> bytes:
@@ -191,3 +191,48 @@ def test_the_first_refusal_is_logged_at_info_once(caplog: pytest.LogCaptureFixtu
 def test_an_unknown_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="'all' or 'reuse'"):
         Admission[None]("auto")
+
+
+def pairs_then_no_reuse(admission: Admission[None]) -> list[bool]:
+    """A workload of pairs (2,000 prompts of 16 chunks, each asked again 100 prompts later,
+    after L1 dropped it), then 2,000 prompts that share nothing: whether each chunk of the
+    second workload was admitted at its commit, in order."""
+
+    def request(name: str, keys: list[bytes], commit: bool) -> list[bool]:
+        assert admission.first_lookup(name)
+        admission.count(keys)
+        out = []
+        parent = None
+        for chunk in keys:
+            if commit:
+                out.append(admission.commit(chunk, parent, None))
+            admission.backlog()
+            parent = chunk
+        return out
+
+    prompts = [[key(f"pair {p}/{c}") for c in range(16)] for p in range(2_000)]
+    for p, keys in enumerate(prompts):
+        request(f"pair {p}", keys, commit=True)
+        if p >= 100:
+            request(f"pair {p - 100} again", prompts[p - 100], commit=False)
+    assert admission.returning
+    admitted: list[bool] = []
+    for p in range(2_000):
+        admitted += request(f"random {p}", [key(f"random {p}/{c}") for c in range(16)], True)
+    return admitted
+
+
+def test_the_return_rate_forgets_a_reuse_workload_when_reuse_stops() -> None:
+    """After a workload of pairs switched chunks seen once on, a workload with no reuse on the
+    same server: the L2 writes fall to near zero within a bounded number of chunks (FORGET
+    first sightings), not after hundreds of thousands (the halving of the whole sketch)."""
+    admission = Admission[None]("reuse")
+    admitted = pairs_then_no_reuse(admission)
+    assert not admission.returning
+    assert sum(admitted[:FORGET]) <= FORGET  # (written while the estimate forgets)
+    later = admitted[FORGET:]
+    # Then under 1 %: what the sketch's counters, full of the pairs' second sightings until
+    # its next halving, mistake for a chunk seen twice (0.1 % of chunks, each admitting the
+    # rest of its prompt after it; the test measures 0.8 %).
+    assert sum(later) <= len(later) // 100
+    assert sum(admitted) < len(admitted) // 3

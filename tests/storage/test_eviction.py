@@ -152,3 +152,50 @@ def test_ranks_committing_interleaved_still_leave_tail_first(name: str) -> None:
     stored = sum(l1.get(k) is not None for pair in prompts for keys in pair for k in keys)
     assert stored == 40
     assert sum(l1.prefix(keys) for pair in prompts for keys in pair) == stored
+
+
+def test_the_reuse_policy_keeps_a_prompt_reused_at_a_regular_gap_through_one_off_prompts() -> None:
+    """A 4-chunk prompt asked every 6 one-off prompts of 4 chunks (24 chunks between its uses)
+    in a 20-chunk cache: LRU has always dropped it by its next use; the reuse policy has
+    learned that one-off prompts do not come back and the prompt does (its own gap), and
+    keeps it."""
+    hot = prompt("hot", 4)
+    hits = {}
+    for name in ("lru", "arc", "reuse"):
+        l1 = L1Cache(20, policy=make_policy(name), alignment=1)
+        hits[name] = 0
+        for round_ in range(60):
+            hits[name] += l1.prefix(hot)
+            store_prompt(l1, hot)
+            for one in range(6):
+                store_prompt(l1, prompt(f"once{round_}-{one}-", 4))
+    assert hits["lru"] == 0
+    assert hits["reuse"] >= 4 * 50  # (all but the first rounds, while it learns)
+
+
+def test_the_reuse_policy_evicts_the_chunk_predicted_to_be_used_last() -> None:
+    """Two reused chunks of the same class: the one whose own gap between uses is long goes
+    before the one used often, though it was used more recently."""
+    policy = make_policy("reuse")
+    policy.add(b"often")
+    policy.add(b"rarely")
+    for _ in range(3):  # often: used every 2 accesses
+        policy.touch(b"often")
+        policy.add(b"x")
+        policy.discard(b"x")
+    for step in range(40):
+        policy.add(f"filler{step}".encode())
+        policy.discard(f"filler{step}".encode())
+    policy.touch(b"often")
+    policy.touch(b"rarely")  # used once, 46 accesses after its first
+    assert next(policy.victims()) == b"rarely"
+
+
+def test_the_reuse_policy_keeps_an_orphan_among_the_orphans_when_it_gets_a_successor() -> None:
+    policy = make_policy("reuse")
+    policy.add(b"a")
+    policy.add(b"b", b"a")
+    policy.add(b"x")
+    policy.discard(b"a")  # b is an orphan now
+    policy.add(b"c", b"b")  # b gets a successor: it is no longer a leaf, still an orphan
+    assert next(policy.victims()) == b"b"

@@ -18,8 +18,12 @@ committed chunk is written only if it is likely to be read again:
   refusal, or missed there again: L1 dropped it, and only L2 could have served it; a workload
   of pairs, say, a prompt asked twice an hour apart), a chunk seen once is written too: it
   cannot be told apart from those at its commit, and a load from L2 costs far less than
-  recomputing it. The counts are halved with the sketch. With no reuse at all nothing comes
-  back, and nothing seen once is written. Meanwhile the chunks refused before are caught up
+  recomputing it. The share is a windowed estimate that forgets: its two counts (first
+  sightings, returns) are halved every :data:`WINDOW` first sightings, and the returns never
+  count for more than the first sightings, so after a switch to a workload with no reuse it
+  falls below 1 in :data:`RETURNS` within :data:`FORGET` first sightings (and the L2 writes of
+  chunks seen once stop). With no reuse at all nothing comes back, and nothing seen once is
+  written. Meanwhile the chunks refused before are caught up
   with, :data:`BACKLOG` per commit, oldest first (:meth:`Admission.backlog`).
 
 A chunk refused at its commit is remembered (:data:`REFUSED` at most, the oldest forgotten)
@@ -46,7 +50,17 @@ from typing import Generic, TypeVar
 
 from ..._logging import event
 
-__all__ = ["BACKLOG", "REFUSED", "RETURNS", "SAMPLE", "THRESHOLD", "Admission", "ReuseSketch"]
+__all__ = [
+    "BACKLOG",
+    "FORGET",
+    "REFUSED",
+    "RETURNS",
+    "SAMPLE",
+    "THRESHOLD",
+    "WINDOW",
+    "Admission",
+    "ReuseSketch",
+]
 
 log = logging.getLogger("kvtrio.l2")
 
@@ -59,6 +73,12 @@ BACKLOG = 2
 """Refused chunks admitted per commit while chunks seen once are (see the module docstring)."""
 _MIN_FIRST = 256
 """First sightings needed before the share that came back is trusted (until then: refused)."""
+WINDOW = 1024
+"""First sightings between two halvings of the return-rate counts (:attr:`Admission.returning`)."""
+FORGET = 8 * WINDOW
+"""First sightings after which a workload with no reuse has switched chunks seen once off,
+whatever came back before: the returns, at most the first sightings (at most 2 × WINDOW), are
+halved every WINDOW, 7 times below 1 in RETURNS of the WINDOW or more first sightings."""
 SAMPLE = 1 << 17
 """Counts between two halvings of the sketch (and resets of its bit sets)."""
 REFUSED = 65536
@@ -146,8 +166,11 @@ class ReuseSketch:
         """Count ``key`` once."""
         self.add_mixed(_mix(key))
 
-    def add_mixed(self, mixed: int) -> None:
-        if mixed not in self.doorkeeper:
+    def add_mixed(self, mixed: int) -> bool:
+        """Count a mixed key once; whether it was a first sighting (not counted since the last
+        halving)."""
+        first = mixed not in self.doorkeeper
+        if first:
             self.doorkeeper.add(mixed)
             self.first += 1
         else:
@@ -159,6 +182,7 @@ class ReuseSketch:
         self.counted += 1
         if self.counted >= self._sample:
             self.halve()
+        return first
 
     def estimate(self, key: bytes) -> int:
         """How often ``key`` was counted recently (see the class docstring)."""
@@ -204,8 +228,13 @@ class Admission(Generic[T]):
         """Chunks refused at their commit."""
         self.admitted_later = 0
         """Refused chunks admitted later, when used again from L1."""
-        self._returned = 0
-        """Refused chunks used again from L1 (halved with the sketch): see :attr:`returning`."""
+        self._first = 0
+        """First sightings counted, halved every :data:`WINDOW` of them: see :attr:`returning`."""
+        self._back = 0
+        """Chunks that came back (counted again, or refused and used again from L1), halved
+        with :attr:`_first` and never above it."""
+        self._window = 0
+        """First sightings since the last halving of the two."""
         self._logged_refusal = False
         self._summary_at = -1.0
 
@@ -239,8 +268,25 @@ class Admission(Generic[T]):
         each once. Chunks found in L1 need no count: a hit admits them (:meth:`used`); a key
         counted before is one that came back after L1 dropped it (see :attr:`returning`)."""
         add = self.sketch.add_mixed
+        firsts = backs = 0
         for key in keys:
-            add(_mix(key))
+            if add(_mix(key)):
+                firsts += 1
+            else:
+                backs += 1
+        if backs:
+            self._came_back(backs)
+        if firsts:
+            self._first += firsts
+            self._window += firsts
+            while self._window >= WINDOW:
+                self._window -= WINDOW
+                self._first //= 2
+                self._back //= 2
+
+    def _came_back(self, count: int) -> None:
+        """``count`` chunks came back: they count, up to the first sightings."""
+        self._back = min(self._first, self._back + count)
 
     def commit(self, key: bytes, parent: bytes | None, value: T, now: float = 0.0) -> bool:
         """``key`` was committed to L1 (``parent``: the chunk before it): whether to write it
@@ -289,7 +335,7 @@ class Admission(Generic[T]):
                 parent = older[0]
             for chunk, (_, value) in reversed(chain):
                 self.admitted_later += 1
-                self._returned += 1
+                self._came_back(1)
                 self._admitted_keys.add(_mix(chunk))
                 out.append((chunk, value))
         return out
@@ -297,10 +343,10 @@ class Admission(Generic[T]):
     @property
     def returning(self) -> bool:
         """Whether chunks seen once come back after L1 dropped them often enough (1 in
-        :data:`RETURNS`) that writing them pays (see the module docstring)."""
-        sketch = self.sketch
-        returned = sketch.again + self._returned
-        return sketch.first >= _MIN_FIRST and returned * RETURNS >= sketch.first
+        :data:`RETURNS`) that writing them pays, in the recent first sightings (halved every
+        :data:`WINDOW`: see the module docstring)."""
+        first = self._first
+        return first >= _MIN_FIRST and self._back * RETURNS >= first
 
     def backlog(self) -> list[tuple[bytes, T]]:
         """While chunks seen once are written (:attr:`returning`), the :data:`BACKLOG` oldest
@@ -326,7 +372,6 @@ class Admission(Generic[T]):
         if self.sketch.halvings != self._halvings:
             self._halvings = self.sketch.halvings
             self._admitted_keys.clear()
-            self._returned //= 2
 
     def _log(self, now: float) -> None:
         """One INFO line at the first refusal; then a DEBUG summary at most every

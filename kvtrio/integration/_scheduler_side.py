@@ -108,16 +108,7 @@ class SchedulerSide:
         if not plan.load or preempted:
             return 0, False
         tokens = request.all_token_ids
-        # Deferred: the step's lookups go out together, one message at the end of the step
-        # (build_step), or when one is waited for.
-        if self.keys.engine_hashes:
-            self.adapter.maybe_submit_lookup_request(
-                request.request_id, block_hashes=self.keys.block_hashes(request), defer=True
-            )
-        else:
-            self.adapter.maybe_submit_lookup_request(
-                request.request_id, token_ids=tokens, defer=True
-            )
+        self._submit_lookup(request)  # (no-op if it went out at the request's arrival)
         hit = self.adapter.check_lookup_result(request.request_id)
         if hit is None and not self._step_waited:
             # At most one wait per scheduler step: in a burst of new requests the others'
@@ -228,8 +219,25 @@ class SchedulerSide:
             self._root_wrong = True
 
     def new_request(self, request: Any) -> None:
-        """A request arrived: keep it (stores read its tokens and progress at every step)."""
-        self._plan(request)
+        """A request arrived: keep it (stores read its tokens and progress at every step), and
+        queue its lookup, so that the first lookup the next scheduling pass waits for takes the
+        others that arrived with it along (one message, one reply) instead of each one waiting
+        for a step of its own."""
+        plan = self._plan(request)
+        if plan.load:
+            self._submit_lookup(request)
+
+    def _submit_lookup(self, request: Any) -> None:
+        """Queue the request's lookup (deferred: the queued lookups go out together, one message
+        at the end of the step (build_step), or when one is waited for)."""
+        if self.keys.engine_hashes:
+            self.adapter.maybe_submit_lookup_request(
+                request.request_id, block_hashes=self.keys.block_hashes(request), defer=True
+            )
+        else:
+            self.adapter.maybe_submit_lookup_request(
+                request.request_id, token_ids=request.all_token_ids, defer=True
+            )
 
     def allocated(self, request: Any, block_ids: Sequence[int], external_tokens: int) -> None:
         """Blocks are allocated: plan the load of the ``external_tokens`` kvtrio tokens, or

@@ -117,6 +117,25 @@ def test_async_load(engines: Callable[..., Engine], kvtrio: ServerProcess) -> No
     assert_no_pins(kvtrio)
 
 
+def test_requests_that_arrive_together_are_looked_up_together(
+    engines: Callable[..., Engine], kvtrio: ServerProcess
+) -> None:
+    # Their lookups are queued as they arrive, so the one the scheduling pass waits for takes
+    # the others along: all three load in the first step, none waits a step for its lookup.
+    # (The one wait may take as long as it needs here: it ends with the reply.)
+    engine = engines(async_load=False, lookup_wait=10.0)
+    store_prompt(engine, kvtrio)
+    for request_id in ("b", "c", "d"):
+        engine.add(request_id, SHARED)
+    first = engine.step()
+    assert set(first.num_scheduled_tokens) == {"b", "c", "d"}
+    assert first.has_sync_kv_loads
+    engine.run()
+    assert [engine.results[r].external_cached for r in "bcd"] == [4 * CHUNK] * 3
+    assert cache(kvtrio).lookups == 4
+    assert_no_pins(kvtrio)
+
+
 def test_vllm_prefix_cache_and_kvtrio_together(
     engines: Callable[..., Engine], kvtrio: ServerProcess
 ) -> None:

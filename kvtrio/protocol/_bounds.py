@@ -38,7 +38,7 @@ from ._cache import (
     Retrieve,
     Store,
 )
-from ._events import MAX_BLOCK_HASH_BYTES
+from ._events import MAX_BLOCK_HASH_BYTES, MAX_EXTRA_KEY_LENGTH, MAX_EXTRA_KEYS
 from ._messages import Hello, Probe, Request
 from ._registration import CudaCache, CudaLayer, LayoutSpec, Register
 from ._tenant import TENANT_NAME_LENGTH
@@ -80,6 +80,8 @@ MAX_BLOCK_IDS = 1 << 20
 also token ids and block ids of a ``probe``."""
 MAX_EVENT_HASHES = 1 << 17
 """Engine block hashes one store may carry (``MAX_HASHES`` chunks of 16 blocks)."""
+MAX_KV_GROUPS = 1 << 10
+"""KV cache groups of a model (vLLM's ``group_idx``; hybrid models have a few)."""
 MAX_LAYERS = 1 << 12
 """Layers of a model (``num_layers``, and the layers of a CUDA registration)."""
 MAX_DIMS = 8
@@ -278,6 +280,23 @@ FIELD_BOUNDS: dict[type, dict[str, Bound]] = {
             "MAX_EVENT_HASHES",
             f"or each at most {MAX_BLOCK_HASH_BYTES} bytes",
         ),
+        "token_ids": array(
+            MAX_BLOCK_IDS,
+            integer(0, (1 << 32) - 1),
+            "MAX_BLOCK_IDS",
+            "each checked at decode; KV events use them when they are the range's tokens",
+        ),
+        "extra_keys": array(
+            MAX_EVENT_HASHES,
+            array(MAX_EXTRA_KEYS, named="MAX_EXTRA_KEYS"),
+            "MAX_EVENT_HASHES",
+            f"or nil; a key is a string or binary value of ≤ {MAX_EXTRA_KEY_LENGTH}, an int64, "
+            "or an array of ≤ 4 of those",
+        ),
+        "lora_name": _NAME,
+        "group_idx": integer(-1, MAX_KV_GROUPS, "MAX_KV_GROUPS", "-1: none"),
+        "kv_cache_spec_kind": text(64),
+        "kv_cache_spec_sliding_window": integer(0, MAX_TOKEN_POSITION),
     },
     Commit: {"request": _ID, "written": _HASHES, "failed": _HASHES},
     Retrieve: {
@@ -368,6 +387,14 @@ def _size_error(name: str, bound: Bound, size: int) -> str:
     return f"{name} must be {limit} {unit}{named}, got {size}"
 
 
+def _store_tokens(message: Store) -> None:
+    """A store's ``token_ids`` are checked element by element (the server keeps them for its
+    KV events); how many there are is checked where they are used (``server._announce``)."""
+    tokens = message.token_ids
+    if tokens and (min(tokens) < 0 or max(tokens) >= 1 << 32):
+        raise BoundError("token_ids must be integers in 0…2^32 − 1")
+
+
 def _register_rank(message: Register) -> None:
     if message.rank >= message.world_size:
         raise BoundError(
@@ -375,7 +402,7 @@ def _register_rank(message: Register) -> None:
         )
 
 
-_RELATIONS: dict[type, Callable[[Any], None]] = {Register: _register_rank}
+_RELATIONS: dict[type, Callable[[Any], None]] = {Register: _register_rank, Store: _store_tokens}
 """Checks between fields of one message (cheap, and only where a field's own range is not
 enough)."""
 

@@ -16,7 +16,15 @@ several tenants, each a topic of its own).
 Block hashes are those the engine publishes (vLLM: the low 64 bits of its block hash as an
 unsigned int by default, the hash's bytes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``); a
 chunk stored without them (token mode) is named by its kvtrio chunk hash (16 bytes) as one
-block of ``chunk_size`` tokens.
+block of ``chunk_size`` tokens. ``BlockStored`` carries what a router that keys blocks itself
+needs (llm-d's indexer: ``token_ids``, ``parent_block_hash``, ``extra_keys``, ``lora_name``)
+and vLLM 0.33's optional fields (``group_idx``, ``kv_cache_spec_*``, ``locality``,
+``ownership``), each left out at its default as vLLM's ``omit_defaults`` does.
+
+**Snapshot** (kvtrio's addition to the replay socket): a request ``[b"", SNAPSHOT_SEQ, topic]``
+is answered with the topic's current blocks, ``BlockStored`` batches ``[b"", topic,
+SNAPSHOT_SEQ, payload]``, then ``[b"", b"", END_SEQ, next_seq]``: the live stream from
+``next_seq`` on, applied after the snapshot, brings the subscriber's state to the server's.
 """
 
 from __future__ import annotations
@@ -30,10 +38,14 @@ from attrs import frozen
 __all__ = [
     "END_SEQ",
     "MAX_BLOCK_HASH_BYTES",
+    "MAX_EXTRA_KEYS",
+    "MAX_EXTRA_KEY_LENGTH",
+    "SNAPSHOT_SEQ",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
     "EventBatch",
+    "ExtraKeys",
     "KVEvent",
     "decode_batch",
     "decode_seq",
@@ -47,10 +59,28 @@ __all__ = [
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The sequence frame of a replay's end marker."""
 
+SNAPSHOT_SEQ = (-2).to_bytes(8, "big", signed=True)
+"""The sequence frame of a snapshot request and of its batches."""
+
 MAX_BLOCK_HASH_BYTES = 64
 """The longest block hash a store may carry (vLLM's are 32 bytes, or an 8-byte int)."""
 
+MAX_EXTRA_KEYS = 16
+"""The most extra keys of one block (vLLM: the LoRA name, an ``(mm_identifier, offset)`` pair
+per multimodal item in the block, the cache salt, prompt-embedding digests)."""
+
+MAX_EXTRA_KEY_LENGTH = 256
+"""The longest string or binary value of an extra key (an identifier, a salt, a digest)."""
+
 BlockHash = int | bytes
+ExtraKey = str | int | bytes | tuple[str | int | bytes, ...]
+ExtraKeys = tuple[tuple[ExtraKey, ...] | None, ...]
+"""One entry per block: the block's extra keys as vLLM publishes them (untagged), or None."""
+
+
+def _plain(value: Any) -> Any:
+    """An extra key as msgpack writes it (tuples as arrays)."""
+    return list(value) if type(value) is tuple else value
 
 
 def event_block_hash(block_hash: bytes, *, as_int: bool = True) -> BlockHash:
@@ -88,7 +118,8 @@ def decode_seq(frame: bytes) -> int:
 
 @frozen
 class BlockStored:
-    """Blocks became readable in ``medium`` (kvtrio: ``CPU`` for L1, the L2 backend's name)."""
+    """Blocks became readable in ``medium`` (kvtrio: ``CPU`` for L1, ``STORAGE`` for L2, with
+    ``locality`` and the backend's label as ``ownership``; ``docs/events.md``)."""
 
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None
@@ -97,10 +128,17 @@ class BlockStored:
     medium: str | None
     lora_id: int | None = None
     lora_name: str | None = None
+    extra_keys: ExtraKeys | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
     def wire(self) -> dict[str, Any]:
-        """The map vLLM's ``BlockStored`` encodes to (its field order)."""
-        return {
+        """The map vLLM's ``BlockStored`` encodes to (its field order; the fields that have a
+        default left out at it)."""
+        wire: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": list(self.block_hashes),
             "parent_block_hash": self.parent_block_hash,
@@ -110,6 +148,24 @@ class BlockStored:
             "medium": self.medium,
             "lora_name": self.lora_name,
         }
+        if self.extra_keys is not None:
+            wire["extra_keys"] = [
+                None if keys is None else [_plain(k) for k in keys] for keys in self.extra_keys
+            ]
+        for name in _OPTIONAL_STORED:
+            value = getattr(self, name)
+            if value is not None:
+                wire[name] = value
+        return wire
+
+
+_OPTIONAL_STORED = (
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+)
 
 
 @frozen
@@ -118,10 +174,19 @@ class BlockRemoved:
 
     block_hashes: tuple[BlockHash, ...]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
     def wire(self) -> dict[str, Any]:
         hashes = list(self.block_hashes)
-        return {"type": "BlockRemoved", "block_hashes": hashes, "medium": self.medium}
+        wire: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": hashes}
+        wire["medium"] = self.medium
+        for name in ("group_idx", "locality", "ownership"):
+            value = getattr(self, name)
+            if value is not None:
+                wire[name] = value
+        return wire
 
 
 @frozen
@@ -157,6 +222,22 @@ def _hashes(value: Any) -> tuple[BlockHash, ...]:
     return tuple(value)
 
 
+def _optional(raw: dict[str, Any], name: str, kind: type) -> Any:
+    value = raw.get(name)
+    return value if type(value) is kind else None
+
+
+def _extra_keys(value: Any) -> ExtraKeys | None:
+    if not isinstance(value, list):
+        return None
+    return tuple(
+        None
+        if not isinstance(keys, list)
+        else tuple(tuple(k) if isinstance(k, list) else k for k in keys)
+        for keys in value
+    )
+
+
 def _event(raw: Any) -> KVEvent:
     if not isinstance(raw, dict):
         raise ValueError(f"an event is a map, got {type(raw).__name__}")
@@ -171,9 +252,21 @@ def _event(raw: Any) -> KVEvent:
             raw.get("medium"),
             raw.get("lora_id"),
             raw.get("lora_name"),
+            _extra_keys(raw.get("extra_keys")),
+            _optional(raw, "group_idx", int),
+            _optional(raw, "kv_cache_spec_kind", str),
+            _optional(raw, "kv_cache_spec_sliding_window", int),
+            _optional(raw, "locality", str),
+            _optional(raw, "ownership", str),
         )
     if kind == "BlockRemoved":
-        return BlockRemoved(_hashes(raw.get("block_hashes")), raw.get("medium"))
+        return BlockRemoved(
+            _hashes(raw.get("block_hashes")),
+            raw.get("medium"),
+            _optional(raw, "group_idx", int),
+            _optional(raw, "locality", str),
+            _optional(raw, "ownership", str),
+        )
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ValueError(f"unknown event type {kind!r}")

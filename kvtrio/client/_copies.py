@@ -115,6 +115,9 @@ class Span:
     (stores)."""
     event_first: int = 0
     """The block (an index in the prompt) that ``event_hashes`` start at."""
+    tokens: Sequence[int] = ()
+    """Stores: the prompt's tokens from its first (sent with each store's range, for the KV
+    events' routers)."""
 
     def blocks(self, chunk: int) -> Sequence[int]:
         """The engine blocks of chunk ``chunk`` (an index in the prompt) that are moved."""
@@ -154,10 +157,13 @@ class Span:
         batch = range(self.chunks) if batch is None else batch
         per = self.blocks_per_chunk
         first = (self.first + batch.start) * per
+        stop = min((self.first + batch.stop) * per, self.stop_block)
         if self.event_hashes and first >= self.event_first:
-            stop = min((self.first + batch.stop) * per, self.stop_block)
             names = self.event_hashes[first - self.event_first : stop - self.event_first]
             fields.setdefault("block_hashes", tuple(names))
+        block = self.chunk_size // per
+        if len(self.tokens) >= stop * block:
+            fields.setdefault("token_ids", tuple(self.tokens[first * block : stop * block]))
         return Store(
             self.wire_id,
             *self.tokens(batch),

@@ -158,8 +158,8 @@ class ChunkNames:
     """How one chunk is named in events, and the tiers that announced it."""
 
     __slots__ = (
-        "block_size", "cost", "extra", "hashes", "named", "parent", "store", "tenant", "tiers",
-        "tokens",
+        "block_size", "cost", "extra", "hashes", "named", "parent", "parent_hash", "store",
+        "tenant", "tiers", "tokens",
     )  # fmt: skip
 
     def __init__(
@@ -181,6 +181,9 @@ class ChunkNames:
         self.block_size = block_size
         self.parent = parent
         """The object key of the chunk before this one, if known."""
+        self.parent_hash: int | bytes | None = None
+        """The last block hash of the chunk before, once announced with one (kept: the chunk
+        before may be forgotten first, and a router keys this chunk's blocks from it)."""
         self.tiers: set[str] = set()
         """The labels of the tiers that hold it (``CPU`` for L1, an L2 backend's)."""
         self.store = store
@@ -317,6 +320,8 @@ class Announcer:
                 extra[i * per : (i + 1) * per] if extra else None,
                 kept,
             )
+            if block_hashes and i:
+                names.parent_hash = block_hashes[i * per - 1]
             known = table.known.get(key)
             if known is not None:
                 if not known.named:
@@ -335,6 +340,8 @@ class Announcer:
         """Announce a chunk known by its chunk hash alone under the names a store gave it."""
         self._unannounce(old)
         new.parent, new.tiers = old.parent, set()
+        if new.parent_hash is None and old.block_size == new.block_size:
+            new.parent_hash = old.parent_hash
         table.known[key] = new
         table.size += new.cost - old.cost
         for label in sorted(old.tiers):
@@ -457,9 +464,11 @@ class Announcer:
         )
 
     def _parent_hash(self, table: _TenantNames, names: ChunkNames) -> int | bytes | None:
-        if names.parent is None:
-            return None
+        if names.parent_hash is not None or names.parent is None:
+            return names.parent_hash
         parent = table.known.get(names.parent)
         if parent is not None:
-            return parent.hashes[-1]
-        return names.parent[-16:] if names.block_size == self.chunk_size else None
+            names.parent_hash = parent.hashes[-1]
+        elif names.block_size == self.chunk_size:
+            names.parent_hash = names.parent[-16:]
+        return names.parent_hash

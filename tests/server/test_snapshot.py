@@ -118,8 +118,10 @@ async def test_a_late_subscriber_reaches_the_servers_state(
         extra = late.blocks(TOPIC).get(medium, set()) - blocks
         assert (len(missing), len(extra)) == (0, 0), medium
     assert set(truth) == {"CPU", "STORAGE"}
-    assert len(truth["STORAGE"]) >= STORES * PER // 2  # (the write-behind drops some)
-    print(f"{STORES} chunks stored in {stored_s:.1f} s; late subscriber: {late.snapshots} "
+    # (beyond NAMES_BYTES a tenant, 64 MiB, the names of the chunks announced first are
+    # forgotten: they are announced removed, and again by chunk hash if found again)
+    assert len(truth["STORAGE"]) >= min(STORES, 20_000) * PER // 2
+    print(f"\n{STORES} chunks stored in {stored_s:.1f} s; late subscriber: {late.snapshots} "
           f"snapshot(s), {late.gaps} gap(s), {late.lost} lost; "
           f"{ {m: len(b) for m, b in truth.items()} } blocks")  # fmt: skip
 

@@ -115,7 +115,7 @@ class Span:
     (stores)."""
     event_first: int = 0
     """The block (an index in the prompt) that ``event_hashes`` start at."""
-    tokens: Sequence[int] = ()
+    prompt_tokens: Sequence[int] = ()
     """Stores: the prompt's tokens from its first (sent with each store's range, for the KV
     events' routers)."""
 
@@ -162,8 +162,8 @@ class Span:
             names = self.event_hashes[first - self.event_first : stop - self.event_first]
             fields.setdefault("block_hashes", tuple(names))
         block = self.chunk_size // per
-        if len(self.tokens) >= stop * block:
-            fields.setdefault("token_ids", tuple(self.tokens[first * block : stop * block]))
+        if len(self.prompt_tokens) >= stop * block:
+            fields.setdefault("token_ids", tuple(self.prompt_tokens[first * block : stop * block]))
         return Store(
             self.wire_id,
             *self.tokens(batch),

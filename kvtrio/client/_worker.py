@@ -337,7 +337,7 @@ class WorkerAdapter:
             partial=bool(chunks.tail_blocks) and last > chunks.full,
             event_hashes=tuple(op.event_hashes or ()) if store else (),
             event_first=op.start // block,
-            tokens=tokens if store and tokens is not None else (),
+            prompt_tokens=tokens if store and tokens is not None else (),
         )
 
     def _chunks_to(self, end: int) -> int:

@@ -190,6 +190,25 @@ _BLOCK_IDS = array(
     "or for a store's partial chunk's tail",
 )
 _EVENT = binary(MAX_HANDLE_BYTES, note="a CUDA IPC event handle (64 bytes), or empty")
+_EVENT_HASHES = array(
+    MAX_EVENT_HASHES,
+    integer(0, (1 << 64) - 1),
+    "MAX_EVENT_HASHES",
+    f"or each at most {MAX_BLOCK_HASH_BYTES} bytes",
+)
+_TOKEN_IDS = array(
+    MAX_BLOCK_IDS,
+    integer(0, (1 << 32) - 1),
+    "MAX_BLOCK_IDS",
+    "each checked at decode; KV events use them when they are the range's tokens",
+)
+_EXTRA_KEYS = array(
+    MAX_EVENT_HASHES,
+    array(MAX_EXTRA_KEYS, named="MAX_EXTRA_KEYS"),
+    "MAX_EVENT_HASHES",
+    f"or nil; a key is a string or binary value of ≤ {MAX_EXTRA_KEY_LENGTH}, an int64, "
+    "or an array of ≤ 4 of those",
+)
 _SCOPE = {"request": _ID, "model": _MODEL, "tenant": _TENANT, "engine": _ID}
 
 FIELD_BOUNDS: dict[type, dict[str, Bound]] = {
@@ -274,25 +293,9 @@ FIELD_BOUNDS: dict[type, dict[str, Bound]] = {
         "block_ids": _BLOCK_IDS,
         "event": _EVENT,
         "parent_hash": binary(16, note="16 bytes or empty"),
-        "block_hashes": array(
-            MAX_EVENT_HASHES,
-            integer(0, (1 << 64) - 1),
-            "MAX_EVENT_HASHES",
-            f"or each at most {MAX_BLOCK_HASH_BYTES} bytes",
-        ),
-        "token_ids": array(
-            MAX_BLOCK_IDS,
-            integer(0, (1 << 32) - 1),
-            "MAX_BLOCK_IDS",
-            "each checked at decode; KV events use them when they are the range's tokens",
-        ),
-        "extra_keys": array(
-            MAX_EVENT_HASHES,
-            array(MAX_EXTRA_KEYS, named="MAX_EXTRA_KEYS"),
-            "MAX_EVENT_HASHES",
-            f"or nil; a key is a string or binary value of ≤ {MAX_EXTRA_KEY_LENGTH}, an int64, "
-            "or an array of ≤ 4 of those",
-        ),
+        "block_hashes": _EVENT_HASHES,
+        "token_ids": _TOKEN_IDS,
+        "extra_keys": _EXTRA_KEYS,
         "lora_name": _NAME,
         "group_idx": integer(-1, MAX_KV_GROUPS, "MAX_KV_GROUPS", "-1: none"),
         "kv_cache_spec_kind": text(64),
@@ -307,6 +310,10 @@ FIELD_BOUNDS: dict[type, dict[str, Bound]] = {
         "block_ids": _BLOCK_IDS,
         "event": _EVENT,
         "partial": FLAG,
+        "block_hashes": _EVENT_HASHES,
+        "token_ids": _TOKEN_IDS,
+        "extra_keys": _EXTRA_KEYS,
+        "lora_name": _NAME,
     },
     Release: {"request": _ID, "chunk_hashes": _HASHES},
     FreeLookupLocks: dict(_SCOPE),
@@ -387,7 +394,7 @@ def _size_error(name: str, bound: Bound, size: int) -> str:
     return f"{name} must be {limit} {unit}{named}, got {size}"
 
 
-def _store_tokens(message: Store) -> None:
+def _store_tokens(message: Store | Retrieve) -> None:
     """A store's ``token_ids`` are checked element by element (the server keeps them for its
     KV events); how many there are is checked where they are used (``server._announce``)."""
     tokens = message.token_ids
@@ -402,7 +409,11 @@ def _register_rank(message: Register) -> None:
         )
 
 
-_RELATIONS: dict[type, Callable[[Any], None]] = {Register: _register_rank, Store: _store_tokens}
+_RELATIONS: dict[type, Callable[[Any], None]] = {
+    Register: _register_rank,
+    Store: _store_tokens,
+    Retrieve: _store_tokens,
+}
 """Checks between fields of one message (cheap, and only where a field's own range is not
 enough)."""
 

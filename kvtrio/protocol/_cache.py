@@ -292,7 +292,10 @@ class Retrieve(Request):
     block id -1 for blocks the engine already has: those are left alone. A ``partial``
     retrieve does not wait for every L2 load of its chunks: only for its first chunk's; the
     chunks from the first one still loading on are answered ``loading`` (not pinned, their
-    lookup pins kept), to be retrieved again while the ready ones are copied.
+    lookup pins kept), to be retrieved again while the ready ones are copied. The optional
+    ``block_hashes``, ``token_ids``, ``extra_keys`` and ``lora_name`` name the chunks for KV
+    events as a store's do: a chunk found in L2 by its chunk hash alone (stored before a
+    restart) is announced under them.
     """
 
     op: ClassVar[str] = "retrieve"
@@ -305,6 +308,10 @@ class Retrieve(Request):
     block_ids: IntTuple = ()
     event: bytes = b""
     partial: bool = False
+    block_hashes: tuple[int | bytes, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    extra_keys: ExtraKeys = ()
+    lora_name: str = ""
 
 
 @frozen

@@ -43,65 +43,24 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
 
 from attrs import frozen
 
-from ..protocol import AllBlocksCleared, BlockRemoved, BlockStored, ExtraKeys, KVEvent, Store
+from ..protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ExtraKeys,
+    KVEvent,
+    Retrieve,
+    Store,
+)
+from ._tiers import MEDIUM_L1, MEDIUM_STORAGE, Tier, l2_tiers
 
-__all__ = [
-    "MEDIUM_L1",
-    "NAMES_BYTES",
-    "Announcer",
-    "ChunkNames",
-    "StoreNames",
-    "Tier",
-    "l2_tier",
-    "l2_tiers",
-]
+__all__ = ["MEDIUM_L1", "NAMES_BYTES", "Announcer", "ChunkNames", "StoreNames", "Tier", "l2_tiers"]
 
 SPACE_BYTES = 16
 """An object key's namespace: its first 16 bytes (``storage.keys``)."""
-
-MEDIUM_L1 = "CPU"
-"""The ``medium`` of L1 (vLLM's name for host memory), and L1's label here."""
-MEDIUM_STORAGE = "STORAGE"
-"""The ``medium`` of every L2 backend (vLLM's name for its offloading tiers beyond memory)."""
-
-
-@frozen
-class Tier:
-    """How a tier is named in events: vLLM's ``medium``, ``locality`` (``LOCAL`` or
-    ``REMOTE``, relative to this server) and ``ownership`` (kvtrio's label of the backend)."""
-
-    medium: str
-    locality: str | None = "LOCAL"
-    ownership: str | None = None
-
-
-_LOOPBACK = ("127.", "localhost", "[::1]", "::1", "unix:", "/")
-
-
-def l2_tier(label: str, kind: str, address: str = "") -> Tier:
-    """The tier of an L2 backend named ``label``, of backend ``kind`` (``disk``, ``redis``,
-    ``s3``, ``memory``) at ``address`` (its host or URL): ``STORAGE``, ``LOCAL`` for a disk or
-    a shared store on this host, ``REMOTE`` for a shared store elsewhere."""
-    host = address.split("://", 1)[-1]
-    local = kind in ("disk", "memory") or not host or host.startswith(_LOOPBACK)
-    return Tier(MEDIUM_STORAGE, "LOCAL" if local else "REMOTE", label)
-
-
-def l2_tiers(names: Sequence[str], specs: Sequence[Any] = ()) -> dict[str, Tier]:
-    """The tiers of an L2 cascade of backends ``names`` (labelled as ``l2tier`` does: the name,
-    ``name#i`` when it repeats), their addresses from the ``l2`` setting's ``specs`` (options
-    ``url``, ``endpoint`` or ``host``) when they are its backends."""
-    tiers = {}
-    for i, name in enumerate(names):
-        label = name if names.count(name) == 1 else f"{name}#{i + 1}"
-        options = specs[i].options if i < len(specs) and specs[i].name == name else {}
-        address = next((str(options[k]) for k in ("url", "endpoint", "host") if k in options), "")
-        tiers[label] = l2_tier(label, name, address)
-    return tiers
 
 
 _L1_TIER = Tier(MEDIUM_L1)
@@ -141,16 +100,19 @@ class StoreNames:
 _NO_NAMES = StoreNames()
 
 
-def _kept(store: Store | None) -> tuple[Sequence[int], ExtraKeys, StoreNames]:
+def _kept(store: Store | Retrieve | None) -> tuple[Sequence[int], ExtraKeys, StoreNames]:
     """A store's tokens, extra keys and the rest of what is kept of it."""
     if store is None:
         return (), (), _NO_NAMES
-    names = StoreNames(
-        store.lora_name,
-        store.group_idx,
-        store.kv_cache_spec_kind,
-        store.kv_cache_spec_sliding_window,
-    )
+    if type(store) is Retrieve:
+        names = StoreNames(store.lora_name)
+    else:
+        names = StoreNames(
+            store.lora_name,
+            store.group_idx,
+            store.kv_cache_spec_kind,
+            store.kv_cache_spec_sliding_window,
+        )
     return store.token_ids, store.extra_keys, _NO_NAMES if names == _NO_NAMES else names
 
 
@@ -279,9 +241,9 @@ class Announcer:
         keys: Sequence[bytes],
         block_hashes: Sequence[int | bytes],
         block_size: int,
-        store: Store | None = None,
+        store: Store | Retrieve | None = None,
     ) -> None:
-        """A store of ``keys`` carried the engine's ``block_hashes`` of its blocks (in order,
+        """A store (or retrieve) of ``keys`` carried the engine's ``block_hashes`` (in order,
         ``chunk_size / block_size`` per chunk, the last chunk maybe fewer), or none (token
         mode: each chunk one block of ``chunk_size``), and what else ``store`` says of them:
         remember them until the chunks' commits. A chunk already announced keeps its names,
@@ -311,6 +273,9 @@ class Announcer:
             hashes = tuple(block_hashes[i * per : (i + 1) * per]) if block_hashes else (key[-16:],)
             if not hashes:
                 break
+            known = table.known.get(key)
+            if known is not None and known.named:
+                continue
             names = ChunkNames(
                 tenant,
                 hashes,
@@ -322,10 +287,8 @@ class Announcer:
             )
             if block_hashes and i:
                 names.parent_hash = block_hashes[i * per - 1]
-            known = table.known.get(key)
             if known is not None:
-                if not known.named:
-                    self._rename(table, key, known, names)
+                self._rename(table, key, known, names)
                 continue
             old = pending.pop(key, None)
             if old is not None:

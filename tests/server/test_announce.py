@@ -135,8 +135,10 @@ def test_stores_carry_tokens_extra_keys_lora_and_group_to_the_events() -> None:
     a.ready(key(1), None)
     a.ready(key(2), key(1))
     first, second = (e for _, e in published)
-    assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
-    assert first.token_ids == tokens and second.token_ids == tuple(range(164, 228))
+    assert isinstance(first, BlockStored)
+    assert isinstance(second, BlockStored)
+    assert first.token_ids == tokens
+    assert second.token_ids == tuple(range(164, 228))
     assert first.extra_keys == (("ad", ("mm", 0)), None, None, ("ad",))
     assert second.parent_block_hash == 13
     assert (second.lora_name, second.group_idx, second.kv_cache_spec_kind) == (

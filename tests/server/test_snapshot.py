@@ -17,6 +17,7 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+import trio.lowlevel
 
 from kvtrio.client import AsyncClient, EventIndex, open_client, subscribe
 from kvtrio.config import ServerConfig
@@ -58,7 +59,8 @@ def config(server_config: ServerConfig, short_dir: Path) -> ServerConfig:
 def server_state(server: ServerHandle) -> dict[str, set[int | bytes]]:
     """The blocks the server says each medium holds (its announcer's table)."""
     publisher = server.state.events
-    assert publisher is not None and publisher.snapshots is not None
+    assert publisher is not None
+    assert publisher.snapshots is not None
     state: dict[str, set[int | bytes]] = {}
     for event in publisher.snapshots(""):
         assert isinstance(event, BlockStored)
@@ -150,7 +152,7 @@ async def test_a_gap_the_replay_no_longer_holds_is_filled_by_a_snapshot(
         # Batches published while it is away (one store each, far beyond the replay buffer).
         for n in range(200):
             await store_chunks(worker, 64 + n, 1)
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
         await await_condition(lambda: publisher.stats()["queued"] == 0, what="flushed")
         index2 = index  # the same index, resubscribed: joining the running stream is a gap
         async with subscribe(index2, events, replay, TOPIC, snapshot=False):

@@ -45,7 +45,7 @@ class ChunkNaming(Protocol):
         keys: Sequence[bytes],
         block_hashes: Sequence[int | bytes],
         block_size: int,
-        store: Store | None = None,
+        store: Store | Retrieve | None = None,
     ) -> None: ...
 
     def announce_space(self, space: bytes, tenant: str) -> None: ...

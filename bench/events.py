@@ -92,22 +92,44 @@ def run_once(trace: Path, limit: int, speed: float, mode: str, work: Path) -> di
     return summary
 
 
-def server_cost_per_event(chunks: int = 20_000) -> float:
+def server_cost_per_event(chunks: int = 20_000, *, tokens: bool = True) -> float:
     """Seconds of the server's loop per event: what a commit, an L2 write and an L1 eviction
     cost it with events on (the announcer, the queue, the encoding of the batches), in this
-    process, with 16 engine block hashes per chunk (the trace bench's 256-token chunks)."""
+    process, with 16 engine block hashes per chunk (the trace bench's 256-token chunks) and,
+    with ``tokens`` (issue 35), the store's 256 token ids a chunk: decoding them from the
+    store's message (and checking their range), keeping them, sending them in ``BlockStored``."""
     from kvtrio.protocol import KVEvent, encode_batch
-    from kvtrio.server._announce import Announcer
 
+    try:
+        from kvtrio.protocol import Store, decode_request, encode_request
+        from kvtrio.server._announce import Announcer
+    except ImportError:  # pragma: no cover
+        raise
     queue: list[tuple[str, KVEvent]] = []
     announcer = Announcer(lambda tenant, event: queue.append((tenant, event)), chunk_size=256)
     space = bytes(16)
     announcer.announce_space(space, "")
     keys = [space + i.to_bytes(16, "big") for i in range(chunks)]
+    bodies = []
+    for first in range(0, chunks, 100):
+        extra = {"token_ids": tuple(range(first * 256, (first + 100) * 256))} if tokens else {}
+        store = Store(
+            "r",
+            0,
+            100 * 256,
+            (),
+            block_hashes=tuple(range(first * 16, (first + 100) * 16)),
+            **extra,
+        )
+        bodies.append(encode_request(1, store)[1])
     started = time.perf_counter()
     for first in range(0, chunks, 100):  # 100 chunks a batch (5 ms at ~20k events/s)
         part = keys[first : first + 100]
-        announcer.names(part, list(range(first * 16, (first + 100) * 16)), 16)
+        store = decode_request("store", bodies[first // 100])
+        if tokens:
+            announcer.names(part, store.block_hashes, 16, store)  # type: ignore[attr-defined]
+        else:
+            announcer.names(part, store.block_hashes, 16)  # type: ignore[attr-defined]
         for key in part:
             announcer.ready(key, None)
             announcer.stored(key, "disk")
@@ -123,7 +145,19 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--speed", type=float, default=0.0)
+    parser.add_argument(
+        "--cost-only",
+        action="store_true",
+        help="only the server loop's cost per event, without and with the stores' tokens",
+    )
     args = parser.parse_args()
+    if args.cost_only:
+        for tokens in (False, True, False, True, False, True):
+            cost = server_cost_per_event(tokens=tokens)
+            print(
+                f"server loop per event, tokens {'on ' if tokens else 'off'}: {cost * 1e6:.1f} µs"
+            )
+        return
     modes = ("off", "on", "quiet")
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="kvt-ev-", dir="/tmp") as tmp:

@@ -26,6 +26,7 @@ import attrs
 
 from ..errors import KvtrioError, NotRegistered, ProtocolError
 from ..protocol import (
+    MAX_EVENT_TOKENS,
     CudaCache,
     Registered,
     Reply,
@@ -33,6 +34,7 @@ from ..protocol import (
     RetrieveReply,
     Store,
     StoreReply,
+    pack_tokens,
     wire_request_id,
 )
 from ..transfer import KVLayout
@@ -162,8 +164,9 @@ class Span:
             names = self.event_hashes[first - self.event_first : stop - self.event_first]
             fields.setdefault("block_hashes", tuple(names))
         block = self.chunk_size // per
-        if len(self.prompt_tokens) >= stop * block:
-            fields.setdefault("token_ids", tuple(self.prompt_tokens[first * block : stop * block]))
+        if len(self.prompt_tokens) >= stop * block and (stop - first) * block <= MAX_EVENT_TOKENS:
+            tokens = self.prompt_tokens[first * block : stop * block]
+            fields.setdefault("token_ids", pack_tokens(tokens))
         return Store(
             self.wire_id,
             *self.tokens(batch),

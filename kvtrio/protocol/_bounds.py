@@ -47,6 +47,7 @@ __all__ = [
     "FIELD_BOUNDS",
     "MAX_BLOCK_IDS",
     "MAX_EVENT_HASHES",
+    "MAX_EVENT_TOKENS",
     "MAX_ID_LENGTH",
     "MAX_LAYERS",
     "MAX_MODEL_LENGTH",
@@ -80,6 +81,9 @@ MAX_BLOCK_IDS = 1 << 20
 also token ids and block ids of a ``probe``."""
 MAX_EVENT_HASHES = 1 << 17
 """Engine block hashes one store may carry (``MAX_HASHES`` chunks of 16 blocks)."""
+MAX_EVENT_TOKENS = (1 << 18) - 1
+"""Token ids one store or retrieve may carry for KV events (a client leaves them out of a
+larger one); 4 bytes each on the wire, under the 1 MiB a binary field may take."""
 MAX_KV_GROUPS = 1 << 10
 """KV cache groups of a model (vLLM's ``group_idx``; hybrid models have a few)."""
 MAX_LAYERS = 1 << 12
@@ -161,8 +165,8 @@ def text(high: int, named: str = "", note: str = "") -> Bound:
     return Bound("str", 0, high, named=named, note=note)
 
 
-def binary(high: int, low: int = 0, note: str = "") -> Bound:
-    return Bound("bytes", low, high, note=note)
+def binary(high: int, low: int = 0, note: str = "", named: str = "") -> Bound:
+    return Bound("bytes", low, high, named=named, note=note)
 
 
 def array(high: int, items: Bound | None = None, named: str = "", note: str = "") -> Bound:
@@ -196,11 +200,11 @@ _EVENT_HASHES = array(
     "MAX_EVENT_HASHES",
     f"or each at most {MAX_BLOCK_HASH_BYTES} bytes",
 )
-_TOKEN_IDS = array(
-    MAX_BLOCK_IDS,
-    integer(0, (1 << 32) - 1),
-    "MAX_BLOCK_IDS",
-    "each checked at decode; KV events use them when they are the range's tokens",
+_TOKEN_IDS = binary(
+    4 * MAX_EVENT_TOKENS,
+    named="MAX_EVENT_TOKENS × 4",
+    note="unsigned 32-bit little-endian token ids (a multiple of 4 bytes); KV events use "
+    "them when they are the range's tokens",
 )
 _EXTRA_KEYS = array(
     MAX_EVENT_HASHES,
@@ -395,11 +399,12 @@ def _size_error(name: str, bound: Bound, size: int) -> str:
 
 
 def _store_tokens(message: Store | Retrieve) -> None:
-    """A store's ``token_ids`` are checked element by element (the server keeps them for its
-    KV events); how many there are is checked where they are used (``server._announce``)."""
-    tokens = message.token_ids
-    if tokens and (min(tokens) < 0 or max(tokens) >= 1 << 32):
-        raise BoundError("token_ids must be integers in 0…2^32 − 1")
+    """A store's (or retrieve's) ``token_ids`` are whole 32-bit ids (each in range by its
+    width); how many there are is checked where they are used (``server._announce``)."""
+    if len(message.token_ids) % 4:
+        raise BoundError(
+            f"token_ids must be a multiple of 4 bytes (32-bit ids), got {len(message.token_ids)}"
+        )
 
 
 def _register_rank(message: Register) -> None:

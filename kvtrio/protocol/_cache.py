@@ -230,8 +230,9 @@ class Store(Request):
     prefix-aware eviction policies, as the chunks inside the range are linked.
     ``block_hashes`` (optional): the range's engine block hashes for KV events (events.md).
     The other optional fields name the range's blocks for the KV events' routers, as vLLM's
-    ``BlockStored`` does: ``token_ids`` the range's tokens (``end - start`` of them, or the
-    tokens of ``block_hashes``' blocks), ``extra_keys`` one entry per block (or per chunk in
+    ``BlockStored`` does: ``token_ids`` the range's tokens as unsigned 32-bit little-endian
+    integers (``pack_tokens``; ``end - start`` of them, or the tokens of ``block_hashes``'
+    blocks), ``extra_keys`` one entry per block (or per chunk in
     token mode; ``()`` when none), ``lora_name`` (``""``: none), ``group_idx`` (-1: none),
     ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` (``""`` and 0: none).
     """
@@ -247,7 +248,7 @@ class Store(Request):
     event: bytes = b""
     parent_hash: bytes = b""
     block_hashes: tuple[int | bytes, ...] = ()
-    token_ids: tuple[int, ...] = ()
+    token_ids: bytes = b""
     extra_keys: ExtraKeys = ()
     lora_name: str = ""
     group_idx: int = -1
@@ -309,7 +310,7 @@ class Retrieve(Request):
     event: bytes = b""
     partial: bool = False
     block_hashes: tuple[int | bytes, ...] = ()
-    token_ids: tuple[int, ...] = ()
+    token_ids: bytes = b""
     extra_keys: ExtraKeys = ()
     lora_name: str = ""
 

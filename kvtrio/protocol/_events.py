@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 from attrs import frozen
 
 __all__ = [
@@ -47,12 +48,14 @@ __all__ = [
     "EventBatch",
     "ExtraKeys",
     "KVEvent",
+    "PackedTokens",
     "decode_batch",
     "decode_seq",
     "encode_batch",
     "encode_seq",
     "event_block_hash",
     "events_topic",
+    "pack_tokens",
     "replay_endpoint",
 ]
 
@@ -76,6 +79,64 @@ BlockHash = int | bytes
 ExtraKey = str | int | bytes | tuple[str | int | bytes, ...]
 ExtraKeys = tuple[tuple[ExtraKey, ...] | None, ...]
 """One entry per block: the block's extra keys as vLLM publishes them (untagged), or None."""
+
+
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """Token ids as a store or retrieve carries them: unsigned 32-bit little-endian integers
+    (``ValueError`` for ids outside ``[0, 2**32)``)."""
+    if not len(tokens):
+        return b""
+    ids = np.asarray(tokens, dtype=np.int64)
+    if ids.ndim != 1 or ids.min() < 0 or ids.max() >= 1 << 32:
+        raise ValueError("token ids must be integers in [0, 2**32)")
+    return ids.astype("<u4").tobytes()
+
+
+class PackedTokens:
+    """Token ids kept as unsigned 32-bit little-endian bytes (4 bytes a token; a tuple of
+    Python ints takes ~36), encoded into a batch as a msgpack array without becoming Python
+    ints (:meth:`msgpack`). Compares equal to the sequence of the same ids."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def __len__(self) -> int:
+        return len(self.raw) // 4
+
+    def __iter__(self) -> Any:
+        return iter(np.frombuffer(self.raw, dtype="<u4").tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PackedTokens):
+            return self.raw == other.raw
+        if isinstance(other, tuple | list):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"PackedTokens({tuple(self)!r})"
+
+    def msgpack(self) -> bytes:
+        """The ids as a msgpack array of ``uint 32`` values (what vLLM's decoder reads as
+        ``list[int]``), built with numpy."""
+        n = len(self)
+        header = (
+            bytes([0x90 | n])
+            if n < 16
+            else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big"))
+        )
+        out = np.empty((n, 5), dtype=np.uint8)
+        out[:, 0] = 0xCE
+        out[:, 1:] = np.frombuffer(self.raw, dtype="<u4").astype(">u4").view(np.uint8).reshape(n, 4)
+        return header + out.tobytes()
+
+
+_TOKEN_KEY = msgpack.packb("token_ids")
 
 
 def _plain(value: Any) -> Any:
@@ -123,7 +184,7 @@ class BlockStored:
 
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None
-    token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...] | PackedTokens
     block_size: int
     medium: str | None
     lora_id: int | None = None
@@ -142,7 +203,7 @@ class BlockStored:
             "type": "BlockStored",
             "block_hashes": list(self.block_hashes),
             "parent_block_hash": self.parent_block_hash,
-            "token_ids": list(self.token_ids),
+            "token_ids": [] if type(self.token_ids) is PackedTokens else list(self.token_ids),
             "block_size": self.block_size,
             "lora_id": self.lora_id,
             "medium": self.medium,
@@ -208,10 +269,47 @@ class EventBatch:
     events: tuple[KVEvent, ...]
 
 
+def _packed_stored(event: BlockStored, tokens: PackedTokens) -> bytes:
+    """A ``BlockStored`` whose tokens are packed: its map, the ids' array spliced in."""
+    wire = event.wire()
+    keys = list(wire)
+    at = keys.index("token_ids")
+    before = {k: wire[k] for k in keys[:at]}
+    after = {k: wire[k] for k in keys[at + 1 :]}
+    return b"".join(
+        (
+            bytes([0x80 | len(keys)]),
+            msgpack.packb(before, use_bin_type=True)[1:],
+            _TOKEN_KEY,
+            tokens.msgpack(),
+            msgpack.packb(after, use_bin_type=True)[1:],
+        )
+    )
+
+
 def encode_batch(ts: float, events: Sequence[KVEvent]) -> bytes:
     """The payload frame of a batch (vLLM's ``KVEventBatch``)."""
-    payload: bytes = msgpack.packb([ts, [e.wire() for e in events], None], use_bin_type=True)
-    return payload
+    if not any(
+        type(e) is BlockStored and type(e.token_ids) is PackedTokens and e.token_ids.raw
+        for e in events
+    ):
+        payload: bytes = msgpack.packb([ts, [e.wire() for e in events], None], use_bin_type=True)
+        return payload
+    parts = [b"\x93", msgpack.packb(ts), _array_header(len(events))]
+    for e in events:
+        tokens = e.token_ids if type(e) is BlockStored else None
+        if type(tokens) is PackedTokens and tokens.raw:
+            parts.append(_packed_stored(e, tokens))  # type: ignore[arg-type]
+        else:
+            parts.append(msgpack.packb(e.wire(), use_bin_type=True))
+    parts.append(b"\xc0")
+    return b"".join(parts)
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes([0x90 | n])
+    return b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")
 
 
 def _hashes(value: Any) -> tuple[BlockHash, ...]:

@@ -40,7 +40,6 @@ hold: its size follows L1 and what L2 is known to hold, within two bounds per te
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -52,6 +51,7 @@ from ..protocol import (
     BlockStored,
     ExtraKeys,
     KVEvent,
+    PackedTokens,
     Retrieve,
     Store,
 )
@@ -100,10 +100,10 @@ class StoreNames:
 _NO_NAMES = StoreNames()
 
 
-def _kept(store: Store | Retrieve | None) -> tuple[Sequence[int], ExtraKeys, StoreNames]:
+def _kept(store: Store | Retrieve | None) -> tuple[bytes, ExtraKeys, StoreNames]:
     """A store's tokens, extra keys and the rest of what is kept of it."""
     if store is None:
-        return (), (), _NO_NAMES
+        return b"", (), _NO_NAMES
     if type(store) is Retrieve:
         names = StoreNames(store.lora_name)
     else:
@@ -130,7 +130,7 @@ class ChunkNames:
         hashes: tuple[int | bytes, ...],
         block_size: int,
         parent: bytes | None,
-        tokens: Sequence[int] = (),
+        tokens: bytes = b"",
         extra: ExtraKeys | None = None,
         store: StoreNames = _NO_NAMES,
         *,
@@ -151,11 +151,12 @@ class ChunkNames:
         self.store = store
         """The store's LoRA and group fields (its tokens and extra keys are this chunk's)."""
         self.extra = extra
-        self.tokens: array[int] | tuple[()] = array("I", tokens) if tokens else ()
+        self.tokens = tokens
+        """Its tokens, 32-bit little-endian (``Store.token_ids``), or empty."""
         self.cost = (
             _ENTRY_BYTES
             + sum(48 + len(h) if type(h) is bytes else 44 for h in hashes)
-            + 4 * len(tokens)
+            + len(tokens)
             + (0 if extra is None else 64 + 72 * len(extra))
         )
         """Bytes these names hold (an estimate)."""
@@ -262,10 +263,9 @@ class Announcer:
         else:
             per, size, blocks = 1, self.chunk_size, len(keys)
         tokens, extra, kept = _kept(store)
-        if tokens and not (
-            len(tokens) == blocks * size if block_hashes else len(tokens) <= blocks * size
-        ):
-            tokens = ()
+        count = len(tokens) // 4
+        if tokens and not (count == blocks * size if block_hashes else count <= blocks * size):
+            tokens = b""
         if extra and len(extra) != blocks:
             extra = ()
         pending = table.pending
@@ -281,7 +281,7 @@ class Announcer:
                 hashes,
                 size,
                 None,
-                tokens[i * per * size : (i + 1) * per * size],
+                tokens[4 * i * per * size : 4 * (i + 1) * per * size],
                 extra[i * per : (i + 1) * per] if extra else None,
                 kept,
             )
@@ -407,7 +407,7 @@ class Announcer:
         return BlockStored(
             names.hashes,
             self._parent_hash(table, names),
-            tuple(names.tokens),
+            PackedTokens(names.tokens),
             names.block_size,
             tier.medium,
             None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtrio.protocol import BlockRemoved, BlockStored, KVEvent, Store
+from kvtrio.protocol import BlockRemoved, BlockStored, KVEvent, Store, pack_tokens
 from kvtrio.server._announce import Announcer, Tier, l2_tiers
 
 SPACE = b"s" * 16
@@ -127,7 +127,7 @@ def test_stores_carry_tokens_extra_keys_lora_and_group_to_the_events() -> None:
     a, published = announcer()
     tokens = tuple(range(100, 164))  # two chunks of 32 tokens... at block_size 16: 4 blocks
     store = Store(
-        "r", 0, 128, (), token_ids=tuple(range(100, 228)), lora_name="ad",
+        "r", 0, 128, (), token_ids=pack_tokens(range(100, 228)), lora_name="ad",
         extra_keys=(("ad", ("mm", 0)), None, None, ("ad",), None, None, None, None),
         group_idx=1, kv_cache_spec_kind="full_attention",
     )  # fmt: skip
@@ -145,14 +145,14 @@ def test_stores_carry_tokens_extra_keys_lora_and_group_to_the_events() -> None:
         "ad", 1, "full_attention",
     )  # fmt: skip
     # Tokens that are not the blocks' are left out (never another prompt's).
-    a.names([key(3)], (30, 31, 32, 33), 16, Store("s", 0, 64, (), token_ids=(1, 2, 3)))
+    a.names([key(3)], (30, 31, 32, 33), 16, Store("s", 0, 64, (), token_ids=pack_tokens((1, 2, 3))))
     a.ready(key(3), None)
     assert published[-1][1].token_ids == ()  # type: ignore[union-attr]
 
 
 def test_token_mode_chunks_carry_their_tokens() -> None:
     a, published = announcer()
-    a.names([key(1), key(2)], (), 16, Store("r", 0, 128, (), token_ids=tuple(range(128))))
+    a.names([key(1), key(2)], (), 16, Store("r", 0, 128, (), token_ids=pack_tokens(range(128))))
     a.ready(key(2), key(1))
     assert published == [
         ("acme", BlockStored((key(2)[16:],), key(1)[16:], tuple(range(64, 128)), 64, "CPU",
@@ -173,7 +173,7 @@ def test_one_medium_per_vllm_name_and_a_chunk_found_in_l2_is_renamed_by_a_store(
     a.seen([key(1)], 1, "disk#2")
     a.seen([key(1)], 0, "disk#1")  # still on disk#2: nothing to say
     assert [type(e).__name__ for _, e in published] == ["BlockStored"]
-    a.names([key(1)], (7, 8, 9, 10), 16, Store("r", 0, 64, (), token_ids=tuple(range(64))))
+    a.names([key(1)], (7, 8, 9, 10), 16, Store("r", 0, 64, (), token_ids=pack_tokens(range(64))))
     assert published[1] == ("acme", BlockRemoved((key(1)[16:],), "STORAGE", None, "LOCAL",
                                                  "disk#2"))  # fmt: skip
     renamed = published[2][1]

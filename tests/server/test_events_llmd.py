@@ -43,6 +43,7 @@ from kvtrio.protocol import (
     decode_batch,
     event_block_hash,
     events_topic,
+    pack_tokens,
 )
 from kvtrio.server import ServerHandle, open_server
 
@@ -180,7 +181,7 @@ async def request(n: int, tokens: list[int], scheduler: AsyncClient, worker: Asy
     if hit:
         names = {  # (the engine's names: a chunk found in L2 after a restart is named by them)
             "block_hashes": tuple(event_block_hash(h) for h in blocks[: hit // BLOCK]),
-            "token_ids": tuple(tokens[:hit]),
+            "token_ids": pack_tokens(tokens[:hit]),
         }
         retrieve = Retrieve(rid, 0, hit, chunks[: hit // CHUNK], **names)
         got = await worker.call(retrieve, RetrieveReply)
@@ -193,7 +194,7 @@ async def request(n: int, tokens: list[int], scheduler: AsyncClient, worker: Asy
             f"s{n}", hit, len(tokens), chunks[first:],
             parent_hash=chunks[first - 1] if first else b"",
             block_hashes=tuple(event_block_hash(h) for h in blocks[first * PER :]),
-            token_ids=tuple(tokens[hit:]),
+            token_ids=pack_tokens(tokens[hit:]),
         )  # fmt: skip
         stored = await worker.call(store, StoreReply)
         written = tuple(

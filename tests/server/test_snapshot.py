@@ -30,6 +30,7 @@ from kvtrio.protocol import (
     Store,
     StoreReply,
     events_topic,
+    pack_tokens,
 )
 from kvtrio.server import ServerHandle, open_server
 
@@ -76,7 +77,9 @@ async def store_chunks(worker: AsyncClient, first: int, count: int) -> None:
         hashes = tuple(i.to_bytes(16, "big") for i in range(start, start + n))
         blocks = tuple(range(start * PER, (start + n) * PER))
         tokens = tuple(t % 50_000 for t in range(start * CHUNK, (start + n) * CHUNK))
-        store = Store(f"s{start}", 0, n * CHUNK, hashes, block_hashes=blocks, token_ids=tokens)
+        store = Store(
+            f"s{start}", 0, n * CHUNK, hashes, block_hashes=blocks, token_ids=pack_tokens(tokens)
+        )
         reply = await worker.call(store, StoreReply)
         written = tuple(hashes[s.chunk] for s in reply.slots if s.status == "write")
         await worker.request(Commit(f"s{start}", written=written))
@@ -131,8 +134,9 @@ async def test_a_late_subscriber_reaches_the_servers_state(
 async def test_a_gap_the_replay_no_longer_holds_is_filled_by_a_snapshot(
     config: ServerConfig, tmp_path: Path
 ) -> None:
-    """A subscriber that missed more batches than the replay buffer keeps (64 here) gets the
+    """A subscriber that missed more batches than the replay buffer keeps (4 here) gets the
     server's state again from a snapshot, not a permanent hole (``lost`` batches before)."""
+    config = attrs.evolve(config, events_buffer=4)
     disk = DiskBackend(DiskOptions(path=str(tmp_path), capacity=1 << 30))
     events, replay = config.events, config.events + ".replay"
     async with (

@@ -75,11 +75,8 @@ class Writes:
             )
 
         announcer = core.announcer
-        if (
-            announcer is not None
-            and registration.rank == 0
-            and store.block_hashes + store.token_ids
-        ):
+        named = store.block_hashes or store.token_ids
+        if announcer is not None and registration.rank == 0 and named:
             announcer.names(
                 [registration.space + h for h in hashes],
                 store.block_hashes,

@@ -75,6 +75,7 @@ from ._events import (
     encode_seq,
     event_block_hash,
     events_topic,
+    msgpack_uint32s,
     pack_tokens,
     replay_endpoint,
 )
@@ -223,6 +224,7 @@ __all__ = [
     "encode_seq",
     "event_block_hash",
     "events_topic",
+    "msgpack_uint32s",
     "pack_tokens",
     "prompt_chunks",
     "read_reply_header",

@@ -92,48 +92,56 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
     return ids.astype("<u4").tobytes()
 
 
+def msgpack_uint32s(raw: bytes) -> bytes:
+    """Unsigned 32-bit little-endian ids as the elements of a msgpack array, each a
+    ``uint 32`` (``0xce`` and 4 big-endian bytes: what vLLM's decoder reads as an int), built
+    with numpy (no Python int per id)."""
+    ids = np.frombuffer(raw, dtype="<u4")
+    out = np.empty((len(ids), 5), dtype=np.uint8)
+    out[:, 0] = 0xCE
+    out[:, 1:] = ids.astype(">u4").view(np.uint8).reshape(len(ids), 4)
+    return out.tobytes()
+
+
 class PackedTokens:
-    """Token ids kept as unsigned 32-bit little-endian bytes (4 bytes a token; a tuple of
-    Python ints takes ~36), encoded into a batch as a msgpack array without becoming Python
-    ints (:meth:`msgpack`). Compares equal to the sequence of the same ids."""
+    """Token ids kept as the msgpack array a batch sends (:func:`msgpack_uint32s` after its
+    header: 5 bytes a token, where a tuple of Python ints takes ~36), spliced into a batch as
+    they are. Compares equal to the sequence of the same ids."""
 
-    __slots__ = ("raw",)
+    __slots__ = ("packed",)
 
-    def __init__(self, raw: bytes) -> None:
-        self.raw = raw
+    def __init__(self, packed: bytes) -> None:
+        self.packed = packed
+
+    @classmethod
+    def of(cls, elements: bytes) -> PackedTokens:
+        """The array of ``elements`` (:func:`msgpack_uint32s`'s)."""
+        return cls(_array_header(len(elements) // 5) + elements)
+
+    def ids(self) -> list[int]:
+        first = self.packed[0] if self.packed else 0x90
+        body = self.packed[{0xDC: 3, 0xDD: 5}.get(first, 1) :]  # (after the array's header)
+        rows = np.frombuffer(body, dtype=np.uint8).reshape(-1, 5)[:, 1:]
+        return np.ascontiguousarray(rows).view(">u4").ravel().tolist()  # type: ignore[no-any-return]
 
     def __len__(self) -> int:
-        return len(self.raw) // 4
+        return len(self.packed) // 5
 
     def __iter__(self) -> Any:
-        return iter(np.frombuffer(self.raw, dtype="<u4").tolist())
+        return iter(self.ids())
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PackedTokens):
-            return self.raw == other.raw
+            return self.packed == other.packed
         if isinstance(other, tuple | list):
-            return tuple(self) == tuple(other)
+            return tuple(self.ids()) == tuple(other)
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(tuple(self))
+        return hash(self.packed)
 
     def __repr__(self) -> str:
-        return f"PackedTokens({tuple(self)!r})"
-
-    def msgpack(self) -> bytes:
-        """The ids as a msgpack array of ``uint 32`` values (what vLLM's decoder reads as
-        ``list[int]``), built with numpy."""
-        n = len(self)
-        header = (
-            bytes([0x90 | n])
-            if n < 16
-            else (b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big"))
-        )
-        out = np.empty((n, 5), dtype=np.uint8)
-        out[:, 0] = 0xCE
-        out[:, 1:] = np.frombuffer(self.raw, dtype="<u4").astype(">u4").view(np.uint8).reshape(n, 4)
-        return header + out.tobytes()
+        return f"PackedTokens({tuple(self.ids())!r})"
 
 
 _TOKEN_KEY = msgpack.packb("token_ids")
@@ -281,7 +289,7 @@ def _packed_stored(event: BlockStored, tokens: PackedTokens) -> bytes:
             bytes([0x80 | len(keys)]),
             msgpack.packb(before, use_bin_type=True)[1:],
             _TOKEN_KEY,
-            tokens.msgpack(),
+            tokens.packed,
             msgpack.packb(after, use_bin_type=True)[1:],
         )
     )
@@ -289,16 +297,13 @@ def _packed_stored(event: BlockStored, tokens: PackedTokens) -> bytes:
 
 def encode_batch(ts: float, events: Sequence[KVEvent]) -> bytes:
     """The payload frame of a batch (vLLM's ``KVEventBatch``)."""
-    if not any(
-        type(e) is BlockStored and type(e.token_ids) is PackedTokens and e.token_ids.raw
-        for e in events
-    ):
+    if not any(type(e) is BlockStored and type(e.token_ids) is PackedTokens for e in events):
         payload: bytes = msgpack.packb([ts, [e.wire() for e in events], None], use_bin_type=True)
         return payload
     parts = [b"\x93", msgpack.packb(ts), _array_header(len(events))]
     for e in events:
         tokens = e.token_ids if type(e) is BlockStored else None
-        if type(tokens) is PackedTokens and tokens.raw:
+        if type(tokens) is PackedTokens:
             parts.append(_packed_stored(e, tokens))  # type: ignore[arg-type]
         else:
             parts.append(msgpack.packb(e.wire(), use_bin_type=True))

@@ -54,6 +54,7 @@ from ..protocol import (
     PackedTokens,
     Retrieve,
     Store,
+    msgpack_uint32s,
 )
 from ._tiers import MEDIUM_L1, MEDIUM_STORAGE, Tier, l2_tiers
 
@@ -152,7 +153,7 @@ class ChunkNames:
         """The store's LoRA and group fields (its tokens and extra keys are this chunk's)."""
         self.extra = extra
         self.tokens = tokens
-        """Its tokens, 32-bit little-endian (``Store.token_ids``), or empty."""
+        """Its tokens as a batch sends them (``PackedTokens``' bytes), or empty."""
         self.cost = (
             _ENTRY_BYTES
             + sum(48 + len(h) if type(h) is bytes else 44 for h in hashes)
@@ -266,6 +267,7 @@ class Announcer:
         count = len(tokens) // 4
         if tokens and not (count == blocks * size if block_hashes else count <= blocks * size):
             tokens = b""
+        elements = msgpack_uint32s(tokens) if tokens else b""  # (once a store)
         if extra and len(extra) != blocks:
             extra = ()
         pending = table.pending
@@ -281,7 +283,11 @@ class Announcer:
                 hashes,
                 size,
                 None,
-                tokens[4 * i * per * size : 4 * (i + 1) * per * size],
+                (
+                    PackedTokens.of(elements[5 * i * per * size : 5 * (i + 1) * per * size]).packed
+                    if elements
+                    else b""
+                ),
                 extra[i * per : (i + 1) * per] if extra else None,
                 kept,
             )
@@ -407,7 +413,7 @@ class Announcer:
         return BlockStored(
             names.hashes,
             self._parent_hash(table, names),
-            PackedTokens(names.tokens),
+            PackedTokens(names.tokens) if names.tokens else (),
             names.block_size,
             tier.medium,
             None,

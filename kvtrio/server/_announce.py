@@ -105,7 +105,7 @@ def _kept(store: Store | Retrieve | None) -> tuple[bytes, ExtraKeys, StoreNames]
     """A store's tokens, extra keys and the rest of what is kept of it."""
     if store is None:
         return b"", (), _NO_NAMES
-    if type(store) is Retrieve:
+    if isinstance(store, Retrieve):
         names = StoreNames(store.lora_name)
     else:
         names = StoreNames(

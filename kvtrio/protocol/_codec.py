@@ -28,7 +28,7 @@ from cattrs.v import format_exception
 from ..errors import ErrorCode, ProtocolError
 from ._bounds import MAX_EVENT_HASHES, MAX_LAYERS, BoundError, check_request
 from ._cache import MAX_HASHES, MAX_LOOKUP_BATCH, MAX_LOOKUP_KEYS
-from ._events import MAX_BLOCK_HASH_BYTES, MAX_EXTRA_KEY_LENGTH, MAX_EXTRA_KEYS, ExtraKeys
+from ._events import MAX_BLOCK_HASH_BYTES, ExtraKeys, structure_extra_keys
 from ._messages import PROTOCOL_VERSION, ErrorReply, Header, Reply, Request
 from ._operations import OPERATIONS
 from ._registration import CudaLayer
@@ -156,47 +156,6 @@ def _structure_event_hashes(value: Any, _: Any) -> EventHashTuple:
     return cast(EventHashTuple, value)
 
 
-_INT64 = 1 << 63
-_PAIR = 4
-"""The most values of one tuple-valued extra key (vLLM's ``(mm_identifier, offset)``: 2)."""
-
-
-def _scalar_key(item: Any) -> bool:
-    kind = type(item)
-    if kind is int:
-        return bool(-_INT64 <= item < _INT64)
-    return (kind is str or kind is bytes) and len(item) <= MAX_EXTRA_KEY_LENGTH
-
-
-def _structure_extra_keys(value: Any, _: Any) -> ExtraKeys:
-    """A store's extra keys: at most :data:`MAX_EVENT_HASHES` entries (the count first), each
-    nil or at most ``MAX_EXTRA_KEYS`` keys, each a string or binary value of at most
-    ``MAX_EXTRA_KEY_LENGTH``, a signed 64-bit integer, or an array of at most 4 of those."""
-    if type(value) is not tuple:
-        raise TypeError(f"expected an array of extra keys, got {_msgpack_type(value)}")
-    if len(value) > MAX_EVENT_HASHES:
-        raise TypeError(f"expected at most {MAX_EVENT_HASHES} extra keys, got {len(value)}")
-    for keys in value:
-        if keys is None:
-            continue
-        if type(keys) is not tuple or len(keys) > MAX_EXTRA_KEYS:
-            raise TypeError(
-                f"expected a block's extra keys as nil or an array of at most {MAX_EXTRA_KEYS}"
-            )
-        for key in keys:
-            if type(key) is tuple:
-                if len(key) <= _PAIR and all(map(_scalar_key, key)):
-                    continue
-            elif _scalar_key(key):
-                continue
-            raise TypeError(
-                "expected an extra key as a string or binary value of at most "
-                f"{MAX_EXTRA_KEY_LENGTH}, a 64-bit integer, or an array of at most {_PAIR} of "
-                f"those, got {_msgpack_type(key)}"
-            )
-    return cast(ExtraKeys, value)
-
-
 def _structure_str_tuple(value: Any, _: Any) -> StrTuple:
     # The one array of strings is a lookup_batch's request ids: counted before it is walked.
     if type(value) is tuple and len(value) > MAX_LOOKUP_BATCH:
@@ -249,7 +208,7 @@ def _make_converter() -> cattrs.Converter:
     conv.register_unstructure_hook_func(lambda t: t == StrTuple, lambda v: v)
     conv.register_structure_hook_func(lambda t: t == EventHashTuple, _structure_event_hashes)
     conv.register_unstructure_hook_func(lambda t: t == EventHashTuple, lambda v: v)
-    conv.register_structure_hook_func(lambda t: t == ExtraKeys, _structure_extra_keys)
+    conv.register_structure_hook_func(lambda t: t == ExtraKeys, structure_extra_keys)
     conv.register_unstructure_hook_func(lambda t: t == ExtraKeys, lambda v: v)
     conv.register_structure_hook_func(lambda t: t == LayerTuple, _structure_layers)
     return cast(cattrs.Converter, conv)

@@ -30,7 +30,7 @@ SNAPSHOT_SEQ, payload]``, then ``[b"", b"", END_SEQ, next_seq]``: the live strea
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -57,6 +57,7 @@ __all__ = [
     "events_topic",
     "pack_tokens",
     "replay_endpoint",
+    "structure_extra_keys",
 ]
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -74,6 +75,9 @@ per multimodal item in the block, the cache salt, prompt-embedding digests)."""
 
 MAX_EXTRA_KEY_LENGTH = 256
 """The longest string or binary value of an extra key (an identifier, a salt, a digest)."""
+
+MAX_EXTRA_ENTRIES = 1 << 17
+"""Entries of a store's extra keys (one per block: ``MAX_EVENT_HASHES``)."""
 
 BlockHash = int | bytes
 ExtraKey = str | int | bytes | tuple[str | int | bytes, ...]
@@ -145,6 +149,47 @@ class PackedTokens:
 
 
 _TOKEN_KEY = msgpack.packb("token_ids")
+
+
+_INT64 = 1 << 63
+_PAIR = 4
+"""The most values of one tuple-valued extra key (vLLM's ``(mm_identifier, offset)``: 2)."""
+
+
+def _scalar_key(item: Any) -> bool:
+    kind = type(item)
+    if kind is int:
+        return bool(-_INT64 <= item < _INT64)
+    return (kind is str or kind is bytes) and len(item) <= MAX_EXTRA_KEY_LENGTH
+
+
+def structure_extra_keys(value: Any, _: Any) -> ExtraKeys:
+    """A store's extra keys: at most :data:`MAX_EXTRA_ENTRIES` entries (the count first), each
+    nil or at most ``MAX_EXTRA_KEYS`` keys, each a string or binary value of at most
+    ``MAX_EXTRA_KEY_LENGTH``, a signed 64-bit integer, or an array of at most 4 of those."""
+    if type(value) is not tuple:
+        raise TypeError(f"expected an array of extra keys, got {type(value).__name__}")
+    if len(value) > MAX_EXTRA_ENTRIES:
+        raise TypeError(f"expected at most {MAX_EXTRA_ENTRIES} extra keys, got {len(value)}")
+    for keys in value:
+        if keys is None:
+            continue
+        if type(keys) is not tuple or len(keys) > MAX_EXTRA_KEYS:
+            raise TypeError(
+                f"expected a block's extra keys as nil or an array of at most {MAX_EXTRA_KEYS}"
+            )
+        for key in keys:
+            if type(key) is tuple:
+                if len(key) <= _PAIR and all(map(_scalar_key, key)):
+                    continue
+            elif _scalar_key(key):
+                continue
+            raise TypeError(
+                "expected an extra key as a string or binary value of at most "
+                f"{MAX_EXTRA_KEY_LENGTH}, a 64-bit integer, or an array of at most {_PAIR} of "
+                f"those, got {type(key).__name__}"
+            )
+    return cast(ExtraKeys, value)
 
 
 def _plain(value: Any) -> Any:

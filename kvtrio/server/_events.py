@@ -412,7 +412,9 @@ class EventPublisher:
 
     async def _snapshot(self, router: Socket, peer: bytes, topic: bytes) -> None:
         tenant = topic[len(_PREFIX) : -1].decode("ascii", "replace")
-        events = iter(()) if self.snapshots is None else self.snapshots(tenant)
+        proper = topic.startswith(_PREFIX) and topic.endswith(b"/") and len(topic) > 7
+        snapshots = self.snapshots if proper else None  # (over ipc any topic may be asked)
+        events = iter(()) if snapshots is None else snapshots(tenant)
         batches = await send_snapshot(router, peer, topic, events, self._seq.get(topic, 0))
         self.counters["snapshots"] += 1
         self.counters["snapshot_batches"] += batches

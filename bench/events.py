@@ -92,11 +92,20 @@ def run_once(trace: Path, limit: int, speed: float, mode: str, work: Path) -> di
     return summary
 
 
-def server_cost_per_event(chunks: int = 20_000) -> float:
+def server_cost_per_event(chunks: int = 20_000, *, tokens: bool = True) -> float:
     """Seconds of the server's loop per event: what a commit, an L2 write and an L1 eviction
     cost it with events on (the announcer, the queue, the encoding of the batches), in this
-    process, with 16 engine block hashes per chunk (the trace bench's 256-token chunks)."""
-    from kvtrio.protocol import KVEvent, encode_batch
+    process, with 16 engine block hashes per chunk (the trace bench's 256-token chunks) and,
+    with ``tokens`` (issue 35), the store's 256 token ids a chunk: decoding them from the
+    store's message (and checking their range), keeping them, sending them in ``BlockStored``."""
+    from kvtrio.protocol import (
+        KVEvent,
+        Store,
+        decode_request,
+        encode_batch,
+        encode_request,
+        pack_tokens,
+    )
     from kvtrio.server._announce import Announcer
 
     queue: list[tuple[str, KVEvent]] = []
@@ -104,17 +113,34 @@ def server_cost_per_event(chunks: int = 20_000) -> float:
     space = bytes(16)
     announcer.announce_space(space, "")
     keys = [space + i.to_bytes(16, "big") for i in range(chunks)]
-    started = time.perf_counter()
+    bodies = []
+    for first in range(0, chunks, 100):
+        ids = range(first * 256, (first + 100) * 256)
+        extra = {"token_ids": pack_tokens(ids)} if tokens else {}
+        store = Store(
+            "r",
+            0,
+            100 * 256,
+            (),
+            block_hashes=tuple(range(first * 16, (first + 100) * 16)),
+            **extra,
+        )
+        bodies.append(encode_request(1, store)[1])
+    started = time.process_time()  # (CPU time: other load on the machine does not count)
     for first in range(0, chunks, 100):  # 100 chunks a batch (5 ms at ~20k events/s)
         part = keys[first : first + 100]
-        announcer.names(part, list(range(first * 16, (first + 100) * 16)), 16)
+        store = decode_request("store", bodies[first // 100])
+        if tokens:
+            announcer.names(part, store.block_hashes, 16, store)  # type: ignore[attr-defined]
+        else:
+            announcer.names(part, store.block_hashes, 16)  # type: ignore[attr-defined]
         for key in part:
             announcer.ready(key, None)
             announcer.stored(key, "disk")
             announcer.removed(key)
         batch, queue[:] = list(queue), []
         encode_batch(time.time(), [event for _, event in batch])
-    return (time.perf_counter() - started) / (3 * chunks)
+    return (time.process_time() - started) / (3 * chunks)
 
 
 def main() -> None:
@@ -123,7 +149,19 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--speed", type=float, default=0.0)
+    parser.add_argument(
+        "--cost-only",
+        action="store_true",
+        help="only the server loop's cost per event, without and with the stores' tokens",
+    )
     args = parser.parse_args()
+    if args.cost_only:
+        for tokens in (False, True, False, True, False, True):
+            cost = server_cost_per_event(tokens=tokens)
+            print(
+                f"server loop per event, tokens {'on ' if tokens else 'off'}: {cost * 1e6:.1f} µs"
+            )
+        return
     modes = ("off", "on", "quiet")
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="kvt-ev-", dir="/tmp") as tmp:

@@ -26,6 +26,7 @@ import attrs
 
 from ..errors import KvtrioError, NotRegistered, ProtocolError
 from ..protocol import (
+    MAX_EVENT_TOKENS,
     CudaCache,
     Registered,
     Reply,
@@ -33,6 +34,7 @@ from ..protocol import (
     RetrieveReply,
     Store,
     StoreReply,
+    pack_tokens,
     wire_request_id,
 )
 from ..transfer import KVLayout
@@ -82,10 +84,10 @@ class LoadStoreOp:
     end: int = 0
     skip_first_n_tokens: int = 0
     event_hashes: Sequence[bytes | int] | None = None
-    """Stores: the engine's block hashes as its KV events name them (vLLM:
+    """The engine's block hashes as its KV events name them (vLLM:
     ``maybe_convert_block_hash``) of the blocks from ``start`` (block ``start // block_size``)
-    to ``end``, sent with the store so that the server's KV events name the chunks as the
-    engine does (``docs/events.md``)."""
+    to ``end``, sent with the store (or the load's retrieves) so that the server's KV events
+    name the chunks as the engine does (``docs/events.md``)."""
 
 
 @attrs.frozen
@@ -115,6 +117,9 @@ class Span:
     (stores)."""
     event_first: int = 0
     """The block (an index in the prompt) that ``event_hashes`` start at."""
+    prompt_tokens: Sequence[int] = ()
+    """Stores: the prompt's tokens from its first (sent with each store's range, for the KV
+    events' routers)."""
 
     def blocks(self, chunk: int) -> Sequence[int]:
         """The engine blocks of chunk ``chunk`` (an index in the prompt) that are moved."""
@@ -154,10 +159,9 @@ class Span:
         batch = range(self.chunks) if batch is None else batch
         per = self.blocks_per_chunk
         first = (self.first + batch.start) * per
-        if self.event_hashes and first >= self.event_first:
-            stop = min((self.first + batch.stop) * per, self.stop_block)
-            names = self.event_hashes[first - self.event_first : stop - self.event_first]
-            fields.setdefault("block_hashes", tuple(names))
+        stop = min((self.first + batch.stop) * per, self.stop_block)
+        for name, value in self._names(first, stop).items():
+            fields.setdefault(name, value)
         return Store(
             self.wire_id,
             *self.tokens(batch),
@@ -166,8 +170,27 @@ class Span:
             **fields,
         )
 
+    def _names(self, first: int, stop: int) -> dict[str, Any]:
+        """What names blocks ``[first, stop)`` (indices in the prompt) for the KV events: their
+        engine block hashes and tokens, those the operation has."""
+        names: dict[str, Any] = {}
+        if self.event_hashes and first >= self.event_first:
+            hashes = self.event_hashes[first - self.event_first : stop - self.event_first]
+            names["block_hashes"] = tuple(hashes)
+        block = self.chunk_size // self.blocks_per_chunk
+        if len(self.prompt_tokens) >= stop * block and (stop - first) * block <= MAX_EVENT_TOKENS:
+            names["token_ids"] = pack_tokens(self.prompt_tokens[first * block : stop * block])
+        return names
+
     def retrieve(self, start: int, **fields: Any) -> Retrieve:
-        """A partial retrieve of chunks ``start …`` (indices into ``hashes``) to the end."""
+        """A partial retrieve of chunks ``start …`` (indices into ``hashes``) to the end, with
+        their names for the KV events (a chunk an earlier server left in L2 is known by its
+        chunk hash alone until then)."""
+        per = self.blocks_per_chunk
+        first = (self.first + start) * per
+        stop = min((self.first + self.chunks) * per, self.stop_block)
+        for name, value in self._names(first, stop).items():
+            fields.setdefault(name, value)
         return Retrieve(
             self.wire_id,
             (self.first + start) * self.chunk_size,

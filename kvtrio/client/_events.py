@@ -6,7 +6,10 @@ prompt": the blocks of a prompt, from its first, that each ``medium`` holds. It 
 topic's sequence numbers: a batch after a gap is held back while the gap is replayed
 (:meth:`EventIndex.apply` says which sequence numbers are missing); a stream that starts again
 (a sequence number lower than expected, or ``AllBlocksCleared``) clears what the topic had
-announced. :func:`subscribe` runs one over a SUB socket and its replay socket (trio).
+announced. :meth:`EventIndex.restore` replaces a topic's state by a kvtrio server's snapshot
+(its current blocks, and the sequence number the stream goes on from). :func:`subscribe` runs
+one over a SUB socket and its replay socket (trio): a snapshot first, then the live stream;
+a gap is replayed, and a gap the replay buffer no longer holds is filled by a new snapshot.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import zmq
 
 from ..protocol import (
     END_SEQ,
+    SNAPSHOT_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -39,6 +43,8 @@ class EventIndex:
         self._tiers: dict[bytes, dict[int | bytes, set[str]]] = {}
         self._next: dict[bytes, int] = {}
         self._held: dict[bytes, dict[int, bytes]] = {}
+        self._restored: set[bytes] = set()
+        """Topics restored from a snapshot that no live batch followed yet."""
         self.gaps = 0
         """Sequence gaps seen (each replayed or, if the replay had lost it, counted lost)."""
         self.restarts = 0
@@ -48,6 +54,8 @@ class EventIndex:
         self.applied = 0
         self.undecodable = 0
         """Batches that did not decode (skipped, in sequence)."""
+        self.snapshots = 0
+        """Snapshots applied (:meth:`restore`)."""
 
     def expected(self, topic: bytes) -> int:
         """The next sequence number ``topic`` should bring (0 before any)."""
@@ -59,7 +67,9 @@ class EventIndex:
         not bring); a message already applied is ignored."""
         expected = self._next.setdefault(topic, 0)  # (joining a running stream: a gap)
         if seq < expected:
-            if seq == 0:  # the publisher started again: what it said before is gone
+            if seq == 0 and topic not in self._restored:
+                # The publisher started again: what it said before is gone. (Right after a
+                # snapshot, an older batch is one the snapshot covers.)
                 self.restarts += 1
                 self._clear(topic)
                 self._held.pop(topic, None)
@@ -75,6 +85,7 @@ class EventIndex:
             return range(expected, min(held))
         self._apply(topic, payload)
         self._next[topic] = seq + 1
+        self._restored.discard(topic)
         self._drain(topic)
         return None
 
@@ -88,6 +99,22 @@ class EventIndex:
         self.lost += first - self._next.get(topic, 0)
         self._next[topic] = first
         self._drain(topic)
+
+    def restore(self, topic: bytes, payloads: Sequence[bytes], next_seq: int) -> None:
+        """Make ``topic``'s state a snapshot's: its batches of ``BlockStored`` (``payloads``),
+        then the stream from ``next_seq`` on (batches held back before it are dropped, those
+        from it on applied)."""
+        self._clear(topic)
+        self._tiers[topic] = {}
+        for payload in payloads:
+            self._apply(topic, payload)
+        held = self._held.get(topic, {})
+        for seq in [s for s in held if s < next_seq]:
+            del held[seq]
+        self._next[topic] = next_seq
+        self._restored.add(topic)
+        self._drain(topic)
+        self.snapshots += 1
 
     def _drain(self, topic: bytes) -> None:
         held = self._held.get(topic, {})
@@ -122,6 +149,16 @@ class EventIndex:
     def _clear(self, topic: bytes) -> None:
         self._tiers.pop(topic, None)
 
+    def blocks(self, topic: bytes | None = None) -> dict[str, set[int | bytes]]:
+        """Every block held, per medium (to compare with the server's state)."""
+        result: dict[str, set[int | bytes]] = {}
+        tables = [self._tiers.get(topic, {})] if topic is not None else list(self._tiers.values())
+        for table in tables:
+            for h, media in table.items():
+                for medium in media:
+                    result.setdefault(medium, set()).add(h)
+        return result
+
     def holds(
         self, block_hashes: Sequence[int | bytes], topic: bytes | None = None
     ) -> dict[str, int]:
@@ -153,7 +190,8 @@ class EventIndex:
 
 
 async def _replay(replay: Socket, index: EventIndex, topic: bytes, missing: range) -> None:
-    """Ask the replay socket for ``missing`` of ``topic`` and apply what comes back."""
+    """Ask the replay socket for ``missing`` of ``topic`` and apply what comes back; what it no
+    longer had is filled by a snapshot (or, from a publisher without snapshots, given up)."""
     await replay.send_multipart([b"", encode_seq(missing.start), topic])
     while True:
         frames = await replay.recv_multipart()
@@ -163,8 +201,27 @@ async def _replay(replay: Socket, index: EventIndex, topic: bytes, missing: rang
         if seq == END_SEQ:
             break
         index.apply(got_topic, decode_seq(seq), payload)
-    if index.expected(topic) < missing.stop:
+    if index.expected(topic) < missing.stop and not await _snapshot(replay, index, topic):
         index.give_up(topic)
+
+
+async def _snapshot(replay: Socket, index: EventIndex, topic: bytes) -> bool:
+    """Ask for ``topic``'s snapshot and restore ``index`` from it; False if the publisher
+    has none (a vLLM engine's replay socket answers the end marker alone)."""
+    await replay.send_multipart([b"", SNAPSHOT_SEQ, topic])
+    payloads: list[bytes] = []
+    while True:
+        frames = await replay.recv_multipart()
+        if len(frames) < 4:
+            continue
+        _, got_topic, seq, payload = frames[-4:]
+        if seq == END_SEQ:
+            if len(payload) != 8:
+                return False
+            index.restore(topic, payloads, decode_seq(payload))
+            return True
+        if seq == SNAPSHOT_SEQ and got_topic == topic:
+            payloads.append(payload)
 
 
 @asynccontextmanager
@@ -175,11 +232,14 @@ async def subscribe(
     topic: bytes,
     *,
     options: Mapping[int, Any] | None = None,
+    snapshot: bool = True,
 ) -> AsyncIterator[None]:
     """Keep ``index`` in step with ``topic`` of the publisher at ``endpoint`` for the block
-    (``options``: CURVE client options, e.g. :func:`~kvtrio.client.curve_options`). A gap
-    (or joining a running stream) is replayed from ``replay_endpoint``. Cancellation: the
-    sockets close; the index keeps what it applied."""
+    (``options``: CURVE client options, e.g. :func:`~kvtrio.client.curve_options`): with
+    ``snapshot``, the topic's current blocks first (a kvtrio server's; other publishers have
+    none), then the live stream. A gap (or joining a running stream) is replayed from
+    ``replay_endpoint``, and what the replay no longer has is filled by a snapshot.
+    Cancellation: the sockets close; the index keeps what it applied."""
     sub_options = {**(options or {}), zmq.SUBSCRIBE: topic}
     async with (
         open_socket(zmq.SUB, options=sub_options) as sub,
@@ -190,6 +250,8 @@ async def subscribe(
         replay.connect(replay_endpoint)
 
         async def run() -> None:
+            if snapshot:
+                await _snapshot(replay, index, topic)
             while True:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:

@@ -335,8 +335,9 @@ class WorkerAdapter:
             op.block_ids,
             stop_block=end // block,
             partial=bool(chunks.tail_blocks) and last > chunks.full,
-            event_hashes=tuple(op.event_hashes or ()) if store else (),
+            event_hashes=tuple(op.event_hashes or ()),
             event_first=op.start // block,
+            prompt_tokens=() if tokens is None else tokens,
         )
 
     def _chunks_to(self, end: int) -> int:

@@ -4,7 +4,9 @@ A router subscribed to an engine sees what the engine holds on its GPU; with
 ``kvtrio.events`` set, it also sees what the engine can load from kvtrio: the connector's
 scheduler side relays the kvtrio server's events for the engine's tenant
 (:class:`~kvtrio.client.EventRelay`) and hands them to vLLM's publisher at every step, with
-kvtrio's ``medium`` (``CPU`` for its L1, the L2 backend's name). Every store that became
+kvtrio's ``medium`` (``CPU`` for its L1, ``STORAGE`` for L2, with ``locality`` and the backend's
+label as ``ownership``) and the fields a router keys blocks by (``token_ids``,
+``parent_block_hash``, ``extra_keys``, ``lora_name``, group fields). Every store that became
 readable, by this engine or another one sharing the server, every L1 eviction and every L2
 write, load and loss the server knows of: an engine connected to kvtrio can load all of them.
 A restarted server's ``AllBlocksCleared`` is not relayed as such (it would clear the engine's
@@ -58,6 +60,11 @@ class EngineEvents:
             if type(event) is BlockStored:
                 medium = event.medium or ""
                 self._held.setdefault(medium, set()).update(event.block_hashes)
+                extra = _optional(vllm.BlockStored, event, _STORED_OPTIONAL)
+                if event.extra_keys is not None and "extra_keys" in _fields(vllm.BlockStored):
+                    extra["extra_keys"] = [
+                        None if keys is None else tuple(keys) for keys in event.extra_keys
+                    ]
                 events.append(
                     vllm.BlockStored(
                         block_hashes=list(event.block_hashes),
@@ -66,12 +73,14 @@ class EngineEvents:
                         block_size=event.block_size,
                         lora_id=None,
                         medium=event.medium,
-                        lora_name=None,
+                        lora_name=event.lora_name,
+                        **extra,
                     )
                 )
             elif type(event) is BlockRemoved:
                 self._held.get(event.medium or "", set()).difference_update(event.block_hashes)
-                events.append(vllm.BlockRemoved(list(event.block_hashes), event.medium))
+                extra = _optional(vllm.BlockRemoved, event, _REMOVED_OPTIONAL)
+                events.append(vllm.BlockRemoved(list(event.block_hashes), event.medium, **extra))
             elif type(event) is AllBlocksCleared:
                 for medium, hashes in self._held.items():
                     if hashes:
@@ -81,6 +90,26 @@ class EngineEvents:
 
     def close(self) -> None:
         self.relay.close()
+
+
+_STORED_OPTIONAL = (
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+)
+_REMOVED_OPTIONAL = ("group_idx", "locality", "ownership")
+
+
+def _fields(cls: Any) -> tuple[str, ...]:
+    return tuple(getattr(cls, "__struct_fields__", ()))
+
+
+def _optional(cls: Any, event: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """The optional fields of ``event`` that are set and that this vLLM's ``cls`` has."""
+    fields = _fields(cls)
+    return {n: getattr(event, n) for n in names if n in fields and getattr(event, n) is not None}
 
 
 def event_hashes_of(as_int: bool) -> Any:

@@ -102,6 +102,7 @@ def plan_load(
     chunk_size: int,
     sync: bool,
     block_hashes: Sequence[bytes] | None = None,
+    event_hashes: Callable[[int, int], Sequence[bytes | int]] | None = None,
 ) -> PlannedTransfer | None:
     """The load of ``external_tokens`` tokens after the engine's ``plan.local_tokens``; None
     when there is nothing to load.
@@ -109,7 +110,8 @@ def plan_load(
     ``block_ids`` are all the request's blocks, from its first token; ``tokens`` the prompt
     as it was looked up (and ``block_hashes`` its engine block hashes, in hash mode). The
     load starts at the chunk holding the first missing token, skips the blocks before it, and
-    ends at a block boundary (its last chunk may be loaded in part).
+    ends at a block boundary (its last chunk may be loaded in part). ``event_hashes`` as for
+    :func:`plan_store`: the loaded chunks' names go with the retrieve (KV events).
     """
     if external_tokens <= 0 or plan.hit_tokens <= plan.local_tokens:
         return None
@@ -125,6 +127,9 @@ def plan_load(
         start=start,
         end=end,
         skip_first_n_tokens=plan.local_tokens - start,
+        event_hashes=None
+        if event_hashes is None
+        else tuple(event_hashes(start // block_size, end // block_size)),
     )
     return PlannedTransfer(plan.request_id, "load", op, sync=sync, tier=plan.load_tier)
 

@@ -257,6 +257,9 @@ class SchedulerSide:
                 chunk_size=self.adapter.chunk_size,
                 sync=not self.options.async_load or plan.load_in_step,
                 block_hashes=self._hashes(request),
+                event_hashes=(
+                    None if self.event_hashes is None else partial(self.event_hashes, request)
+                ),
             )
         if load is not None:
             self._ready.append(load)

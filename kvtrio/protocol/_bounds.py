@@ -38,7 +38,7 @@ from ._cache import (
     Retrieve,
     Store,
 )
-from ._events import MAX_BLOCK_HASH_BYTES
+from ._events import MAX_BLOCK_HASH_BYTES, MAX_EXTRA_KEY_LENGTH, MAX_EXTRA_KEYS
 from ._messages import Hello, Probe, Request
 from ._registration import CudaCache, CudaLayer, LayoutSpec, Register
 from ._tenant import TENANT_NAME_LENGTH
@@ -47,6 +47,7 @@ __all__ = [
     "FIELD_BOUNDS",
     "MAX_BLOCK_IDS",
     "MAX_EVENT_HASHES",
+    "MAX_EVENT_TOKENS",
     "MAX_ID_LENGTH",
     "MAX_LAYERS",
     "MAX_MODEL_LENGTH",
@@ -80,6 +81,11 @@ MAX_BLOCK_IDS = 1 << 20
 also token ids and block ids of a ``probe``."""
 MAX_EVENT_HASHES = 1 << 17
 """Engine block hashes one store may carry (``MAX_HASHES`` chunks of 16 blocks)."""
+MAX_EVENT_TOKENS = (1 << 18) - 1
+"""Token ids one store or retrieve may carry for KV events (a client leaves them out of a
+larger one); 4 bytes each on the wire, under the 1 MiB a binary field may take."""
+MAX_KV_GROUPS = 1 << 10
+"""KV cache groups of a model (vLLM's ``group_idx``; hybrid models have a few)."""
 MAX_LAYERS = 1 << 12
 """Layers of a model (``num_layers``, and the layers of a CUDA registration)."""
 MAX_DIMS = 8
@@ -159,8 +165,8 @@ def text(high: int, named: str = "", note: str = "") -> Bound:
     return Bound("str", 0, high, named=named, note=note)
 
 
-def binary(high: int, low: int = 0, note: str = "") -> Bound:
-    return Bound("bytes", low, high, note=note)
+def binary(high: int, low: int = 0, note: str = "", named: str = "") -> Bound:
+    return Bound("bytes", low, high, named=named, note=note)
 
 
 def array(high: int, items: Bound | None = None, named: str = "", note: str = "") -> Bound:
@@ -188,6 +194,25 @@ _BLOCK_IDS = array(
     "or for a store's partial chunk's tail",
 )
 _EVENT = binary(MAX_HANDLE_BYTES, note="a CUDA IPC event handle (64 bytes), or empty")
+_EVENT_HASHES = array(
+    MAX_EVENT_HASHES,
+    integer(0, (1 << 64) - 1),
+    "MAX_EVENT_HASHES",
+    f"or each at most {MAX_BLOCK_HASH_BYTES} bytes",
+)
+_TOKEN_IDS = binary(
+    4 * MAX_EVENT_TOKENS,
+    named="MAX_EVENT_TOKENS × 4",
+    note="unsigned 32-bit little-endian token ids (a multiple of 4 bytes); KV events use "
+    "them when they are the range's tokens",
+)
+_EXTRA_KEYS = array(
+    MAX_EVENT_HASHES,
+    array(MAX_EXTRA_KEYS, named="MAX_EXTRA_KEYS"),
+    "MAX_EVENT_HASHES",
+    f"or nil; a key is a string or binary value of ≤ {MAX_EXTRA_KEY_LENGTH}, an int64, "
+    "or an array of ≤ 4 of those",
+)
 _SCOPE = {"request": _ID, "model": _MODEL, "tenant": _TENANT, "engine": _ID}
 
 FIELD_BOUNDS: dict[type, dict[str, Bound]] = {
@@ -272,12 +297,13 @@ FIELD_BOUNDS: dict[type, dict[str, Bound]] = {
         "block_ids": _BLOCK_IDS,
         "event": _EVENT,
         "parent_hash": binary(16, note="16 bytes or empty"),
-        "block_hashes": array(
-            MAX_EVENT_HASHES,
-            integer(0, (1 << 64) - 1),
-            "MAX_EVENT_HASHES",
-            f"or each at most {MAX_BLOCK_HASH_BYTES} bytes",
-        ),
+        "block_hashes": _EVENT_HASHES,
+        "token_ids": _TOKEN_IDS,
+        "extra_keys": _EXTRA_KEYS,
+        "lora_name": _NAME,
+        "group_idx": integer(-1, MAX_KV_GROUPS, "MAX_KV_GROUPS", "-1: none"),
+        "kv_cache_spec_kind": text(64),
+        "kv_cache_spec_sliding_window": integer(0, MAX_TOKEN_POSITION),
     },
     Commit: {"request": _ID, "written": _HASHES, "failed": _HASHES},
     Retrieve: {
@@ -288,6 +314,10 @@ FIELD_BOUNDS: dict[type, dict[str, Bound]] = {
         "block_ids": _BLOCK_IDS,
         "event": _EVENT,
         "partial": FLAG,
+        "block_hashes": _EVENT_HASHES,
+        "token_ids": _TOKEN_IDS,
+        "extra_keys": _EXTRA_KEYS,
+        "lora_name": _NAME,
     },
     Release: {"request": _ID, "chunk_hashes": _HASHES},
     FreeLookupLocks: dict(_SCOPE),
@@ -368,6 +398,15 @@ def _size_error(name: str, bound: Bound, size: int) -> str:
     return f"{name} must be {limit} {unit}{named}, got {size}"
 
 
+def _store_tokens(message: Store | Retrieve) -> None:
+    """A store's (or retrieve's) ``token_ids`` are whole 32-bit ids (each in range by its
+    width); how many there are is checked where they are used (``server._announce``)."""
+    if len(message.token_ids) % 4:
+        raise BoundError(
+            f"token_ids must be a multiple of 4 bytes (32-bit ids), got {len(message.token_ids)}"
+        )
+
+
 def _register_rank(message: Register) -> None:
     if message.rank >= message.world_size:
         raise BoundError(
@@ -375,7 +414,11 @@ def _register_rank(message: Register) -> None:
         )
 
 
-_RELATIONS: dict[type, Callable[[Any], None]] = {Register: _register_rank}
+_RELATIONS: dict[type, Callable[[Any], None]] = {
+    Register: _register_rank,
+    Store: _store_tokens,
+    Retrieve: _store_tokens,
+}
 """Checks between fields of one message (cheap, and only where a field's own range is not
 enough)."""
 

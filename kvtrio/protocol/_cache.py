@@ -19,6 +19,7 @@ from typing import ClassVar
 
 from attrs import field, frozen
 
+from ._events import ExtraKeys
 from ._messages import Reply, Request
 from ._registration import Register, Released, Unregister
 
@@ -228,6 +229,12 @@ class Store(Request):
     prompt's first chunk, or unknown): it links the range's first chunk to its prefix for the
     prefix-aware eviction policies, as the chunks inside the range are linked.
     ``block_hashes`` (optional): the range's engine block hashes for KV events (events.md).
+    The other optional fields name the range's blocks for the KV events' routers, as vLLM's
+    ``BlockStored`` does: ``token_ids`` the range's tokens as unsigned 32-bit little-endian
+    integers (``pack_tokens``; ``end - start`` of them, or the tokens of ``block_hashes``'
+    blocks), ``extra_keys`` one entry per block (or per chunk in
+    token mode; ``()`` when none), ``lora_name`` (``""``: none), ``group_idx`` (-1: none),
+    ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` (``""`` and 0: none).
     """
 
     op: ClassVar[str] = "store"
@@ -241,6 +248,12 @@ class Store(Request):
     event: bytes = b""
     parent_hash: bytes = b""
     block_hashes: tuple[int | bytes, ...] = ()
+    token_ids: bytes = b""
+    extra_keys: ExtraKeys = ()
+    lora_name: str = ""
+    group_idx: int = -1
+    kv_cache_spec_kind: str = ""
+    kv_cache_spec_sliding_window: int = 0
 
 
 @frozen
@@ -280,7 +293,10 @@ class Retrieve(Request):
     block id -1 for blocks the engine already has: those are left alone. A ``partial``
     retrieve does not wait for every L2 load of its chunks: only for its first chunk's; the
     chunks from the first one still loading on are answered ``loading`` (not pinned, their
-    lookup pins kept), to be retrieved again while the ready ones are copied.
+    lookup pins kept), to be retrieved again while the ready ones are copied. The optional
+    ``block_hashes``, ``token_ids``, ``extra_keys`` and ``lora_name`` name the chunks for KV
+    events as a store's do: a chunk found in L2 by its chunk hash alone (stored before a
+    restart) is announced under them.
     """
 
     op: ClassVar[str] = "retrieve"
@@ -293,6 +309,10 @@ class Retrieve(Request):
     block_ids: IntTuple = ()
     event: bytes = b""
     partial: bool = False
+    block_hashes: tuple[int | bytes, ...] = ()
+    token_ids: bytes = b""
+    extra_keys: ExtraKeys = ()
+    lora_name: str = ""
 
 
 @frozen

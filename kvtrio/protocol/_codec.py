@@ -28,7 +28,7 @@ from cattrs.v import format_exception
 from ..errors import ErrorCode, ProtocolError
 from ._bounds import MAX_EVENT_HASHES, MAX_LAYERS, BoundError, check_request
 from ._cache import MAX_HASHES, MAX_LOOKUP_BATCH, MAX_LOOKUP_KEYS
-from ._events import MAX_BLOCK_HASH_BYTES
+from ._events import MAX_BLOCK_HASH_BYTES, ExtraKeys, structure_extra_keys
 from ._messages import PROTOCOL_VERSION, ErrorReply, Header, Reply, Request
 from ._operations import OPERATIONS
 from ._registration import CudaLayer
@@ -208,6 +208,8 @@ def _make_converter() -> cattrs.Converter:
     conv.register_unstructure_hook_func(lambda t: t == StrTuple, lambda v: v)
     conv.register_structure_hook_func(lambda t: t == EventHashTuple, _structure_event_hashes)
     conv.register_unstructure_hook_func(lambda t: t == EventHashTuple, lambda v: v)
+    conv.register_structure_hook_func(lambda t: t == ExtraKeys, structure_extra_keys)
+    conv.register_unstructure_hook_func(lambda t: t == ExtraKeys, lambda v: v)
     conv.register_structure_hook_func(lambda t: t == LayerTuple, _structure_layers)
     return cast(cattrs.Converter, conv)
 

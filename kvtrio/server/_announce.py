@@ -6,20 +6,25 @@ publisher's non-blocking queue, ``_events``):
 
 * ``BlockStored`` when a chunk becomes readable in a tier: L1 (``CPU``) at its commit or at the
   end of its load from L2, never before (a failed or aborted write is never announced); an L2
-  backend (its label, ``disk``) once its store answered true, or when a lookup finds it there
-  (a chunk an earlier server stored);
+  backend once its store answered true, or when a lookup finds it there (a chunk an earlier
+  server stored);
 * ``BlockRemoved`` when a readable chunk leaves L1 (evicted, or dropped as corrupt), or when the
   server learns it left an L2 backend (deleted as unreadable, or a lookup missed it there: a
   backend evicts on its own and tells no one);
-* each tier once: a chunk in L1 and on disk was announced twice, once per ``medium``.
+* each ``medium`` once: the tiers speak vLLM's vocabulary (:class:`Tier`: L1 is ``CPU``, every
+  L2 backend ``STORAGE`` with its ``locality`` and its label as ``ownership``), and a chunk is
+  ``BlockStored`` in a medium when the first of its tiers holds it, ``BlockRemoved`` when the
+  last one lost it (a router keyed by ``medium``, as llm-d's and Dynamo's are, never drops a
+  chunk that a second disk of the cascade still holds).
 
 A chunk is named by the engine's block hashes its store carried (``Store.block_hashes``, kept
 here while any tier holds the chunk), else by its kvtrio chunk hash as one block of
 ``chunk_size`` tokens. ``parent_block_hash`` is the last block hash of the chunk before it when
-that is known. ``token_ids`` are empty: the server keeps no prompts (design rule), and a router
-keys by block hashes; ``lora_*`` are left out (the block hashes of hash mode already include
-the adapter). The table is what tiers hold: its size follows L1 and what L2 is known to hold,
-within two bounds per tenant:
+that is known. The store's ``token_ids`` (4 bytes a token here), ``extra_keys``, ``lora_name``
+and group fields are kept with the names, so that a router that keys blocks itself (llm-d)
+can; a chunk first announced without them (found in L2 after a restart) is announced again,
+removed then stored under its new names, when a store carries them. The table is what tiers
+hold: its size follows L1 and what L2 is known to hold, within two bounds per tenant:
 
 * **bytes**: a tenant's names take at most :data:`NAMES_BYTES` (an estimate of what Python
   holds for them: 64-byte hashes at ``block_size`` 1 are ~28 KiB a chunk). Beyond, the names
@@ -36,17 +41,30 @@ within two bounds per tenant:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from ..protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from attrs import frozen
 
-__all__ = ["MEDIUM_L1", "NAMES_BYTES", "Announcer", "ChunkNames"]
+from ..protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ExtraKeys,
+    KVEvent,
+    PackedTokens,
+    Retrieve,
+    Store,
+    msgpack_uint32s,
+)
+from ._tiers import MEDIUM_L1, MEDIUM_STORAGE, Tier, l2_tiers
+
+__all__ = ["MEDIUM_L1", "NAMES_BYTES", "Announcer", "ChunkNames", "StoreNames", "Tier", "l2_tiers"]
 
 SPACE_BYTES = 16
 """An object key's namespace: its first 16 bytes (``storage.keys``)."""
 
-MEDIUM_L1 = "CPU"
-"""The ``medium`` of L1 (vLLM's name for host memory)."""
+
+_L1_TIER = Tier(MEDIUM_L1)
 
 PENDING = 65536
 """Stores whose names wait for their commit, per tenant (the oldest forgotten beyond it: an
@@ -70,21 +88,78 @@ def _always(_tenant: str) -> bool:
     return True
 
 
+@frozen
+class StoreNames:
+    """What a store said of all its blocks (``Store``'s fields; one for many chunks)."""
+
+    lora_name: str = ""
+    group_idx: int = -1
+    spec_kind: str = ""
+    sliding_window: int = 0
+
+
+_NO_NAMES = StoreNames()
+
+
+def _kept(store: Store | Retrieve | None) -> tuple[bytes, ExtraKeys, StoreNames]:
+    """A store's tokens, extra keys and the rest of what is kept of it."""
+    if store is None:
+        return b"", (), _NO_NAMES
+    if isinstance(store, Retrieve):
+        names = StoreNames(store.lora_name)
+    else:
+        names = StoreNames(
+            store.lora_name,
+            store.group_idx,
+            store.kv_cache_spec_kind,
+            store.kv_cache_spec_sliding_window,
+        )
+    return store.token_ids, store.extra_keys, _NO_NAMES if names == _NO_NAMES else names
+
+
 class ChunkNames:
     """How one chunk is named in events, and the tiers that announced it."""
 
-    __slots__ = ("block_size", "cost", "hashes", "parent", "tenant", "tiers")
+    __slots__ = (
+        "block_size", "cost", "extra", "hashes", "named", "parent", "parent_hash", "store",
+        "tenant", "tiers", "tokens",
+    )  # fmt: skip
 
     def __init__(
-        self, tenant: str, hashes: tuple[int | bytes, ...], block_size: int, parent: bytes | None
+        self,
+        tenant: str,
+        hashes: tuple[int | bytes, ...],
+        block_size: int,
+        parent: bytes | None,
+        tokens: bytes = b"",
+        extra: ExtraKeys | None = None,
+        store: StoreNames = _NO_NAMES,
+        *,
+        named: bool = True,
     ) -> None:
         self.tenant = tenant
+        self.named = named
+        """Whether a store named it (else a tier found it by its chunk hash alone)."""
         self.hashes = hashes
         self.block_size = block_size
         self.parent = parent
         """The object key of the chunk before this one, if known."""
+        self.parent_hash: int | bytes | None = None
+        """The last block hash of the chunk before, once announced with one (kept: the chunk
+        before may be forgotten first, and a router keys this chunk's blocks from it)."""
         self.tiers: set[str] = set()
-        self.cost = _ENTRY_BYTES + sum(48 + len(h) if type(h) is bytes else 44 for h in hashes)
+        """The labels of the tiers that hold it (``CPU`` for L1, an L2 backend's)."""
+        self.store = store
+        """The store's LoRA and group fields (its tokens and extra keys are this chunk's)."""
+        self.extra = extra
+        self.tokens = tokens
+        """Its tokens as a batch sends them (``PackedTokens``' bytes), or empty."""
+        self.cost = (
+            _ENTRY_BYTES
+            + sum(48 + len(h) if type(h) is bytes else 44 for h in hashes)
+            + len(tokens)
+            + (0 if extra is None else 64 + 72 * len(extra))
+        )
         """Bytes these names hold (an estimate)."""
 
 
@@ -110,9 +185,12 @@ class Announcer:
         subscribed: Subscribed = _always,
         *,
         names_bytes: int = NAMES_BYTES,
+        tiers: Mapping[str, Tier] | None = None,
     ) -> None:
         self._publish = publish
         self.chunk_size = chunk_size
+        self._tier_of = {MEDIUM_L1: _L1_TIER, **(tiers or {})}
+        """Tier labels → how events name them (a label not here: ``STORAGE``, local)."""
         self._subscribed = subscribed
         self.names_bytes = names_bytes
         self._spaces: dict[bytes, str] = {}
@@ -158,39 +236,85 @@ class Announcer:
             key = next(iter(table.known))
             old = table.known.pop(key)
             table.size -= old.cost
-            for medium in sorted(old.tiers):
-                self._publish(old.tenant, BlockRemoved(old.hashes, medium))
+            self._unannounce(old)
 
     def names(
         self,
         keys: Sequence[bytes],
         block_hashes: Sequence[int | bytes],
         block_size: int,
+        store: Store | Retrieve | None = None,
     ) -> None:
-        """A store of ``keys`` carried the engine's ``block_hashes`` of its blocks (in order,
-        ``chunk_size / block_size`` per chunk, the last chunk maybe fewer): remember them until
-        the chunks' commits (a chunk already announced keeps its names)."""
-        if not block_hashes or block_size <= 0 or self.chunk_size % block_size or not keys:
+        """A store (or retrieve) of ``keys`` carried the engine's ``block_hashes`` (in order,
+        ``chunk_size / block_size`` per chunk, the last chunk maybe fewer), or none (token
+        mode: each chunk one block of ``chunk_size``), and what else ``store`` says of them:
+        remember them until the chunks' commits. A chunk already announced keeps its names,
+        unless it was announced without any (found in L2 after a restart): it is announced
+        again under these. Tokens or extra keys that do not match the blocks are left out."""
+        if not keys or (block_hashes and (block_size <= 0 or self.chunk_size % block_size)):
+            return
+        if not block_hashes and (store is None or not store.token_ids):
             return
         found = self._table(keys[0])
         if found is None:
             return
         tenant, table = found
-        per = self.chunk_size // block_size
+        if block_hashes:
+            per, size, blocks = self.chunk_size // block_size, block_size, len(block_hashes)
+        else:
+            per, size, blocks = 1, self.chunk_size, len(keys)
+        tokens, extra, kept = _kept(store)
+        count = len(tokens) // 4
+        if tokens and not (count == blocks * size if block_hashes else count <= blocks * size):
+            tokens = b""
+        elements = msgpack_uint32s(tokens) if tokens else b""  # (once a store)
+        if extra and len(extra) != blocks:
+            extra = ()
         pending = table.pending
         for i, key in enumerate(keys):
-            hashes = tuple(block_hashes[i * per : (i + 1) * per])
+            hashes = tuple(block_hashes[i * per : (i + 1) * per]) if block_hashes else (key[-16:],)
             if not hashes:
                 break
-            if key not in table.known:
-                old = pending.pop(key, None)
-                if old is not None:
-                    table.size -= old.cost
-                names = pending[key] = ChunkNames(tenant, hashes, block_size, None)
-                table.size += names.cost
+            known = table.known.get(key)
+            if known is not None and known.named:
+                continue
+            names = ChunkNames(
+                tenant,
+                hashes,
+                size,
+                None,
+                (
+                    PackedTokens.of(elements[5 * i * per * size : 5 * (i + 1) * per * size]).packed
+                    if elements
+                    else b""
+                ),
+                extra[i * per : (i + 1) * per] if extra else None,
+                kept,
+            )
+            if block_hashes and i:
+                names.parent_hash = block_hashes[i * per - 1]
+            if known is not None:
+                self._rename(table, key, known, names)
+                continue
+            old = pending.pop(key, None)
+            if old is not None:
+                table.size -= old.cost
+            pending[key] = names
+            table.size += names.cost
         while len(pending) > PENDING:
             table.size -= pending.popitem(last=False)[1].cost
         self._trim(table)
+
+    def _rename(self, table: _TenantNames, key: bytes, old: ChunkNames, new: ChunkNames) -> None:
+        """Announce a chunk known by its chunk hash alone under the names a store gave it."""
+        self._unannounce(old)
+        new.parent, new.tiers = old.parent, set()
+        if new.parent_hash is None and old.block_size == new.block_size:
+            new.parent_hash = old.parent_hash
+        table.known[key] = new
+        table.size += new.cost - old.cost
+        for label in sorted(old.tiers):
+            self._announce(table, new, label)
 
     # ----------------------------------------------------------------- L1 (L1Listener)
 
@@ -199,7 +323,7 @@ class Announcer:
         self.stored(key, MEDIUM_L1, parent)
 
     def removed(self, key: bytes, medium: str = MEDIUM_L1) -> None:
-        """A readable chunk left ``medium``."""
+        """A readable chunk left tier ``medium`` (``CPU`` or an L2 backend's label)."""
         found = self._table(key)
         if found is None:
             return
@@ -211,12 +335,15 @@ class Announcer:
         if not names.tiers:
             del table.known[key]
             table.size -= names.cost
-        self._publish(names.tenant, BlockRemoved(names.hashes, medium))
+        tier = self._tier(medium)
+        if all(self._tier(label).medium != tier.medium for label in names.tiers):
+            self._publish(names.tenant, self._removed(names, tier))
 
     # ----------------------------------------------------------------- any tier
 
     def stored(self, key: bytes, medium: str, parent: bytes | None = None) -> None:
-        """A chunk is readable in ``medium`` (announced once per tier)."""
+        """A chunk is readable in tier ``medium`` (``CPU`` or an L2 backend's label; announced
+        once per vLLM ``medium``)."""
         found = self._table(key)
         if found is None:
             return
@@ -225,21 +352,14 @@ class Announcer:
         if names is None:
             names = table.pending.pop(key, None)
             if names is None:
-                names = ChunkNames(tenant, (key[-16:],), self.chunk_size, None)
+                names = ChunkNames(tenant, (key[-16:],), self.chunk_size, None, named=False)
                 table.size += names.cost
             table.known[key] = names
             self._trim(table)
         if parent is not None and names.parent is None:
             names.parent = parent
-        if medium in names.tiers:
-            return
-        names.tiers.add(medium)
-        self._publish(
-            names.tenant,
-            BlockStored(
-                names.hashes, self._parent_hash(table, names), (), names.block_size, medium
-            ),
-        )
+        if medium not in names.tiers:
+            self._announce(table, names, medium)
 
     def seen(self, keys: Sequence[bytes], found: int, medium: str) -> None:
         """A lookup in ``medium`` found the first ``found`` of ``keys`` and missed the next."""
@@ -248,10 +368,76 @@ class Announcer:
         if found < len(keys):
             self.removed(keys[found], medium)
 
+    def snapshot(self, tenant: str) -> Iterator[BlockStored]:
+        """``tenant``'s chunks as the ``BlockStored`` events of every medium that holds them
+        (what a subscriber that applied every event holds). The chunks and their media are
+        taken at the call; the events are built as the iterator is consumed."""
+        table = self._tenants.get(tenant)
+        if table is None:
+            return iter(())
+        taken = [(names, self._media(names)) for names in table.known.values()]
+        return (self._stored(table, names, tier) for names, tiers in taken for tier in tiers)
+
+    # ----------------------------------------------------------------- events
+
+    def _tier(self, label: str) -> Tier:
+        tier = self._tier_of.get(label)
+        if tier is None:
+            tier = self._tier_of[label] = Tier(MEDIUM_STORAGE, "LOCAL", label)
+        return tier
+
+    def _media(self, names: ChunkNames) -> list[Tier]:
+        """The tiers announcing ``names``: one per medium, the first label's (sorted)."""
+        media: dict[str, Tier] = {}
+        for label in sorted(names.tiers):
+            tier = self._tier(label)
+            media.setdefault(tier.medium, tier)
+        return list(media.values())
+
+    def _announce(self, table: _TenantNames, names: ChunkNames, label: str) -> None:
+        """``names`` became readable in tier ``label``: ``BlockStored`` if no tier of its
+        medium held it."""
+        tier = self._tier(label)
+        new = all(self._tier(other).medium != tier.medium for other in names.tiers)
+        names.tiers.add(label)
+        if new:
+            self._publish(names.tenant, self._stored(table, names, tier))
+
+    def _unannounce(self, names: ChunkNames) -> None:
+        """``names`` are forgotten: removed from every medium that announced them."""
+        for tier in self._media(names):
+            self._publish(names.tenant, self._removed(names, tier))
+
+    def _stored(self, table: _TenantNames, names: ChunkNames, tier: Tier) -> BlockStored:
+        store = names.store
+        return BlockStored(
+            names.hashes,
+            self._parent_hash(table, names),
+            PackedTokens(names.tokens) if names.tokens else (),
+            names.block_size,
+            tier.medium,
+            None,
+            store.lora_name or None,
+            names.extra,
+            None if store.group_idx < 0 else store.group_idx,
+            store.spec_kind or None,
+            store.sliding_window or None,
+            tier.locality,
+            tier.ownership,
+        )
+
+    def _removed(self, names: ChunkNames, tier: Tier) -> BlockRemoved:
+        group = names.store.group_idx
+        return BlockRemoved(
+            names.hashes, tier.medium, None if group < 0 else group, tier.locality, tier.ownership
+        )
+
     def _parent_hash(self, table: _TenantNames, names: ChunkNames) -> int | bytes | None:
-        if names.parent is None:
-            return None
+        if names.parent_hash is not None or names.parent is None:
+            return names.parent_hash
         parent = table.known.get(names.parent)
         if parent is not None:
-            return parent.hashes[-1]
-        return names.parent[-16:] if names.block_size == self.chunk_size else None
+            names.parent_hash = parent.hashes[-1]
+        elif names.block_size == self.chunk_size:
+            names.parent_hash = names.parent[-16:]
+        return names.parent_hash

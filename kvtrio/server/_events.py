@@ -38,6 +38,9 @@ a ZeroMQ XPUB socket, one topic per tenant, and a replay ROUTER socket.
   with the topic's buffered batches from ``start_seq`` on, then the end marker; the topic
   defaults to the key's only tenant. The last ``events_buffer`` batches of each topic are kept,
   at most :data:`BUFFER_BYTES` of them.
+- **Snapshot** (``_snapshot``): ``[b"", SNAPSHOT_SEQ, topic]`` is answered with the topic's
+  current blocks, then the sequence number the live stream goes on from; authorized and rate
+  limited as a replay.
 - CURVE as on the request socket (the same server keys and allowed keys), with a ZAP domain of
   their own (``kvtrio-events``) so that a key can be refused here alone.
 """
@@ -55,6 +58,7 @@ import zmq
 from ..errors import TransportError
 from ..protocol import (
     END_SEQ,
+    SNAPSHOT_SEQ,
     AllBlocksCleared,
     KVEvent,
     encode_batch,
@@ -66,6 +70,7 @@ from ..protocol import (
 from ..transport import Socket, open_socket
 from ._auth import EVENTS_ZAP_DOMAIN, Principal, ServerAuth
 from ._event_limits import RateLog, Rates
+from ._snapshot import Snapshots, send_snapshot
 
 __all__ = ["EventPublisher"]
 
@@ -142,6 +147,8 @@ class EventPublisher:
         self._log_replay = RateLog()
         self._log_reset = RateLog()
         self._last_reset = -RESET_INTERVAL
+        self.snapshots: Snapshots | None = None
+        """A tenant's current blocks (the announcer's), for snapshot requests."""
 
     # ----------------------------------------------------------------- request path
 
@@ -395,10 +402,22 @@ class EventPublisher:
         else:
             topic = frames[3] if len(frames) > 3 else self._only_topic(principal)
             if topic is not None and self._may_subscribe(principal, topic):
+                if frames[2] == SNAPSHOT_SEQ:
+                    await self._snapshot(router, peer, topic)
+                    return
                 answered = await self._send_replay(router, peer, topic, start)
         router.try_send_multipart((peer, b"", b"", END_SEQ, b""))
         self.counters["replays"] += 1
         self.counters["replayed_batches"] += answered
+
+    async def _snapshot(self, router: Socket, peer: bytes, topic: bytes) -> None:
+        tenant = topic[len(_PREFIX) : -1].decode("ascii", "replace")
+        proper = topic.startswith(_PREFIX) and topic.endswith(b"/") and len(topic) > 7
+        snapshots = self.snapshots if proper else None  # (over ipc any topic may be asked)
+        events = iter(()) if snapshots is None else snapshots(tenant)
+        batches = await send_snapshot(router, peer, topic, events, self._seq.get(topic, 0))
+        self.counters["snapshots"] += 1
+        self.counters["snapshot_batches"] += batches
 
     async def _send_replay(self, router: Socket, peer: bytes, topic: bytes, start: int) -> int:
         """Send ``topic``'s buffered batches from ``start`` on, :data:`BATCH` per turn (the

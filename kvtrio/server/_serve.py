@@ -20,7 +20,7 @@ from ..options import ByteSize, format_size
 from ..shm import SharedArena, default_shm_dir
 from ..storage import L1Cache, make_policy
 from ..transport import ensure_endpoint_free, open_socket, serve_zap
-from ._announce import Announcer
+from ._announce import Announcer, l2_tiers
 from ._auth import ServerAuth, configure_auth
 from ._events import EventPublisher
 from ._http import bind_http, serve_http
@@ -129,11 +129,18 @@ async def open_server(
     if plan.warning:
         log.warning("%s", plan.warning, extra=event("l1_size", warning=plan.warning))
     auth = configure_auth(config)  # first: a bad key file stops the start before anything runs
-    publisher, announcer = _events(config, auth)
+    publisher = _events(config, auth)
     http_socket = bind_http(config.http) if config.http else None
     try:
         if backends is None:
             backends = [(spec.name, create_backend(spec.name, spec.options)) for spec in config.l2]
+        announcer = None
+        if publisher is not None:
+            tiers = l2_tiers([name for name, _ in backends], config.l2)
+            announcer = Announcer(
+                publisher.publish, config.chunk_size, publisher.subscribed, tiers=tiers
+            )
+            publisher.snapshots = announcer.snapshot
         arena = create_arena(plan)
     except BaseException:
         if http_socket is not None:
@@ -244,25 +251,22 @@ async def open_server(
             await _terminate(context)
 
 
-def _events(
-    config: ServerConfig, auth: ServerAuth
-) -> tuple[EventPublisher | None, Announcer | None]:
-    """The KV event publisher and its announcer (``--events``), or neither."""
+def _events(config: ServerConfig, auth: ServerAuth) -> EventPublisher | None:
+    """The KV event publisher (``--events``), or none."""
     if not config.events:
-        return None, None
+        return None
     if config.events.startswith("tcp://") and auth.mode == "ipc":
         raise ConfigError(
             f"events: {config.events} is tcp:// but the server's endpoint is ipc:// (no CURVE "
             "keys to authenticate subscribers): publish on an ipc:// path too"
         )
-    publisher = EventPublisher(
+    return EventPublisher(
         auth,
         endpoint=config.events,
         buffer=config.events_buffer,
         interval=config.events_interval,
         ipc_group=config.ipc_group,
     )
-    return publisher, Announcer(publisher.publish, config.chunk_size, publisher.subscribed)
 
 
 _CONTEXT_LIMITER = trio.CapacityLimiter(4)

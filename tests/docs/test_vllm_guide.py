@@ -86,6 +86,9 @@ def transfer_configs() -> list[str]:
 @pytest.mark.parametrize("text", transfer_configs())
 def test_every_transfer_config_is_valid(text: str) -> None:
     config = json.loads(text)
+    if config["kv_connector"] == "MultiConnector":  # kvtrio beside another connector
+        children = config["kv_connector_extra_config"]["connectors"]
+        config = next(c for c in children if c["kv_connector"] == "KvtrioConnector")
     assert config["kv_connector"] == "KvtrioConnector"
     assert config["kv_connector_module_path"] == "kvtrio.integration.vllm"
     assert config["kv_role"] == "kv_both"

@@ -137,7 +137,7 @@ async def test_store_evict_l2_load_and_restart(config: ServerConfig, tmp_path: P
         # Stored: readable in L1 (CPU) at the commit, then on disk once written.
         await store(worker, "a", first)
         await await_condition(
-            lambda: index.holds(first) == {"CPU": 8, "disk": 8}, what="stored in both tiers"
+            lambda: index.holds(first) == {"CPU": 8, "STORAGE": 8}, what="stored in both tiers"
         )
         # A failed write is never announced.
         failed = prompt(5000, 2)
@@ -148,27 +148,27 @@ async def test_store_evict_l2_load_and_restart(config: ServerConfig, tmp_path: P
         # L1 evictions (32 chunks of L1): the first prompt leaves CPU, stays on disk.
         for n in range(5):
             await store(worker, f"x{n}", prompt(10_000 * (n + 2), 8))
-        await await_condition(lambda: index.holds(first) == {"disk": 8}, what="evicted from L1")
+        await await_condition(lambda: index.holds(first) == {"STORAGE": 8}, what="evicted from L1")
         # Loaded back from L2: readable in CPU again.
         assert await load(scheduler, worker, first) == 8 * CHUNK
         await await_condition(
-            lambda: index.holds(first) == {"CPU": 8, "disk": 8}, what="loaded from L2"
+            lambda: index.holds(first) == {"CPU": 8, "STORAGE": 8}, what="loaded from L2"
         )
         assert index.gaps == 0
         assert index.restarts == 0
-        # A restart over the same disk: the new server's stream starts again (its first
-        # subscriber gets AllBlocksCleared at seq 0); what a lookup finds on disk is
-        # announced again, and its load into L1.
+        # A restart over the same disk: the new server's stream starts again; what a lookup
+        # finds on disk is announced again, and its load into L1.
         server.stop()
     async with (
         running(config, tmp_path) as (server, worker, scheduler),
         subscribe(index, events, events + ".replay", TOPIC),
     ):
-        await await_condition(lambda: index.restarts == 1, what="the restart seen")
+        # (a new subscription: the new server's snapshot replaces the index's state)
+        await await_condition(lambda: index.snapshots == 2, what="the new server's state")
         assert index.holds(first) == {}
         assert await load(scheduler, worker, first) == 8 * CHUNK
         await await_condition(
-            lambda: index.holds(first) == {"CPU": 8, "disk": 8}, what="found after restart"
+            lambda: index.holds(first) == {"CPU": 8, "STORAGE": 8}, what="found after restart"
         )
 
 
@@ -182,7 +182,7 @@ async def test_engine_block_hashes_name_the_chunks(config: ServerConfig, tmp_pat
         await subscribed(server, 1)
         await store(worker, "a", hashes, engine)
         await await_condition(
-            lambda: index.holds(engine) == {"CPU": 48, "disk": 48}, what="48 blocks stored"
+            lambda: index.holds(engine) == {"CPU": 48, "STORAGE": 48}, what="48 blocks stored"
         )
         assert index.holds(hashes) == {}  # named by the engine's hashes, not kvtrio's
 
@@ -198,19 +198,20 @@ async def test_a_late_subscriber_replays_what_it_missed(
                 await store(worker, f"r{n}", prompt(1000 * (n + 1), 2))
             await await_condition(  # (the write-behind's flushers finish in any order)
                 lambda: all(
-                    early.holds(prompt(1000 * (n + 1), 2)) == {"CPU": 2, "disk": 2}
+                    early.holds(prompt(1000 * (n + 1), 2)) == {"CPU": 2, "STORAGE": 2}
                     for n in range(3)
                 ),
                 what="stored in both tiers",
             )
         assert server.state.events is not None
         late = EventIndex()
-        async with subscribe(late, config.events, config.events + ".replay", TOPIC):
+        replay = config.events + ".replay"
+        async with subscribe(late, config.events, replay, TOPIC, snapshot=False):
             await subscribed(server, 2)
             await store(worker, "r9", prompt(9000, 1))
             await await_condition(lambda: late.holds(prompt(9000, 1)), what="the next store")
             for n in range(3):  # what came before it, replayed
-                assert late.holds(prompt(1000 * (n + 1), 2)) == {"CPU": 2, "disk": 2}
+                assert late.holds(prompt(1000 * (n + 1), 2)) == {"CPU": 2, "STORAGE": 2}
         assert late.gaps == 1
         assert late.lost == 0
         assert server.state.events.stats()["replays"] >= 1

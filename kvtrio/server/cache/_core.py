@@ -41,7 +41,11 @@ class ChunkNaming(Protocol):
     names a store carried, and which namespaces are announced. Synchronous, no I/O."""
 
     def names(
-        self, keys: Sequence[bytes], block_hashes: Sequence[int | bytes], block_size: int
+        self,
+        keys: Sequence[bytes],
+        block_hashes: Sequence[int | bytes],
+        block_size: int,
+        store: Store | Retrieve | None = None,
     ) -> None: ...
 
     def announce_space(self, space: bytes, tenant: str) -> None: ...

@@ -46,6 +46,11 @@ class Reads:
         request, hashes, chunks = core.chunks(registration, retrieve)
         blocks = registration.copy.check(retrieve, chunks)  # before anything is pinned
         keys = [registration.space + h for h in hashes]
+        announcer = core.announcer
+        named = retrieve.block_hashes or retrieve.token_ids
+        if announcer is not None and registration.rank == 0 and named:
+            # (names a chunk that an earlier server left in L2 is known by here)
+            announcer.names(keys, retrieve.block_hashes, registration.layout.block_size, retrieve)
         pending = core.prefetch.pending(request, keys[:1] if retrieve.partial else keys)
         if not pending:
             return self._read(session, registration, retrieve, request, hashes, chunks, blocks)

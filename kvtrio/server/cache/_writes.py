@@ -74,11 +74,14 @@ class Writes:
                 store.event,
             )
 
-        if store.block_hashes and core.announcer is not None and registration.rank == 0:
-            core.announcer.names(
+        announcer = core.announcer
+        named = store.block_hashes or store.token_ids
+        if announcer is not None and registration.rank == 0 and named:
+            announcer.names(
                 [registration.space + h for h in hashes],
                 store.block_hashes,
                 registration.layout.block_size,
+                store,
             )
         if len(chunks) <= SLICE:
             self._reserve(session, registration, request, chunks, hashes, parent, expires,

@@ -99,13 +99,29 @@ def make_config(
     max_batched_tokens: int = 128,
     kv_events: Any = None,
     failure_policy: str | None = "recompute",
+    beside: dict[str, Any] | None = None,
     **options: Any,
 ) -> VllmConfig:
     """A ``VllmConfig`` for the tiny model on the CPU, with kvtrio at ``url`` as connector
     (``options`` become ``kvtrio.*`` extra-config keys; ``failure_policy`` None leaves vLLM's
     ``kv_load_failure_policy`` at its default)."""
     transfer = None
-    if url is not None:
+    if url is not None and beside is not None:  # kvtrio first in vLLM's MultiConnector
+        alone = make_config(model_dir, url, failure_policy=failure_policy, **options)
+        assert alone.kv_transfer_config is not None
+        kvtrio = {
+            "kv_connector": "KvtrioConnector",
+            "kv_connector_module_path": "kvtrio.integration.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": alone.kv_transfer_config.kv_connector_extra_config,
+        }
+        transfer = KVTransferConfig(
+            kv_connector="MultiConnector",
+            kv_role="kv_both",
+            **({} if failure_policy is None else {"kv_load_failure_policy": failure_policy}),
+            kv_connector_extra_config={"connectors": [kvtrio, beside]},
+        )
+    elif url is not None:
         transfer = KVTransferConfig(
             kv_connector="KvtrioConnector",
             kv_connector_module_path="kvtrio.integration.vllm",
@@ -181,6 +197,12 @@ class Result:
     """Tokens from the connector, i.e. kvtrio."""
 
 
+def _kvtrio(connector: Any) -> Any:
+    """kvtrio's connector: itself, or the first of a MultiConnector's."""
+    children = getattr(connector, "sub_connectors", None) or getattr(connector, "_connectors", None)
+    return children[0] if children else connector
+
+
 class Engine:
     """vLLM's scheduler and the connector's two sides in this process (see the module doc)."""
 
@@ -203,13 +225,14 @@ class Engine:
             block_size=BLOCK,
             log_stats=True,
         )
-        self.worker: KvtrioConnector | None = None
+        self.worker: Any = None
+        """The worker-side connector (kvtrio's, or the MultiConnector holding it)."""
         if config.kv_transfer_config is not None:
-            assert isinstance(self.scheduler.connector, KvtrioConnector)
+            assert isinstance(_kvtrio(self.scheduler.connector), KvtrioConnector)
             worker = KVConnectorFactory.create_connector(
                 config=config, role=KVConnectorRole.WORKER, kv_cache_config=kv_cache_config
             )
-            assert isinstance(worker, KvtrioConnector)
+            assert isinstance(_kvtrio(worker), KvtrioConnector)
             self.worker = worker
             kv_transfer_state._KV_CONNECTOR_AGENT = worker  # what the model runner's mixin uses
         self.kv = {
@@ -236,7 +259,7 @@ class Engine:
 
     @property
     def connector(self) -> KvtrioConnector:
-        connector = self.scheduler.connector
+        connector = _kvtrio(self.scheduler.connector)
         assert isinstance(connector, KvtrioConnector)
         return connector
 
@@ -427,4 +450,4 @@ class Engine:
         if self.worker is not None:
             kv_transfer_state.ensure_kv_transfer_shutdown()
             self.worker = None
-            self.connector.shutdown()
+            self.scheduler.connector.shutdown()

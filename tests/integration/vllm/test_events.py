@@ -140,9 +140,14 @@ def test_both_streams_decode_with_vllms_classes(
             assert got_topic == topic
             stored += [e for e in DECODER.decode(payload).events if isinstance(e, BlockStored)]
 
-    # Each chunk once, readable in kvtrio's L1 (CPU), named by vLLM's own block hashes.
+    # Each chunk once, readable in kvtrio's L1 (CPU), named by vLLM's own block hashes, with
+    # its tokens (issue 35: a router that keys blocks itself, as llm-d's, needs them).
+    tokens = list(request.prompt_token_ids)
+    span = PER_CHUNK * BLOCK
     for i, event in enumerate(stored):
         assert event.medium == "CPU"
+        assert event.locality == "LOCAL"
+        assert event.token_ids == tokens[i * span : (i + 1) * span]
         assert event.block_size == BLOCK
         assert event.block_hashes == named[i * PER_CHUNK : (i + 1) * PER_CHUNK]
         assert event.parent_block_hash == (named[i * PER_CHUNK - 1] if i else None)

@@ -1,0 +1,99 @@
+"""Issue 35, item 5: kvtrio inside vLLM's ``MultiConnector`` (vLLM 0.33's real scheduler and
+the connectors' worker sides in this process, ``harness.Engine``), first of two with vLLM's
+``ExampleConnector`` beside it: the hits, the loads, the stores, ``kv_transfer_params``, the
+events and ``request_finished`` are what kvtrio alone gives.
+
+``ExampleConnector`` saves from the model's attention layers, which the harness's forward does
+not run: it never has a hit here, so what the engine loads is kvtrio's, as in a P/D pair where
+the other connector (``NixlConnector``) has nothing for a request.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtrio.launch import ServerProcess
+
+from ..._support.server_cache import assert_no_pins, cache, wait_chunks
+from ..._support.waiting import wait_for
+from ..tiny_model import write_tiny_model
+from .harness import Engine, make_config
+
+CHUNK = 64
+_random = random.Random(35)
+PROMPT = [_random.randrange(3, 1000) for _ in range(5 * CHUNK + 10)]  # 5 whole chunks
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture
+def kvtrio(server_process: Callable[..., ServerProcess], short_dir: Path) -> ServerProcess:
+    return server_process(
+        "--chunk-size", str(CHUNK), "--l1-size", "64MiB", "--heartbeat-timeout", "3",
+        "--events", f"ipc://{short_dir}/kv-events",
+    )  # fmt: skip
+
+
+@pytest.fixture
+def engines(
+    model_dir: Path, kvtrio: ServerProcess, tmp_path: Path
+) -> Iterator[Callable[..., Engine]]:
+    """``engines(multi)``: a new scheduler with kvtrio alone, or first in a MultiConnector."""
+    made: list[Engine] = []
+
+    def make(multi: bool, **options: Any) -> Engine:
+        for engine in made:
+            engine.close()
+        beside = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "example")},
+        }
+        engine = Engine(
+            make_config(model_dir, kvtrio.endpoint, beside=beside if multi else None, **options)
+        )
+        made.append(engine)
+        wait_for(lambda: cache(kvtrio).registrations >= 1, what="the worker to register")
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def run(engine: Engine, name: str, prompt: list[int], **params: Any) -> tuple[int, int]:
+    engine.add(name, prompt, **params)
+    engine.run()
+    result = engine.results[name]
+    assert result.external_cached is not None
+    return result.external_cached, len(result.output)
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["alone", "in-MultiConnector"])
+def test_hits_loads_stores_and_finishes_as_alone(
+    engines: Callable[..., Engine], kvtrio: ServerProcess, multi: bool
+) -> None:
+    engine = engines(multi)
+    if multi:
+        assert type(engine.scheduler.connector).__name__ == "MultiConnector"
+    assert run(engine, "first", PROMPT) == (0, 4)  # a miss: computed, then stored
+    wait_chunks(kvtrio, 5)
+    engine = engines(multi)  # a restarted engine: its own cache is empty
+    assert run(engine, "again", PROMPT) == (5 * CHUNK, 4)  # loaded from kvtrio
+    assert run(engine, "part", PROMPT[: 2 * CHUNK + 5]) == (2 * CHUNK, 4)
+    # kv_transfer_params reach kvtrio through the MultiConnector (kvtrio.save = false: the
+    # request's new chunks are not stored).
+    other = [_random.randrange(3, 1000) for _ in range(2 * CHUNK + 3)]
+    assert run(engine, "nosave", other, **{"kvtrio.save": False}) == (0, 4)
+    assert cache(kvtrio).l1_ready == 5
+    # request_finished: every request's pins and blocks released, none held by vLLM.
+    assert all(not engine.held(r) for r in ("first", "again", "part", "nosave"))
+    assert_no_pins(kvtrio)

@@ -43,6 +43,11 @@ class PlannedTransfer:
     op: LoadStoreOp
     sync: bool = False
     """Loads: done before the step's forward (True) or between steps (False)."""
+    group: int = 0
+    """The engine's KV cache group whose blocks it moves (vLLM's ``group_idx``)."""
+    windowed: bool = False
+    """Stores of a windowed group: vLLM may reuse their blocks while the request runs, so the
+    workers finish them before the next forward."""
 
 
 @attrs.define

@@ -61,6 +61,9 @@ class GroupSpread:
         self.keeps_state = not any(g.kind == "mamba" for g in self.groups)
         """False with a Mamba group: nothing is loaded or stored."""
         self.stats: collections.Counter[str] = collections.Counter()
+        """Counters since the engine started (``hits``, ``loaded_bytes``, ``hit_bytes_full``,
+        ``stores_skipped_window``)."""
+        self._reported: collections.Counter[str] = collections.Counter()
         self._hashes: dict[str, tuple[int, list[tuple[bytes, ...]]]] = {}
 
     def hashes(self, request: Any, base: Sequence[bytes] | None) -> list[tuple[bytes, ...]]:
@@ -76,6 +79,24 @@ class GroupSpread:
         fresh = [old[g.index] + group_block_hashes(base[done:], g.index) for g in self.groups]
         self._hashes[request.request_id] = (len(base), fresh)
         return fresh
+
+    def since_last(self) -> dict[str, int]:
+        """The counters gained since the last call (for vLLM's stats logger)."""
+        gained = {k: v - self._reported[k] for k, v in self.stats.items() if v > self._reported[k]}
+        self._reported = self.stats.copy()
+        return gained
+
+    def summary(self) -> str:
+        """The counters as a log line's end: hits and bytes loaded per hit."""
+        hits = self.stats["hits"]
+        if not hits:
+            return "no hits loaded"
+        loaded, full = self.stats["loaded_bytes"], self.stats["hit_bytes_full"]
+        return (
+            f"{hits} hits loaded {loaded} bytes ({loaded // hits} per hit; every block of "
+            f"every group: {full // hits}, {loaded / max(1, full):.3f} of it); windowed stores "
+            f"skipped: {self.stats['stores_skipped_window']}"
+        )
 
     def forget(self, request_id: str) -> None:
         self._hashes.pop(request_id, None)

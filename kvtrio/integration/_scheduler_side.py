@@ -425,6 +425,8 @@ class SchedulerSide:
         adapter."""
         if self.policy.stats:
             log.info("kvtrio load policy: %s", self.policy.summary())
+        if self.spread is not None:
+            log.info("kvtrio KV cache groups: %s", self.spread.summary())
         self.adapter.close()
 
     @property

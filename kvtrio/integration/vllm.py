@@ -301,9 +301,8 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return None
         gained = self._scheduler.policy.since_last()
         spread = self._scheduler.spread
-        if spread is not None and spread.stats:  # bytes per hit (several KV cache groups)
-            gained = {**gained, **spread.stats}
-            spread.stats.clear()
+        if spread is not None:  # bytes per hit (a hybrid model's KV cache groups)
+            gained = {**gained, **spread.since_last()}
         return KvtrioConnectorStats(gained) if gained else None
 
     @classmethod

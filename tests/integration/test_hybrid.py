@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import math
+import re
 from functools import partial
+from pathlib import Path
 from types import SimpleNamespace
 
 import attrs
@@ -182,3 +184,9 @@ def test_a_vllm_outside_the_range_fails_in_one_line_naming_it(version: str) -> N
     assert "\n" not in message
     assert supported_range() == ">=0.32,<0.34"
     assert ">=0.32,<0.34" in message
+
+
+def test_the_vllm_extra_names_the_supported_range() -> None:
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    (extra,) = re.findall(r"^vllm = \[(.*)\]", pyproject, re.MULTILINE)
+    assert extra == f'"vllm{supported_range()}"'

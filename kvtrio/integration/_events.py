@@ -67,11 +67,16 @@ class EngineEvents:
                         lora_id=None,
                         medium=event.medium,
                         lora_name=None,
+                        **_group_fields(event, stored=True),
                     )
                 )
             elif type(event) is BlockRemoved:
                 self._held.get(event.medium or "", set()).difference_update(event.block_hashes)
-                events.append(vllm.BlockRemoved(list(event.block_hashes), event.medium))
+                events.append(
+                    vllm.BlockRemoved(
+                        list(event.block_hashes), event.medium, **_group_fields(event)
+                    )
+                )
             elif type(event) is AllBlocksCleared:
                 for medium, hashes in self._held.items():
                     if hashes:
@@ -81,6 +86,14 @@ class EngineEvents:
 
     def close(self) -> None:
         self.relay.close()
+
+
+def _group_fields(event: Any, *, stored: bool = False) -> dict[str, Any]:
+    """The KV cache group fields of a server event, as vLLM's events name them (``group_idx``;
+    stores also ``kv_cache_spec_kind``): relayed where the server's events carry them (a
+    hybrid model's groups are kept apart, ``docs/vllm.md`` §7), omitted where they do not."""
+    names = ("group_idx", "kv_cache_spec_kind") if stored else ("group_idx",)
+    return {n: v for n in names if (v := getattr(event, n, None)) is not None}
 
 
 def event_hashes_of(as_int: bool) -> Any:

@@ -70,6 +70,9 @@ class SchedulerSide:
         self.spread = GroupSpread(groups, block_size) if hybrid else None
         """Several KV cache groups, or a windowed one (vLLM's hybrid manager): per-group keys
         and transfers. (One full-attention group keeps the keys it always had.)"""
+        self.async_load = options.async_load or len(groups) > 1
+        """Loads run between steps: always with several groups, whose failed loads vLLM takes
+        only per request, and only for a request waiting for an asynchronous load."""
         self.keys = keys if keys is not None else KeyScheme()
         """Token mode, or hash mode: chunks named by the engine's block hashes."""
         self._root_checked = not self.keys.engine_hashes
@@ -161,7 +164,7 @@ class SchedulerSide:
         if need <= 0:
             plan.hit_tokens = 0
             return 0, False
-        return need, self.options.async_load
+        return need, self.async_load
 
     def _decide(self, request: Any, plan: RequestPlan, need: int) -> None:
         """Judge the hit of ``need`` tokens beyond the engine's own prefix (once per request),
@@ -262,7 +265,7 @@ class SchedulerSide:
                 external_tokens=external_tokens,
                 block_size=self.block_size,
                 chunk_size=self.adapter.chunk_size,
-                sync=not self.options.async_load,
+                sync=not self.async_load,
             )
             if self.spread is not None and groups is not None:
                 hashes = self._group_hashes(request)

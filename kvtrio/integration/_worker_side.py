@@ -31,6 +31,12 @@ class WorkerSide:
     ) -> None:
         self.adapter = adapter
         self._vllm_config = vllm_config
+        self.per_request_failures = len(groups) > 1
+        """Several KV cache groups: vLLM takes failed loads per request (``failed_recving``),
+        not per block."""
+        self._load_blocks: dict[str, set[int]] = {}
+        """Asynchronous loads in flight: request → the blocks they write (several groups)."""
+        self._failed: set[int] = set()
         self._windowed: list[concurrent.futures.Future[None]] = []
         """Stores of windowed groups' blocks, which vLLM may reuse while the request runs:
         finished before the next forward."""
@@ -81,6 +87,12 @@ class WorkerSide:
             else:
                 self._async_loads.add(transfer.request_id)
                 op = transfer.op
+                if self.per_request_failures:
+                    self._load_blocks.setdefault(transfer.request_id, set()).update(
+                        op.block_ids[
+                            (op.start + op.skip_first_n_tokens) // self.adapter.block_size :
+                        ]
+                    )
                 self.measured.time_load(op.end - op.start - op.skip_first_n_tokens, future)
         if sync:
             concurrent.futures.wait(sync)  # each retrieve ends within kvtrio.timeout
@@ -115,8 +127,25 @@ class WorkerSide:
         return stores, loads
 
     def failed_blocks(self) -> set[int]:
-        """Blocks whose load failed since the last call: vLLM recomputes them."""
-        return self.adapter.get_block_ids_with_load_errors()
+        """Blocks whose load failed since the last call: vLLM recomputes them (none with
+        several groups: see :meth:`failed_loads`)."""
+        failed = self.adapter.get_block_ids_with_load_errors()
+        if not self.per_request_failures:
+            return failed
+        self._failed |= failed
+        return set()
+
+    def failed_loads(self, loads: set[str]) -> set[str]:
+        """Of the requests whose asynchronous loads are done (``loads``), those with a block
+        that failed to load (several groups: vLLM then recomputes the request's prompt)."""
+        self._failed |= self.adapter.get_block_ids_with_load_errors()
+        failed = set()
+        for request_id in loads:
+            blocks = self._load_blocks.pop(request_id, set())
+            if blocks & self._failed:
+                failed.add(request_id)
+                self._failed -= blocks
+        return failed
 
     def close(self) -> None:
         """Finish queued transfers, unregister, close the connection."""

@@ -38,8 +38,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-try:  # vLLM ≥ 0.32: hybrid KV cache manager support
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+try:  # vLLM ≥ 0.32: hybrid KV cache manager support, failed loads per request
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults,
+        SupportsHMA,
+    )
 except ImportError:  # pragma: no cover - older vLLM (refused by check_vllm_version)
     SupportsHMA = object  # type: ignore[assignment,misc]
 
@@ -397,6 +400,15 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return None
         report = self.worker_side.measured.report()
         return None if report is None else KvtrioWorkerMetadata(*report)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, and with several KV cache groups the requests whose load
+        failed (vLLM takes no failed blocks then: it recomputes those requests' prompts)."""
+        stores, loads = self.get_finished(finished_req_ids)
+        failed: set[str] = set()
+        if self._worker is not None and self._worker.per_request_failures and loads:
+            failed = self._worker.failed_loads(loads)
+        return KVConnectorTransferResults(stores or set(), loads or set(), failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call: vLLM recomputes them."""

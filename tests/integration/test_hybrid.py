@@ -190,3 +190,15 @@ def test_the_vllm_extra_names_the_supported_range() -> None:
     pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     (extra,) = re.findall(r"^vllm = \[(.*)\]", pyproject, re.MULTILINE)
     assert extra == f'"vllm{supported_range()}"'
+
+
+def test_events_relay_the_group_fields_where_the_server_gives_them() -> None:
+    from kvtrio.integration._events import _group_fields
+
+    stored = SimpleNamespace(group_idx=1, kv_cache_spec_kind="sliding_window")
+    assert _group_fields(stored, stored=True) == {
+        "group_idx": 1,
+        "kv_cache_spec_kind": "sliding_window",
+    }
+    assert _group_fields(stored) == {"group_idx": 1}
+    assert _group_fields(SimpleNamespace(), stored=True) == {}  # a server without them

@@ -156,3 +156,31 @@ def test_a_windowed_group_never_stores_the_null_block(
     second.run()  # any wrong KV a load left where a layer reads fails the step
     assert second.results["again"].output == first.results["first"].output
     assert_no_pins(kvtrio)
+
+
+def test_a_failed_load_of_a_hybrid_model_is_recomputed_per_request(
+    engines: Callable[..., HybridEngine], kvtrio: ServerProcess
+) -> None:
+    """kvtrio dies between the lookup and the load. With several KV cache groups vLLM takes
+    no failed blocks (vLLM 0.32 stops the engine on them): the connector loads asynchronously
+    and reports the request's load failed (``failed_recving``), and vLLM recomputes it."""
+    first = engines("sf")
+    first.add("first", PROMPT)
+    first.run()
+    wait_chunks(kvtrio, 10)
+    engine = engines("sf", async_load=False)
+    engine.add("b", PROMPT)
+    while True:
+        output = engine.schedule()
+        metadata = output.kv_connector_metadata
+        if any(t.kind == "load" for t in getattr(metadata, "transfers", ())):
+            break
+        engine.execute(output)
+    assert not any(t.sync for t in metadata.transfers)  # asynchronous all the same
+    kvtrio.kill()
+    engine.execute(output)
+    engine.run()
+    assert not engine.failed_blocks  # none reported per block
+    assert engine.results["b"].output == first.results["first"].output
+    computed = sum(s.num_scheduled_tokens.get("b", 0) for s in engine.steps)
+    assert computed >= len(PROMPT) + 3  # everything was computed after all

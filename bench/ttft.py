@@ -770,8 +770,14 @@ class Bench:
             f"{size_text(env['memory_bytes'])}, load average {env['load_average_start'][0]:.2f} "
             f"at start, {env['load_average_end'][0]:.2f} at end (shared machines are noisy)",
             f"{self.args.runs} runs per length and case, {self.args.max_tokens} greedy output "
-            f"tokens; phase A round-robin (each round, each length: vllm, miss, other), then "
-            f"phase B (l1: new engine), then phase C (l2: kvtrio restarted, new engine)",
+            f"tokens; phase A "
+            + (
+                "one engine at a time (vllm, then miss)"
+                if self.args.one_engine
+                else "round-robin (each round, each length: vllm, miss, other)"
+            )
+            + ", then "
+            "phase B (l1: new engine), then phase C (l2: kvtrio restarted, new engine)",
         ]
 
     def report(self) -> int:

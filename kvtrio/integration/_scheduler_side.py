@@ -388,6 +388,15 @@ class SchedulerSide:
             self.policy.model.observe_load(tokens, now - began, tier, queued)
             self.policy.load_measured(request_id, now - began)
 
+    def loads_failed(self, request_ids: Iterable[str]) -> None:
+        """These requests' loads failed as a whole (several KV cache groups: vLLM recomputes
+        their prompts and asks again): they load nothing more, or they would fail alike."""
+        for request_id in request_ids:
+            plan = self._plans.get(request_id)
+            if plan is not None:
+                plan.load = False
+                plan.hit_tokens = 0
+
     def _unqueue(self, request_id: str) -> tuple[float, int, Tier, int] | None:
         """Take the request's load out of the loads in flight (None: it had none)."""
         loading = self._loading.pop(request_id, None)

@@ -295,6 +295,7 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         measured = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(measured, KvtrioWorkerMetadata):
             self.scheduler_side.measured(measured.steps, measured.loads)
+        self.scheduler_side.loads_failed(getattr(connector_output, "failed_recving", None) or ())
         self.scheduler_side.loads_done(connector_output.finished_recving or ())
 
     def get_kv_connector_stats(self) -> KvtrioConnectorStats | None:

@@ -202,3 +202,31 @@ def test_events_relay_the_group_fields_where_the_server_gives_them() -> None:
     }
     assert _group_fields(stored) == {"group_idx": 1}
     assert _group_fields(SimpleNamespace(), stored=True) == {}  # a server without them
+
+
+def test_a_hybrid_engines_failed_load_is_not_tried_again() -> None:
+    """Several groups: loads are asynchronous (whatever ``async_load`` says); a request whose
+    load failed (vLLM recomputes its prompt and asks again) loads nothing more."""
+    from kvtrio.integration._options import ConnectorOptions
+    from kvtrio.integration._scheduler_side import SchedulerSide
+
+    from . import test_load_policy as policy
+
+    adapter = policy.Adapter()
+    options = ConnectorOptions(async_load=False)
+    block = policy.BLOCK
+    groups = [
+        attrs.evolve(FULL, block_bytes=1),
+        KvGroup(1, "window", "sliding_window", 1, 2 * block, 1),
+    ]
+    side = SchedulerSide(options, block, adapter, groups=groups)  # type: ignore[arg-type]
+    request = policy.Request("r")
+    adapter.hits["r"] = (4 * policy.CHUNK, 4 * policy.CHUNK)
+    need, asynchronous = side.matched_tokens(request, 0, preempted=False)
+    assert (need, asynchronous) == (4 * policy.CHUNK, True)
+    ids = [policy.BLOCKS, [b + 1000 for b in policy.BLOCKS]]
+    side.allocated(request, ids[0], need or 0, ids)
+    loads = side.build_step({}, (), 0, None).transfers
+    assert [(t.group, t.sync) for t in loads] == [(0, False), (1, False)]
+    side.loads_failed({"r"})
+    assert side.matched_tokens(request, 0, preempted=False) == (0, False)

@@ -521,6 +521,22 @@ def check(run: dict[str, Any], reference: dict[str, Any] | None, problems: list[
         log(f"  ✗ {problems[-1]}")
 
 
+def kvtrio_logging(path: Path) -> str:
+    """A logging config for vLLM's processes (``VLLM_LOGGING_CONFIG_PATH``): vLLM's own, and
+    the ``kvtrio`` logger at INFO through vLLM's handler. Writes it to ``path``."""
+    import copy
+
+    from vllm.logger import DEFAULT_LOGGING_CONFIG
+
+    config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+    config["handlers"]["vllm"]["level"] = "INFO"
+    config["handlers"]["vllm"]["formatter"] = "vllm"
+    config["handlers"]["vllm"]["stream"] = "ext://sys.stderr"  # (the engine log)
+    config["loggers"]["kvtrio"] = {"handlers": ["vllm"], "level": "INFO", "propagate": False}
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
         self.args = args
@@ -551,6 +567,9 @@ class Bench:
         # (on 2 CPUs: 1 and 2). Every engine gets what vLLM gives one without a connector:
         # all CPUs but one (left to the engine's scheduler process, and here to kvtrio).
         self.env = engine_env(VLLM_CPU_KVCACHE_SPACE=str(kv_space))
+        # kvtrio's INFO lines in the engines' logs (vLLM configures only its own logger): the
+        # connector's bytes per hit of a hybrid model is one of them.
+        self.env["VLLM_LOGGING_CONFIG_PATH"] = kvtrio_logging(self.logs / "logging.json")
         self.omp_cpus = self.env["VLLM_CPU_OMP_THREADS_BIND"]
         self.env_kv_space = kv_space
         self.server = ServerProcess(

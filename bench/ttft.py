@@ -703,11 +703,11 @@ class Bench:
         lines = ["bytes loaded per hit (hybrid: the connector's count):"]
         for name in ("E1", "E3", "E4"):
             path = self.logs / f"engine-{name}.log"
-            match = found.search(path.read_text(errors="replace")) if path.exists() else None
+            matches = found.findall(path.read_text(errors="replace")) if path.exists() else []
             hit_runs = [r for r in self.runs if r["engine"] == name and r["num_cached_tokens"]]
-            if match is None or not hit_runs:
+            if not matches or not hit_runs:
                 continue
-            hits, loaded = int(match.group(1)), int(match.group(2))
+            hits, loaded = (int(n) for n in matches[-1])  # (the last line: the most hits)
             tokens = statistics.median(r["num_cached_tokens"] for r in hit_runs)
             every = tokens * self.kv_token
             sliding_share = (loaded / hits - full_layers * per_layer * tokens) / (

@@ -21,12 +21,14 @@ planned load or store one per group, with the group's own blocks and keys:
   every lookup misses, vLLM keeps its hybrid manager.
 
 Bytes per hit are counted (:attr:`GroupSpread.stats`): ``loaded_bytes`` moved, and
-``hit_bytes_full`` what loading every group's every block of the same hits would have moved.
+``hit_bytes_full`` what loading every group's every block of the same hits would have moved;
+an INFO line says them at the 1st, 2nd, 4th, 8th, … hit.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +38,8 @@ from ._kv_groups import KvGroup, group_block_hashes, token_block_hashes
 from ._planner import PlannedTransfer, RequestPlan
 
 __all__ = ["GroupSpread", "primary_group"]
+
+log = logging.getLogger("kvtrio.vllm")
 
 NULL_BLOCK = 0
 """vLLM's null block id (its block pool hands block 0 out as the null block)."""
@@ -146,6 +150,9 @@ class GroupSpread:
         self.stats["hits"] += 1
         self.stats["loaded_bytes"] += moved
         self.stats["hit_bytes_full"] += full_bytes
+        hits = self.stats["hits"]
+        if hits & (hits - 1) == 0:  # at 1, 2, 4, 8, … hits: a log line, not one per hit
+            log.info("kvtrio KV cache groups: %s", self.summary())
         return transfers
 
     def stores(

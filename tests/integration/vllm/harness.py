@@ -209,14 +209,7 @@ class Engine:
     def __init__(self, config: VllmConfig, *, num_blocks: int = 128) -> None:
         self.config = config
         self.num_blocks = num_blocks
-        spec = FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=DTYPE
-        )
-        kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
-        )
+        kv_cache_config = self._kv_cache_config(num_blocks)
         config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
             vllm_config=config,
@@ -235,10 +228,7 @@ class Engine:
             assert isinstance(_kvtrio(worker), KvtrioConnector)
             self.worker = worker
             kv_transfer_state._KV_CONNECTOR_AGENT = worker  # what the model runner's mixin uses
-        self.kv = {
-            name: torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=DTYPE)
-            for name in LAYERS
-        }
+        self.kv = self._kv_tensors(num_blocks)
         if self.worker is not None:
             try:
                 self.worker.register_kv_caches(self.kv)
@@ -256,6 +246,24 @@ class Engine:
         """Blocks the workers reported as failed to load, over all steps."""
         self.connector_stats: list[dict[str, Any]] = []
         """The connector's stats of each step, as vLLM's scheduler sends them to its logger."""
+
+    def _kv_cache_config(self, num_blocks: int) -> KVCacheConfig:
+        """The KV cache config vLLM's engine core would make: one full-attention group."""
+        spec = FullAttentionSpec(
+            block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=DTYPE
+        )
+        return KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        )
+
+    def _kv_tensors(self, num_blocks: int) -> dict[str, torch.Tensor]:
+        """The KV cache: one tensor per layer, as vLLM's CPU attention backend allocates it."""
+        return {
+            name: torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=DTYPE)
+            for name in LAYERS
+        }
 
     @property
     def connector(self) -> KvtrioConnector:

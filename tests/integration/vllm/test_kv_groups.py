@@ -1,6 +1,7 @@
 """kvtrio and vLLM's KV cache groups: vLLM 0.33's own grouping of a model's layers
 (``get_kv_cache_groups``, under the config vLLM makes for kvtrio) and the connector as vLLM's
-factory builds it for each role. What a real engine then does is in
+factory builds it for each role. What the scheduler then does with the hybrid
+manager on is in ``test_hybrid_groups.py``; a real engine in
 ``tests/integration/vllm_cpu/test_hybrid.py``."""
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from kvtrio.integration._kv_groups import unsupported_kv_cache
+from kvtrio.integration._kv_groups import kv_groups, unsupported_kv_cache
 from kvtrio.integration.vllm import KvtrioConnector
 
 from ..tiny_model import write_tiny_model
@@ -65,8 +66,12 @@ def connector(config: VllmConfig, role: KVConnectorRole, kv: KVCacheConfig) -> K
     return built
 
 
-def test_vllm_turns_its_hybrid_manager_off_for_kvtrio(config: VllmConfig) -> None:
-    assert config.scheduler_config.disable_hybrid_kv_cache_manager is True
+def test_vllm_keeps_its_hybrid_manager_for_kvtrio(config: VllmConfig) -> None:
+    """kvtrio declares SupportsHMA: vLLM's config check no longer turns the hybrid manager off
+    for it (in this environment vLLM's platform, which has no kernels, turns it off anyway;
+    ``test_hybrid_groups.py`` runs it on)."""
+    assert config.kv_transfer_config is not None
+    assert KVConnectorFactory.supports_hma_config(config.kv_transfer_config)
 
 
 def test_windowed_and_full_layers_come_as_one_full_attention_group(config: VllmConfig) -> None:
@@ -76,11 +81,22 @@ def test_windowed_and_full_layers_come_as_one_full_attention_group(config: VllmC
     assert unsupported_kv_cache(kv) is None
 
 
-def test_windowed_only_layers_turn_the_connector_off_in_every_role(config: VllmConfig) -> None:
+def test_windowed_only_layers_keep_the_connector_on_in_every_role(config: VllmConfig) -> None:
     kv = kv_cache_config(config, window(), window())
+    (group,) = kv.kv_cache_groups
+    assert type(group.kv_cache_spec) is SlidingWindowSpec
+    assert unsupported_kv_cache(kv) is None
+    assert [g.kind for g in kv_groups(kv)] == ["window"]
+    scheduler = connector(config, KVConnectorRole.SCHEDULER, kv)
+    assert scheduler.off_because is None
+    assert scheduler.scheduler_side.spread is not None  # window-aware loads
+    scheduler.shutdown()
+
+
+def test_layers_of_different_kv_shapes_turn_the_connector_off(config: VllmConfig) -> None:
+    kv = kv_cache_config(config, full(HEAD_DIM), full(2 * HEAD_DIM))
     reason = unsupported_kv_cache(kv)
     assert reason is not None
-    assert "SlidingWindowSpec for 2 layer(s)" in reason
     scheduler = connector(config, KVConnectorRole.SCHEDULER, kv)
     worker = connector(config, KVConnectorRole.WORKER, kv)
     assert scheduler.off_because == worker.off_because == reason
@@ -95,19 +111,11 @@ def test_windowed_only_layers_turn_the_connector_off_in_every_role(config: VllmC
         side.shutdown()
 
 
-def test_layers_of_different_kv_shapes_turn_the_connector_off(config: VllmConfig) -> None:
-    kv = kv_cache_config(config, full(HEAD_DIM), full(2 * HEAD_DIM))
-    reason = unsupported_kv_cache(kv)
-    assert reason is not None
-    assert connector(config, KVConnectorRole.SCHEDULER, kv).off_because == reason
-
-
-def test_several_groups_turn_the_connector_off(config: VllmConfig) -> None:
+def test_several_groups_keep_the_connector_on(config: VllmConfig) -> None:
     kv = kv_cache_config(config, full(), full())
     two = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=kv.kv_cache_groups * 2)
-    reason = unsupported_kv_cache(two)
-    assert reason is not None
-    assert "2 KV cache groups" in reason
+    assert unsupported_kv_cache(two) is None
+    assert [g.index for g in kv_groups(two)] == [0, 1]
 
 
 def test_vllm_itself_refuses_a_mamba_hybrid_without_its_hybrid_manager(
@@ -116,3 +124,34 @@ def test_vllm_itself_refuses_a_mamba_hybrid_without_its_hybrid_manager(
     mamba = MambaSpec(block_size=BLOCK, shapes=((4, 256), (16, 256)), dtypes=(DTYPE, DTYPE))
     with pytest.raises(ValueError, match="Failed to promote local KV cache specs"):
         kv_cache_config(config, mamba, full())
+
+
+def test_a_mamba_hybrid_keeps_the_connector_on_and_misses(config: VllmConfig) -> None:
+    """With the hybrid manager (``SupportsHMA``) vLLM runs a Mamba hybrid; kvtrio does not keep
+    the Mamba state, so its lookups miss (without asking the server) and nothing is stored,
+    but the connector stays on and vLLM keeps its hybrid manager."""
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 256), (16, 256)), dtypes=(DTYPE, DTYPE))
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    config.cache_config.kv_cache_layout = "NHD"  # (what vLLM's engine core resolves)
+    try:
+        kv = kv_cache_config(config, mamba, full())
+    finally:
+        config.scheduler_config.disable_hybrid_kv_cache_manager = True
+        config.cache_config.kv_cache_layout = None
+    assert [g.kind for g in kv_groups(kv)] == ["mamba", "full"]
+    assert unsupported_kv_cache(kv) is None
+    scheduler = connector(config, KVConnectorRole.SCHEDULER, kv)
+    assert scheduler.off_because is None
+    request: Any = type(
+        "R",
+        (),
+        {
+            "request_id": "r",
+            "all_token_ids": list(range(100)),
+            "kv_transfer_params": None,
+            "status": None,
+            "block_hashes": [],
+        },
+    )()
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    scheduler.shutdown()

@@ -1,0 +1,186 @@
+"""Loads and stores of an engine with several KV cache groups (vLLM's hybrid KV cache manager
+on: full attention beside sliding-window, chunked-local or Mamba layers). No vLLM import.
+
+The scheduler side plans one request's transfers as for a single group, on its *primary* group
+(the first full-attention group, else the first windowed one): the lookup, the load policy's
+decision, which chunks are held and which to store. :class:`GroupSpread` then makes of each
+planned load or store one per group, with the group's own blocks and keys:
+
+* **loads** move of each group only what its layers read for the hit's end
+  (:meth:`~._kv_groups.KvGroup.first_needed`): every block for full attention, the last
+  ``window - 1`` tokens' blocks for a sliding window, the hit's last attention chunk for chunked
+  local attention. vLLM gives the blocks before them the null block; they are left alone.
+  The hit reported to vLLM is the primary group's, which every group stores alongside it: a
+  chunk of another group that is missing fails its blocks, and vLLM recomputes from there;
+* **stores** of a windowed group are skipped where one of their blocks is already the null
+  block (vLLM freed it behind the window during a chunked prefill): what is stored is what a
+  later hit can load, never a null block's bytes. Windowed groups' stores must be copied before
+  vLLM reuses their blocks, which it may do while the request still runs: they are marked
+  ``windowed`` and the workers wait for them before the next forward;
+* an engine with a **Mamba** group loads and stores nothing (kvtrio does not keep the state):
+  every lookup misses, vLLM keeps its hybrid manager.
+
+Bytes per hit are counted (:attr:`GroupSpread.stats`): ``loaded_bytes`` moved, and
+``hit_bytes_full`` what loading every group's every block of the same hits would have moved;
+an INFO line says them at the 1st, 2nd, 4th, 8th, … hit.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from ._kv_groups import KvGroup, group_block_hashes, token_block_hashes
+from ._planner import PlannedTransfer, RequestPlan
+
+__all__ = ["GroupSpread", "primary_group"]
+
+log = logging.getLogger("kvtrio.vllm")
+
+NULL_BLOCK = 0
+"""vLLM's null block id (its block pool hands block 0 out as the null block)."""
+
+
+def primary_group(groups: Sequence[KvGroup]) -> int:
+    """The index of the group whose chunks a lookup asks for: the first full-attention one,
+    else the first windowed one (the hit then covers every chunk of every group)."""
+    for kind in ("full", "window", "chunked"):
+        for group in groups:
+            if group.kind == kind:
+                return group.index
+    return 0
+
+
+class GroupSpread:
+    """Per-group keys and transfers of one engine's requests (see the module docstring)."""
+
+    def __init__(self, groups: Sequence[KvGroup], block_size: int) -> None:
+        self.groups = tuple(groups)
+        self.block_size = block_size
+        self.primary = primary_group(self.groups)
+        self.keeps_state = not any(g.kind == "mamba" for g in self.groups)
+        """False with a Mamba group: nothing is loaded or stored."""
+        self.stats: collections.Counter[str] = collections.Counter()
+        """Counters since the engine started (``hits``, ``loaded_bytes``, ``hit_bytes_full``,
+        ``stores_skipped_window``)."""
+        self._reported: collections.Counter[str] = collections.Counter()
+        self._hashes: dict[str, tuple[int, list[tuple[bytes, ...]]]] = {}
+
+    def hashes(self, request: Any, base: Sequence[bytes] | None) -> list[tuple[bytes, ...]]:
+        """The request's block hashes of every group, from the engine's (``base``, hash mode)
+        or its token ids; remembered, and extended only when the request has more blocks."""
+        if base is None:
+            base = token_block_hashes(request.all_token_ids, self.block_size)
+        known = self._hashes.get(request.request_id)
+        if known is not None and known[0] == len(base):
+            return known[1]
+        done = 0 if known is None else known[0]
+        old = [()] * len(self.groups) if known is None else known[1]
+        fresh = [old[g.index] + group_block_hashes(base[done:], g.index) for g in self.groups]
+        self._hashes[request.request_id] = (len(base), fresh)
+        return fresh
+
+    def since_last(self) -> dict[str, int]:
+        """The counters gained since the last call (for vLLM's stats logger)."""
+        gained = {k: v - self._reported[k] for k, v in self.stats.items() if v > self._reported[k]}
+        self._reported = self.stats.copy()
+        return gained
+
+    def summary(self) -> str:
+        """The counters as a log line's end: hits and bytes loaded per hit."""
+        hits = self.stats["hits"]
+        if not hits:
+            return "no hits loaded"
+        loaded, full = self.stats["loaded_bytes"], self.stats["hit_bytes_full"]
+        return (
+            f"{hits} hits loaded {loaded} bytes ({loaded // hits} per hit; every block of "
+            f"every group: {full // hits}, {loaded / max(1, full):.3f} of it); windowed stores "
+            f"skipped: {self.stats['stores_skipped_window']}"
+        )
+
+    def forget(self, request_id: str) -> None:
+        self._hashes.pop(request_id, None)
+
+    def loads(
+        self,
+        load_of: Callable[..., PlannedTransfer | None],
+        block_ids: Sequence[Sequence[int]],
+        hashes: Sequence[Sequence[bytes]],
+        plan: RequestPlan,
+        chunk_size: int,
+    ) -> list[PlannedTransfer]:
+        """The request's load, one per group: ``load_of(block_ids=, block_hashes=)`` plans it
+        on the primary group (tokens ``[plan.local_tokens, end)`` beyond the engine's own
+        prefix); each group's moves only what its layers read."""
+        load = load_of(block_ids=block_ids[self.primary], block_hashes=tuple(hashes[self.primary]))
+        if load is None:
+            return []
+        local_tokens = plan.local_tokens
+        op, size = load.op, self.block_size
+        end = op.end
+        transfers = []
+        full_bytes = moved = 0
+        for group in self.groups:
+            full_bytes += (end - local_tokens) // size * group.block_bytes
+            needed = group.first_needed(end) // size * size
+            first = max(local_tokens, needed)
+            if first >= end:
+                continue
+            start = first // chunk_size * chunk_size
+            blocks = block_ids[group.index][: end // size]
+            if any(b == NULL_BLOCK for b in blocks[first // size :]):
+                continue  # (vLLM allocates every block a group reads: never seen)
+            moved += (end - first) // size * group.block_bytes
+            group_op = attrs.evolve(
+                op,
+                block_ids=blocks,
+                block_hashes=tuple(hashes[group.index]),
+                start=start,
+                skip_first_n_tokens=first - start,
+            )
+            transfers.append(
+                PlannedTransfer(
+                    load.request_id, "load", group_op, sync=load.sync, group=group.index
+                )
+            )
+        self.stats["hits"] += 1
+        self.stats["loaded_bytes"] += moved
+        self.stats["hit_bytes_full"] += full_bytes
+        hits = self.stats["hits"]
+        if hits & (hits - 1) == 0:  # at 1, 2, 4, 8, … hits: a log line, not one per hit
+            log.info("kvtrio KV cache groups: %s", self.summary())
+        return transfers
+
+    def stores(
+        self,
+        store_of: Callable[..., list[PlannedTransfer]],
+        block_ids: Sequence[Sequence[int]],
+        hashes: Sequence[Sequence[bytes]],
+    ) -> list[PlannedTransfer]:
+        """The primary group's stores (``store_of(block_ids=, block_hashes=)``, which updates
+        the request's plan) and the same token ranges of every other group, with its own
+        blocks and keys; a windowed group's store that would read a null block is skipped."""
+        primary = store_of(block_ids=block_ids[self.primary], block_hashes=hashes[self.primary])
+        transfers = []
+        size = self.block_size
+        for group in self.groups:
+            windowed = group.kind in ("window", "chunked")
+            for store in primary:
+                op = store.op
+                blocks = block_ids[group.index][: op.end // size]
+                if windowed and NULL_BLOCK in blocks[op.start // size :]:
+                    self.stats["stores_skipped_window"] += 1
+                    continue
+                if group.index != self.primary:
+                    op = attrs.evolve(
+                        op,
+                        block_ids=blocks,
+                        block_hashes=tuple(hashes[group.index][: op.end // size]),
+                        event_hashes=None,
+                    )
+                transfers.append(attrs.evolve(store, op=op, group=group.index, windowed=windowed))
+        return transfers

@@ -1,0 +1,232 @@
+"""Hybrid models' loads and stores, decided without an engine (:mod:`kvtrio.integration._hybrid`,
+:mod:`kvtrio.integration._kv_groups`), and the vLLM versions the connector accepts
+(:mod:`kvtrio.integration._vllm_setup`)."""
+
+from __future__ import annotations
+
+import math
+import re
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+import attrs
+import pytest
+
+from kvtrio.integration._hybrid import GroupSpread, primary_group
+from kvtrio.integration._kv_groups import (
+    KvGroup,
+    group_block_hashes,
+    kv_groups,
+    unsupported_kv_cache,
+)
+from kvtrio.integration._planner import RequestPlan, plan_load, plan_store
+from kvtrio.integration._vllm_setup import UnsupportedVllm, check_vllm_version, supported_range
+
+CHUNK, BLOCK, WINDOW = 64, 16, 128
+PROMPT = 1024 + 10
+TOKENS = list(range(1000, 1000 + PROMPT))
+BLOCK_BYTES = 4096
+
+FULL = KvGroup(0, "full", "full_attention", 1, block_bytes=BLOCK_BYTES)
+SLIDING = KvGroup(1, "window", "sliding_window", 1, WINDOW, BLOCK_BYTES)
+LOCAL = KvGroup(1, "chunked", "chunked_local_attention", 1, WINDOW, BLOCK_BYTES)
+MAMBA = KvGroup(1, "mamba", "mamba", 1)
+
+
+def spec(name: str, **fields: int) -> object:
+    kind = type(name, (), {"page_size_bytes": BLOCK_BYTES // 2, **fields})
+    return kind()
+
+
+def config(*specs: object) -> object:
+    groups = [SimpleNamespace(kv_cache_spec=s, layer_names=["a", "b"]) for s in specs]
+    return SimpleNamespace(kv_cache_groups=groups)
+
+
+def test_every_kind_vllm_groups_apart_is_kept() -> None:
+    kv = config(
+        spec("FullAttentionSpec"),
+        spec("SlidingWindowMLASpec", sliding_window=128),
+        spec("ChunkedLocalAttentionSpec", attention_chunk_size=256),
+        spec("MambaSpec"),
+        spec("MLAAttentionSpec"),
+    )
+    assert unsupported_kv_cache(kv) is None
+    groups = kv_groups(kv)
+    assert [(g.kind, g.spec_kind, g.window) for g in groups] == [
+        ("full", "full_attention", 0),
+        ("window", "sliding_window_mla", 128),
+        ("chunked", "chunked_local_attention", 256),
+        ("mamba", "mamba", 0),
+        ("full", "mla_attention", 0),
+    ]
+    assert groups[0].block_bytes == BLOCK_BYTES  # two layers of half a block each
+
+
+@pytest.mark.parametrize("name", ["RSWASpec", "UniformTypeKVCacheSpecs", "CrossAttentionSpec"])
+def test_what_is_not_kept_turns_the_connector_off(name: str) -> None:
+    assert unsupported_kv_cache(config(spec("FullAttentionSpec"), spec(name))) is not None
+    assert unsupported_kv_cache(config(spec("MambaSpec"))) is not None  # only state
+
+
+def test_what_each_kind_reads_for_a_hit() -> None:
+    assert FULL.first_needed(1024) == 0
+    assert SLIDING.first_needed(1024) == 1024 - WINDOW + 1
+    assert SLIDING.first_needed(100) == 0
+    assert LOCAL.first_needed(1000) == 896  # the hit's last attention chunk
+    assert LOCAL.first_needed(1024) == 1024  # a new attention chunk starts: nothing
+    assert primary_group([SLIDING, attrs.evolve(FULL, index=1)]) == 1
+    assert primary_group([SLIDING, attrs.evolve(LOCAL, index=2)]) == 1
+
+
+def test_groups_never_share_keys() -> None:
+    base = [bytes([i]) * 16 for i in range(8)]
+    zero, one = group_block_hashes(base, 0), group_block_hashes(base, 1)
+    assert len(set(zero) | set(one) | set(base)) == 3 * len(base)
+    assert group_block_hashes(base[:4], 1) == one[:4]  # a prefix keeps its keys
+
+
+def request() -> SimpleNamespace:
+    return SimpleNamespace(request_id="r", all_token_ids=TOKENS)
+
+
+def blocks(group: KvGroup, end: int, nulls_before: int = 0) -> list[int]:
+    """A group's blocks for tokens [0, end), the null block (0) before ``nulls_before``."""
+    base = 1000 * (group.index + 1)
+    return [0 if b * BLOCK < nulls_before else base + b for b in range(math.ceil(end / BLOCK))]
+
+
+def spread_load(groups: list[KvGroup], local: int, hit: int) -> tuple[GroupSpread, list]:
+    spread = GroupSpread(groups, BLOCK)
+    plan = RequestPlan("r", hit_tokens=hit, local_tokens=local)
+    ids = [blocks(g, PROMPT, g.first_needed(hit) // BLOCK * BLOCK) for g in groups]
+    hashes = spread.hashes(request(), None)
+    load_of = partial(
+        plan_load, plan, tokens=TOKENS, external_tokens=hit - local,
+        block_size=BLOCK, chunk_size=CHUNK, sync=False,
+    )  # fmt: skip
+    return spread, spread.loads(load_of, ids, hashes, plan, CHUNK)
+
+
+def test_a_hit_loads_every_full_block_and_the_windows_last_blocks() -> None:
+    spread, (full, sliding) = spread_load([FULL, SLIDING], 0, 1024)
+    assert (full.group, full.op.start, full.op.end, full.op.skip_first_n_tokens) == (0, 0, 1024, 0)
+    # the window's last 127 tokens: blocks from token 896 on, in the chunk at 896
+    assert (sliding.group, sliding.op.start, sliding.op.skip_first_n_tokens) == (1, 896, 0)
+    assert 0 not in sliding.op.block_ids[896 // BLOCK :]
+    assert sliding.op.block_hashes != full.op.block_hashes
+    moved = spread.stats["loaded_bytes"]
+    assert moved == (1024 + 128) // BLOCK * BLOCK_BYTES
+    assert spread.stats["hit_bytes_full"] == 2 * 1024 // BLOCK * BLOCK_BYTES
+    # the issue's target: the sliding layers' bytes are at most window / prompt + one chunk
+    sliding_share = (moved - 1024 // BLOCK * BLOCK_BYTES) / (1024 // BLOCK * BLOCK_BYTES)
+    assert sliding_share <= WINDOW / PROMPT + CHUNK / 1024
+
+
+def test_a_window_inside_a_chunk_skips_the_blocks_before_it() -> None:
+    sliding = KvGroup(1, "window", "sliding_window", 1, 40, BLOCK_BYTES)
+    _, (_, load) = spread_load([FULL, sliding], 0, 1024)
+    # tokens 985-1023: from block 61 (976), in the chunk at 960
+    assert (load.op.start, load.op.skip_first_n_tokens) == (960, 16)
+
+
+def test_the_engines_own_prefix_is_left_alone_in_every_group() -> None:
+    _, (full, sliding) = spread_load([FULL, SLIDING], 960, 1024)
+    assert (full.op.start, full.op.skip_first_n_tokens) == (960, 0)
+    assert (sliding.op.start, sliding.op.skip_first_n_tokens) == (960, 0)
+    _, (full,) = spread_load([FULL, LOCAL], 512, 1024)  # (nothing of the local attention)
+    assert full.group == 0
+
+
+def test_stores_of_a_windowed_group_skip_the_null_block_and_are_marked() -> None:
+    spread = GroupSpread([FULL, SLIDING], BLOCK)
+    plan = RequestPlan("r")
+    store_of = partial(
+        plan_store, plan, tokens=TOKENS, computed_tokens=256, prompt_tokens=PROMPT,
+        block_size=BLOCK, chunk_size=CHUNK,
+    )  # fmt: skip
+    # vLLM freed the sliding blocks of the first chunk before it was whole
+    ids = [blocks(FULL, 256), blocks(SLIDING, 256, nulls_before=64)]
+    stores = spread.stores(store_of, ids, spread.hashes(request(), None))
+    assert [(s.group, s.windowed, s.op.start, s.op.end) for s in stores] == [
+        (0, False, 0, 256),
+        # (one store of chunks 0-3: its first blocks are null, so none of it)
+    ]
+    assert spread.stats["stores_skipped_window"] == 1
+    store_of = partial(
+        plan_store, plan, tokens=TOKENS, computed_tokens=320, prompt_tokens=PROMPT,
+        block_size=BLOCK, chunk_size=CHUNK,
+    )  # fmt: skip
+    ids = [blocks(FULL, 320), blocks(SLIDING, 320, nulls_before=128)]
+    stores = spread.stores(store_of, ids, spread.hashes(request(), None))
+    assert [(s.group, s.windowed, s.op.start, s.op.end) for s in stores] == [
+        (0, False, 256, 320),
+        (1, True, 256, 320),
+    ]
+
+
+def test_a_mamba_group_loads_and_stores_nothing() -> None:
+    assert not GroupSpread([FULL, MAMBA], BLOCK).keeps_state
+    assert GroupSpread([FULL, SLIDING], BLOCK).keeps_state
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.33.1.dev4+g123", "0.32.0+cpu"])
+def test_supported_vllm_versions_are_accepted(version: str) -> None:
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "nightly"])
+def test_a_vllm_outside_the_range_fails_in_one_line_naming_it(version: str) -> None:
+    with pytest.raises(UnsupportedVllm) as raised:
+        check_vllm_version(version)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert supported_range() == ">=0.32,<0.34"
+    assert ">=0.32,<0.34" in message
+
+
+def test_the_vllm_extra_names_the_supported_range() -> None:
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    (extra,) = re.findall(r"^vllm = \[(.*)\]", pyproject, re.MULTILINE)
+    assert extra == f'"vllm{supported_range()}"'
+
+
+def test_events_relay_the_group_fields_where_the_server_gives_them() -> None:
+    from kvtrio.integration._events import _group_fields
+
+    stored = SimpleNamespace(group_idx=1, kv_cache_spec_kind="sliding_window")
+    assert _group_fields(stored, stored=True) == {
+        "group_idx": 1,
+        "kv_cache_spec_kind": "sliding_window",
+    }
+    assert _group_fields(stored) == {"group_idx": 1}
+    assert _group_fields(SimpleNamespace(), stored=True) == {}  # a server without them
+
+
+def test_a_hybrid_engines_failed_load_is_not_tried_again() -> None:
+    """Several groups: loads are asynchronous (whatever ``async_load`` says); a request whose
+    load failed (vLLM recomputes its prompt and asks again) loads nothing more."""
+    from kvtrio.integration._options import ConnectorOptions
+    from kvtrio.integration._scheduler_side import SchedulerSide
+
+    from . import test_load_policy as policy
+
+    adapter = policy.Adapter()
+    options = ConnectorOptions(async_load=False)
+    block = policy.BLOCK
+    groups = [
+        attrs.evolve(FULL, block_bytes=1),
+        KvGroup(1, "window", "sliding_window", 1, 2 * block, 1),
+    ]
+    side = SchedulerSide(options, block, adapter, groups=groups)  # type: ignore[arg-type]
+    request = policy.Request("r")
+    adapter.hits["r"] = (4 * policy.CHUNK, 4 * policy.CHUNK)
+    need, asynchronous = side.matched_tokens(request, 0, preempted=False)
+    assert (need, asynchronous) == (4 * policy.CHUNK, True)
+    ids = [policy.BLOCKS, [b + 1000 for b in policy.BLOCKS]]
+    side.allocated(request, ids[0], need or 0, ids)
+    loads = side.build_step({}, (), 0, None).transfers
+    assert [(t.group, t.sync) for t in loads] == [(0, False), (1, False)]
+    side.loads_failed({"r"})
+    assert side.matched_tokens(request, 0, preempted=False) == (0, False)

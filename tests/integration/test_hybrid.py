@@ -193,15 +193,23 @@ def test_the_vllm_extra_names_the_supported_range() -> None:
 
 
 def test_events_relay_the_group_fields_where_the_server_gives_them() -> None:
-    from kvtrio.integration._events import _group_fields
+    from kvtrio.integration._events import _REMOVED_OPTIONAL, _STORED_OPTIONAL, _optional
+
+    class Stored:  # a vLLM whose BlockStored has the group fields
+        __struct_fields__ = ("block_hashes", "group_idx", "kv_cache_spec_kind")
+
+    class Old:  # one without them
+        __struct_fields__ = ("block_hashes",)
 
     stored = SimpleNamespace(group_idx=1, kv_cache_spec_kind="sliding_window")
-    assert _group_fields(stored, stored=True) == {
+    assert _optional(Stored, stored, _STORED_OPTIONAL) == {
         "group_idx": 1,
         "kv_cache_spec_kind": "sliding_window",
     }
-    assert _group_fields(stored) == {"group_idx": 1}
-    assert _group_fields(SimpleNamespace(), stored=True) == {}  # a server without them
+    assert _optional(Stored, stored, _REMOVED_OPTIONAL) == {"group_idx": 1}
+    assert _optional(Old, stored, _STORED_OPTIONAL) == {}
+    unset = SimpleNamespace(group_idx=None, kv_cache_spec_kind=None)  # a server without them
+    assert _optional(Stored, unset, _STORED_OPTIONAL) == {}
 
 
 def test_a_hybrid_engines_failed_load_is_not_tried_again() -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, TypeAlias, cast
 
 import redis
 from redis import exceptions
@@ -38,7 +38,7 @@ NOT_STANDALONE = (
 NOT_CLUSTER = "is not a Redis Cluster node (cluster mode is not enabled there): remove cluster=true"
 
 Views = Sequence[memoryview]
-Reply = bool | exceptions.RedisError
+Reply: TypeAlias = "bool | exceptions.RedisError"
 """Per key: done (True), missing or of another size (False), or the error reply."""
 
 # redis-py < 5.3 requires a command name here; later versions warn when one is given.

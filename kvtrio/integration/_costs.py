@@ -52,16 +52,14 @@ only: no vLLM here.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import json
 import logging
 import statistics
-import time
 from typing import Literal
 
 import attrs
 
-__all__ = ["CostModel", "LoadDecision", "LoadPolicy", "Measurements", "Tier"]
+__all__ = ["CostModel", "LoadDecision", "LoadPolicy", "Tier"]
 
 log = logging.getLogger("kvtrio.vllm")
 
@@ -448,41 +446,3 @@ class LoadPolicy:
     def summary(self) -> str:
         """The counters as one JSON object, every one of :data:`COUNTERS` (zeros too)."""
         return json.dumps({name: self.stats[name] for name in self.COUNTERS})
-
-
-class Measurements:
-    """A worker's side of ``load_policy=auto``: the time of its forward steps and of its
-    loads of L1 chunks (the copy's own time, from the retrieve's submission to its end), as
-    ``(tokens, seconds)``, until reported. Loads finish in the adapter's
-    transfer thread: the deques are appended to from there (atomic in CPython)."""
-
-    def __init__(self) -> None:
-        self.steps: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
-        self.loads: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
-        self._step: tuple[float, int] | None = None
-
-    def step_started(self, tokens: int) -> None:
-        """The step's forward (of ``tokens`` tokens) starts now."""
-        self._step = (time.perf_counter(), tokens) if tokens > 0 else None
-
-    def step_done(self) -> None:
-        """The step's forward is done."""
-        if self._step is not None:
-            started, tokens = self._step
-            self.steps.append((tokens, time.perf_counter() - started))
-            self._step = None
-
-    def time_load(self, tokens: int, future: concurrent.futures.Future[None]) -> None:
-        """Measure a load of ``tokens`` tokens from now until ``future`` is done."""
-        started = time.perf_counter()
-        future.add_done_callback(
-            lambda _: self.loads.append((tokens, time.perf_counter() - started))
-        )
-
-    def report(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]] | None:
-        """``(steps, loads)`` measured since the last report; None if nothing was."""
-        if not self.steps and not self.loads:
-            return None
-        steps = [self.steps.popleft() for _ in range(len(self.steps))]
-        loads = [self.loads.popleft() for _ in range(len(self.loads))]
-        return steps, loads

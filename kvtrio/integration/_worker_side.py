@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..client import WorkerAdapter
-from ._costs import Measurements
 from ._cpu_kernels import check_cpu_kernels
 from ._kv_groups import KvGroup
+from ._measurements import Measurements
 from ._planner import PlannedTransfer
 from ._scheduler_side import StepPlan
 

@@ -8,7 +8,8 @@ import logging
 
 import pytest
 
-from kvtrio.integration._costs import CostModel, LoadPolicy, Measurements
+from kvtrio.integration._costs import CostModel, LoadPolicy
+from kvtrio.integration._measurements import Measurements
 
 
 def test_unknown_costs_load_and_the_first_measurements_decide() -> None:

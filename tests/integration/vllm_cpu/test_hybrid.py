@@ -11,7 +11,8 @@ cache manager on (kvtrio declares ``SupportsHMA``): tiny random-weight Llama-sha
 
 For each: vLLM alone, then with kvtrio an engine that computes and stores ``A``, then a restarted
 engine whose ``B`` (``A``'s first 540 tokens and three others) loads its hit from kvtrio. Each
-engine is a process of its own, one at a time; greedy decoding, and every output must equal vLLM
+engine is a process of its own (engine core and worker inside it: ``in_process``), one at a
+time; greedy decoding, and every output must equal vLLM
 alone's token for token. vLLM keeps its hybrid manager with kvtrio, so the engine's KV capacity
 (its logged "KV cache size: N tokens") is vLLM alone's; before ``SupportsHMA`` vLLM turned the
 manager off for kvtrio and the sliding layers held a block for every token.
@@ -78,7 +79,7 @@ def cache(server: ServerProcess) -> CacheStats:
 
 def run(model: Path, workdir: Path, name: str, url: str | None, *prompts: dict[str, Any]) -> Any:
     env = {**os.environ, **ENV, "PYTHONUNBUFFERED": "1"}
-    job = {"kvtrio": url, "prompts": list(prompts)}
+    job = {"kvtrio": url, "prompts": list(prompts), "in_process": True}
     return run_engine(ENGINE, model, workdir, name, job, env)
 
 

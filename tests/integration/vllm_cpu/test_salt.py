@@ -58,6 +58,7 @@ def results(workdir: Path, kvtrio: ServerProcess) -> dict[str, Any]:
     ]
     job = {
         "kvtrio": kvtrio.endpoint,
+        "in_process": True,
         "prompts": [{"tokens": PREFIX, "max_tokens": 8, **p} for p in prompts],
     }
     job_path, results_path = workdir / "job.json", workdir / "results.json"

@@ -22,6 +22,15 @@ PREFIX = "kvtrio."
 _converter = make_converter()  # the server's: the same spellings of numbers and booleans
 
 
+def _optional_seconds(value: Any, _: Any) -> float | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
+        return None
+    return float(_converter.structure(value, float))
+
+
+_converter.register_structure_hook_func(lambda t: t == float | None, _optional_seconds)
+
+
 def _endpoint(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
     try:
         check_endpoint(value)
@@ -124,12 +133,14 @@ class ConnectorOptions:
         validator=_seconds,
         metadata={"help": "seconds any request to kvtrio may take before it counts as failed"},
     )
-    lookup_wait: float = attrs.field(
-        default=0.02,
-        validator=_seconds,
+    lookup_wait: float | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(_seconds),
         metadata={
-            "help": "seconds the scheduler waits for a lookup's answer before moving on (the "
-            "request is asked about again at the next step)"
+            "help": "seconds the scheduler waits at most for a lookup's answer before moving on "
+            "(the request is asked about again at the next step); auto (the default): a "
+            "step's time shared by the requests the wait holds up (the engine's median step "
+            "/ (1 + requests in it)), 1 ms to 0.5 s, 20 ms before the first step"
         },
     )
 

@@ -21,6 +21,7 @@ from ._costs import CostModel, LoadPolicy, Tier
 from ._engine_keys import KeyScheme, engine_root
 from ._hybrid import GroupSpread
 from ._kv_groups import KvGroup
+from ._lookup_wait import LookupWait
 from ._options import ConnectorOptions, opted_out, request_switches
 from ._planner import (
     PlannedTransfer,
@@ -84,6 +85,8 @@ class SchedulerSide:
         self._plans: dict[str, RequestPlan] = {}
         self._requests: dict[str, Any] = {}
         self._step_waited = False  # a lookup was waited for in this scheduler step
+        self.lookup_wait = LookupWait(options.lookup_wait)
+        """How long a scheduling pass waits for a lookup's answer."""
         self._ready: list[PlannedTransfer] = []
         self._warned_chunk = False
         self.policy = LoadPolicy(
@@ -127,9 +130,11 @@ class SchedulerSide:
             # lookups go out at the end of the step and are collected at the next one, not
             # waited for one after another.
             self._step_waited = True
-            hit = self.adapter.check_lookup_result(
-                request.request_id, wait=self.options.lookup_wait
+            wait = self.lookup_wait.seconds(
+                self.policy.model.step_seconds(), others=max(0, len(self._plans) - 1)
             )
+            hit = self.adapter.check_lookup_result(request.request_id, wait=wait)
+            self.lookup_wait.waited(answered=hit is not None)
         if hit is None:
             return None, False
         plan.locked = hit > 0

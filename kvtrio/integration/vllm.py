@@ -305,6 +305,7 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return None
         gained = self._scheduler.policy.since_last()
         spread = self._scheduler.spread
+        gained = {**gained, **self._scheduler.lookup_wait.since_last()}
         if spread is not None:  # bytes per hit (a hybrid model's KV cache groups)
             gained = {**gained, **spread.since_last()}
         return KvtrioConnectorStats(gained) if gained else None

@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from ..errors import KvtrioError, NotRegistered
@@ -58,6 +58,7 @@ from ._copies import LoadStoreOp, Retrieved, Span, WorkerCopies, when_all
 from ._cuda_worker import CudaCopies, is_cuda_cache
 from ._failures import Failures
 from ._identity import EngineIdentity
+from ._lanes import TransferLanes
 from ._placement import INHERITED, ThreadPlacement
 from ._registration import Current, Registrar
 from ._sync import Client
@@ -104,9 +105,8 @@ class WorkerAdapter:
         """How this rank's bytes move: chosen by :meth:`register_kv_caches`."""
         self._lock = threading.Lock()
         self.failures = Failures()
-        self._transfers = ThreadPoolExecutor(
-            1, thread_name_prefix=f"kvtrio-transfer-{kv_rank}", initializer=placement.apply
-        )
+        self._transfers = TransferLanes(f"kvtrio-transfer-{kv_rank}_0", placement.apply)
+        """Loads (and registration) before stores, each in order (see :mod:`._lanes`)."""
         self._pending_stores: collections.Counter[str] = collections.Counter()
         self._open_stores: set[Future[None]] = set()  # submitted, commits not answered yet
         self._pending_retrieves: collections.Counter[str] = collections.Counter()
@@ -250,7 +250,7 @@ class WorkerAdapter:
             self._stored.add(request_id)
             self._open_stores.add(done)
         try:
-            self._transfers.submit(self._run_store, request_id, op, engine_event, done)
+            self._transfers.submit_later(self._run_store, request_id, op, engine_event, done)
         except RuntimeError:  # shut down: nothing will run it
             self._store_done(request_id, done)
             raise

@@ -132,9 +132,12 @@ def main() -> None:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     started = time.perf_counter()
+    options: dict[str, Any] = {}
+    if config.get("in_process"):  # engine core and worker in this process (bench --in-process)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        options["distributed_executor_backend"] = "uni"
     from vllm import LLM
 
-    options: dict[str, Any] = {}
     if config["kvtrio"]:
         options["kv_transfer_config"] = {
             "kv_connector": "KvtrioConnector",

@@ -133,8 +133,9 @@ class SchedulerSide:
             wait = self.lookup_wait.seconds(
                 self.policy.model.step_seconds(), others=max(0, len(self._plans) - 1)
             )
+            started = self._clock()
             hit = self.adapter.check_lookup_result(request.request_id, wait=wait)
-            self.lookup_wait.waited(answered=hit is not None)
+            self.lookup_wait.waited(self._clock() - started, answered=hit is not None)
         if hit is None:
             return None, False
         plan.locked = hit > 0

@@ -39,10 +39,21 @@ def test_the_option_reads_auto_or_seconds() -> None:
 
 def test_late_answers_are_counted_once() -> None:
     wait = LookupWait()
-    wait.waited(answered=True)
-    wait.waited(answered=False)
+    wait.waited(0.001, answered=True)
+    wait.waited(0.005, answered=False)
     assert wait.since_last() == {"lookups_waited": 2, "lookups_late": 1}
     assert wait.since_last() == {}
+
+
+def test_the_wait_covers_the_usual_answer_up_to_a_step() -> None:
+    wait = LookupWait()
+    for _ in range(20):
+        wait.waited(0.008, answered=True)  # answers take 8 ms on this machine
+    assert wait.seconds(0.020, others=3) == pytest.approx(0.012)  # 1.5 × 8 ms, not 20 / 4
+    assert wait.seconds(0.400, others=3) == pytest.approx(0.100)  # the shared step is longer
+    for _ in range(3):
+        wait.waited(0.012, answered=False)  # > 10 % late: the usual answer is "endless"
+    assert wait.seconds(0.020, others=3) == pytest.approx(0.020)  # a step at most
 
 
 class Adapter:
@@ -92,8 +103,8 @@ def test_the_scheduler_waits_once_a_pass_as_long_as_the_engine_can_afford() -> N
     assert side.matched_tokens(Request("a"), 0, preempted=False) == (None, False)
     assert side.matched_tokens(Request("b"), 0, preempted=False) == (None, False)
     assert adapter.waits == [pytest.approx(0.040)]
-    side.build_step({}, (), 0, None)  # the next pass may wait again
-    adapter.answer = 0
+    side.build_step({}, (), 0, None)  # the next pass may wait again: as the answer came
+    adapter.answer = 0  # late, the usual answer is "endless", and it waits up to a step
     assert side.matched_tokens(Request("a"), 0, preempted=False) == (0, False)
-    assert adapter.waits == [pytest.approx(0.040)] * 2
+    assert adapter.waits == [pytest.approx(0.040), pytest.approx(0.120)]
     assert side.lookup_wait.since_last() == {"lookups_waited": 2, "lookups_late": 1}

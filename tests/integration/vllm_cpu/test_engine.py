@@ -31,7 +31,7 @@ from kvtrio.client import Client
 from kvtrio.launch import ServerProcess
 from kvtrio.protocol import CacheStats, GetStats, StatsReply
 
-from ..._support.vllm_cpu import CONTROL, PREFIX, STARTUP
+from ..._support.vllm_cpu import CONTROL, PREFIX, STARTUP, run_engine
 from ..._support.waiting import wait_for
 from ..._support.web import free_port, http, prometheus
 from ..tiny_model import write_tiny_model
@@ -113,22 +113,9 @@ def kvtrio(workdir: Path) -> Iterator[ServerProcess]:
 
 
 def run_llm(model: Path, workdir: Path, name: str, job: dict[str, Any]) -> dict[str, Any]:
-    """Run ``engine.py`` (``vllm.LLM`` in a new process) over ``job``; its results by prompt."""
-    job_path, results_path = workdir / f"{name}.job.json", workdir / f"{name}.results.json"
-    job_path.write_text(json.dumps(job))
-    log_path = workdir / f"{name}.log"
-    with log_path.open("w") as log:
-        proc = subprocess.run(
-            [sys.executable, str(ENGINE), str(model), str(job_path), str(results_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=environment(),
-            timeout=STARTUP,
-            check=False,
-        )
-    if proc.returncode != 0:
-        pytest.fail(f"vLLM ({name}) exited with {proc.returncode}:\n{log_path.read_text()[-6000:]}")
-    return {r["id"]: r for r in json.loads(results_path.read_text())}
+    """Run ``engine.py`` (``vllm.LLM`` in a new process, its engine core and worker inside it:
+    the API server below keeps vLLM's own processes) over ``job``; its results by prompt."""
+    return run_engine(ENGINE, model, workdir, name, {**job, "in_process": True}, environment())
 
 
 def prompt(name: str, **more: Any) -> dict[str, Any]:

@@ -147,10 +147,10 @@ def extra_keys_of(
 ) -> tuple[tuple[Any, ...] | None, ...] | None:
     """The extra keys of the request's blocks ``[first, stop)`` (of ``size`` tokens) as
     vLLM's ``BlockStored`` publishes them (``generate_block_hash_extra_keys`` and
-    ``to_event_extra_keys``: the
-    LoRA name, ``(mm_identifier, offset)`` pairs, the cache salt on the prompt's first block,
-    prompt-embedding digests), one entry per block; None when no block has any, when this
-    vLLM has no such functions, or when they are not what a store may carry."""
+    ``to_event_extra_keys``: the LoRA name, ``(mm_identifier, offset)`` pairs, the cache salt
+    on the prompt's first block, prompt-embedding digests), one entry per block; None when no
+    block has any, when this vLLM has no such functions, or when they are not what a store may
+    carry (the store goes without them)."""
     if not (
         getattr(request, "lora_request", None)
         or getattr(request, "mm_features", None)

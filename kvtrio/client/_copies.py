@@ -88,6 +88,12 @@ class LoadStoreOp:
     ``maybe_convert_block_hash``) of the blocks from ``start`` (block ``start // block_size``)
     to ``end``, sent with the store (or the load's retrieves) so that the server's KV events
     name the chunks as the engine does (``docs/events.md``)."""
+    event_extra_keys: Sequence[tuple[Any, ...] | None] | None = None
+    """The extra keys of the same blocks as vLLM's KV events publish them (LoRA name,
+    multimodal identifiers, the cache salt on the prompt's first block), one entry per block of
+    ``event_hashes``; None when no block has any."""
+    lora_name: str = ""
+    """The request's LoRA adapter (``""``: none), for the KV events."""
 
 
 @attrs.frozen
@@ -117,6 +123,10 @@ class Span:
     (stores)."""
     event_first: int = 0
     """The block (an index in the prompt) that ``event_hashes`` start at."""
+    event_extra_keys: Sequence[tuple[Any, ...] | None] = ()
+    """The extra keys of the blocks of ``event_hashes`` (one entry each), or none."""
+    lora_name: str = ""
+    """The request's LoRA adapter, or ``""``."""
     prompt_tokens: Sequence[int] = ()
     """Stores: the prompt's tokens from its first (sent with each store's range, for the KV
     events' routers)."""
@@ -172,11 +182,17 @@ class Span:
 
     def _names(self, first: int, stop: int) -> dict[str, Any]:
         """What names blocks ``[first, stop)`` (indices in the prompt) for the KV events: their
-        engine block hashes and tokens, those the operation has."""
+        engine block hashes, tokens and extra keys, and the LoRA adapter, those the operation
+        has."""
         names: dict[str, Any] = {}
         if self.event_hashes and first >= self.event_first:
             hashes = self.event_hashes[first - self.event_first : stop - self.event_first]
             names["block_hashes"] = tuple(hashes)
+            extra = self.event_extra_keys[first - self.event_first : stop - self.event_first]
+            if len(extra) == len(hashes) and any(keys is not None for keys in extra):
+                names["extra_keys"] = tuple(extra)
+        if self.lora_name:
+            names["lora_name"] = self.lora_name
         block = self.chunk_size // self.blocks_per_chunk
         if len(self.prompt_tokens) >= stop * block and (stop - first) * block <= MAX_EVENT_TOKENS:
             names["token_ids"] = pack_tokens(self.prompt_tokens[first * block : stop * block])

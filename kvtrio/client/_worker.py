@@ -337,6 +337,8 @@ class WorkerAdapter:
             partial=bool(chunks.tail_blocks) and last > chunks.full,
             event_hashes=tuple(op.event_hashes or ()),
             event_first=op.start // block,
+            event_extra_keys=tuple(op.event_extra_keys or ()),
+            lora_name=op.lora_name,
             prompt_tokens=() if tokens is None else tokens,
         )
 

@@ -27,6 +27,7 @@ from ..protocol import (
     event_block_hash,
     events_topic,
     replay_endpoint,
+    structure_extra_keys,
 )
 from ._options import ConnectorOptions
 
@@ -112,13 +113,70 @@ def _optional(cls: Any, event: Any, names: tuple[str, ...]) -> dict[str, Any]:
     return {n: getattr(event, n) for n in names if n in fields and getattr(event, n) is not None}
 
 
-def event_hashes_of(as_int: bool) -> Any:
+class BlockNames(list[int | bytes]):
+    """Blocks' hashes as vLLM's KV events name them, with the rest of what its
+    ``BlockStored`` says of them: ``extra_keys`` (one entry per block, or None when no block
+    has any) and ``lora_name`` (``""``: none)."""
+
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+    lora_name: str = ""
+
+
+def event_hashes_of(as_int: bool, block_size: int = 0) -> Any:
     """``event_hashes(request, first, stop)``: the request's block hashes of blocks
     ``[first, stop)`` as vLLM's KV events name them (``maybe_convert_block_hash``: ``as_int``
-    is ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``)."""
+    is ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), as :class:`BlockNames` with their extra keys
+    (blocks of ``block_size`` tokens; 0: none) and LoRA adapter as vLLM's own events give
+    them."""
 
-    def event_hashes(request: Any, first: int, stop: int) -> list[int | bytes]:
-        hashes = request.block_hashes[first:stop]
-        return [event_block_hash(bytes(h), as_int=as_int) for h in hashes]
+    def event_hashes(request: Any, first: int, stop: int) -> BlockNames:
+        names = BlockNames(
+            event_block_hash(bytes(h), as_int=as_int) for h in request.block_hashes[first:stop]
+        )
+        lora = getattr(request, "lora_request", None)
+        names.lora_name = str(getattr(lora, "lora_name", "") or "") if lora is not None else ""
+        if block_size > 0:
+            names.extra_keys = extra_keys_of(request, block_size, first, first + len(names))
+        return names
 
     return event_hashes
+
+
+def extra_keys_of(
+    request: Any, size: int, first: int, stop: int
+) -> tuple[tuple[Any, ...] | None, ...] | None:
+    """The extra keys of the request's blocks ``[first, stop)`` (of ``size`` tokens) as
+    vLLM's ``BlockStored`` publishes them (``generate_block_hash_extra_keys`` and
+    ``to_event_extra_keys``: the LoRA name, ``(mm_identifier, offset)`` pairs, the cache salt
+    on the prompt's first block, prompt-embedding digests), one entry per block; None when no
+    block has any, when this vLLM has no such functions, or when they are not what a store may
+    carry (the store goes without them)."""
+    if not (
+        getattr(request, "lora_request", None)
+        or getattr(request, "mm_features", None)
+        or getattr(request, "cache_salt", None)
+        or getattr(request, "prompt_embeds", None) is not None
+    ):
+        return None  # (the common case, without a call per block)
+    try:
+        from vllm.v1.core import kv_cache_utils as utils
+
+        mm_index, keys = 0, []
+        for block in range(first, stop):
+            found, mm_index = utils.generate_block_hash_extra_keys(
+                request, block * size, (block + 1) * size, mm_index
+            )
+            keys.append(found)
+        if not any(k is not None for k in keys):
+            return None
+        converted = utils.to_event_extra_keys(keys)
+        if converted is None:
+            return None
+        entries = tuple(None if k is None else tuple(_tupled(x) for x in k) for k in converted)
+        return structure_extra_keys(entries, None)
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None  # (a store without extra keys is still a store)
+
+
+def _tupled(key: Any) -> Any:
+    return tuple(key) if isinstance(key, list) else key

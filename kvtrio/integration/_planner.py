@@ -18,7 +18,7 @@ rules live here so they can be read, and tested, without vLLM:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -132,9 +132,9 @@ def plan_load(
         start=start,
         end=end,
         skip_first_n_tokens=plan.local_tokens - start,
-        event_hashes=None
-        if event_hashes is None
-        else tuple(event_hashes(start // block_size, end // block_size)),
+        **_event_names(
+            None if event_hashes is None else event_hashes(start // block_size, end // block_size)
+        ),
     )
     return PlannedTransfer(plan.request_id, "load", op, sync=sync, tier=plan.load_tier)
 
@@ -212,7 +212,19 @@ def _store(
         block_hashes=None if block_hashes is None else tuple(block_hashes[: end // block_size]),
         start=start,
         end=end,
-        event_hashes=None if named is None else tuple(named),
+        **_event_names(named),
     )
     plan.stores += 1
     return PlannedTransfer(plan.request_id, "store", op)
+
+
+def _event_names(names: Sequence[bytes | int] | None) -> dict[str, Any]:
+    """An operation's KV event fields from ``event_hashes``' answer: the hashes, and the
+    blocks' extra keys and LoRA adapter where it has them (``integration._events.BlockNames``)."""
+    if names is None:
+        return {}
+    return {
+        "event_hashes": tuple(names),
+        "event_extra_keys": getattr(names, "extra_keys", None),
+        "lora_name": getattr(names, "lora_name", ""),
+    }

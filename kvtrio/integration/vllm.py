@@ -212,7 +212,7 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             self._scheduler = SchedulerSide(
                 options, self.block_size, adapter, keys, groups=kv_groups(kv_cache_config)
             )
-            self._scheduler.event_hashes = event_hashes_of(int_block_hashes())
+            self._scheduler.event_hashes = event_hashes_of(int_block_hashes(), self.block_size)
             if options.events:
                 self._events = EngineEvents(options)
         else:

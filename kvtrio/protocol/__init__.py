@@ -78,6 +78,7 @@ from ._events import (
     msgpack_uint32s,
     pack_tokens,
     replay_endpoint,
+    structure_extra_keys,
 )
 from ._hashes import (
     DEFAULT_CHUNK_SIZE,
@@ -230,6 +231,7 @@ __all__ = [
     "read_reply_header",
     "read_request_header",
     "replay_endpoint",
+    "structure_extra_keys",
     "tenant_problem",
     "token_chunk_hashes",
     "wire_request_id",

@@ -29,7 +29,7 @@ SNAPSHOT_SEQ, payload]``, then ``[b"", b"", END_SEQ, next_seq]``: the live strea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import msgpack
@@ -322,22 +322,36 @@ class EventBatch:
     events: tuple[KVEvent, ...]
 
 
-def _packed_stored(event: BlockStored, tokens: PackedTokens) -> bytes:
-    """A ``BlockStored`` whose tokens are packed: its map, the ids' array spliced in."""
-    wire = event.wire()
-    keys = list(wire)
-    at = keys.index("token_ids")
-    before = {k: wire[k] for k in keys[:at]}
-    after = {k: wire[k] for k in keys[at + 1 :]}
-    return b"".join(
-        (
-            bytes([0x80 | len(keys)]),
-            msgpack.packb(before, use_bin_type=True)[1:],
-            _TOKEN_KEY,
-            tokens.packed,
-            msgpack.packb(after, use_bin_type=True)[1:],
+def _packed_stored(event: BlockStored, tokens: PackedTokens, pack: Callable[[Any], bytes]) -> bytes:
+    """A ``BlockStored`` whose tokens are packed: its map (as :meth:`BlockStored.wire`'s, in
+    that order), the ids' array spliced in. Two calls of ``pack`` (the batch's one packer): the
+    keys and values before the tokens, and those after, each packed as one array whose header
+    is cut off (an array's elements are the map's entries, in order)."""
+    before = pack(
+        [
+            "type", "BlockStored",
+            "block_hashes", list(event.block_hashes),
+            "parent_block_hash", event.parent_block_hash,
+        ]
+    )[1:]  # fmt: skip
+    after: list[Any] = [
+        "block_size", event.block_size,
+        "lora_id", event.lora_id,
+        "medium", event.medium,
+        "lora_name", event.lora_name,
+    ]  # fmt: skip
+    if event.extra_keys is not None:
+        after += (
+            "extra_keys",
+            [None if k is None else [_plain(x) for x in k] for k in event.extra_keys],
         )
-    )
+    for name in _OPTIONAL_STORED:
+        value = getattr(event, name)
+        if value is not None:
+            after += (name, value)
+    entries = 4 + len(after) // 2
+    tail = pack(after)[1 if len(after) < 16 else 3 :]
+    return b"".join((bytes([0x80 | entries]), before, _TOKEN_KEY, tokens.packed, tail))
 
 
 def encode_batch(ts: float, events: Sequence[KVEvent]) -> bytes:
@@ -345,13 +359,14 @@ def encode_batch(ts: float, events: Sequence[KVEvent]) -> bytes:
     if not any(type(e) is BlockStored and type(e.token_ids) is PackedTokens for e in events):
         payload: bytes = msgpack.packb([ts, [e.wire() for e in events], None], use_bin_type=True)
         return payload
-    parts = [b"\x93", msgpack.packb(ts), _array_header(len(events))]
+    pack = msgpack.Packer(use_bin_type=True).pack  # (one a batch; a packer is not thread-safe)
+    parts = [b"\x93", pack(ts), _array_header(len(events))]
     for e in events:
         tokens = e.token_ids if type(e) is BlockStored else None
         if type(tokens) is PackedTokens:
-            parts.append(_packed_stored(e, tokens))  # type: ignore[arg-type]
+            parts.append(_packed_stored(e, tokens, pack))  # type: ignore[arg-type]
         else:
-            parts.append(msgpack.packb(e.wire(), use_bin_type=True))
+            parts.append(pack(e.wire()))
     parts.append(b"\xc0")
     return b"".join(parts)
 

@@ -131,7 +131,7 @@ class ChunkNames:
         hashes: tuple[int | bytes, ...],
         block_size: int,
         parent: bytes | None,
-        tokens: bytes = b"",
+        tokens: PackedTokens | None = None,
         extra: ExtraKeys | None = None,
         store: StoreNames = _NO_NAMES,
         *,
@@ -153,11 +153,11 @@ class ChunkNames:
         """The store's LoRA and group fields (its tokens and extra keys are this chunk's)."""
         self.extra = extra
         self.tokens = tokens
-        """Its tokens as a batch sends them (``PackedTokens``' bytes), or empty."""
+        """Its tokens as a batch sends them (one ``PackedTokens`` for every event), or None."""
         self.cost = (
             _ENTRY_BYTES
-            + sum(48 + len(h) if type(h) is bytes else 44 for h in hashes)
-            + len(tokens)
+            + len(hashes) * (48 + len(hashes[0]) if hashes and type(hashes[0]) is bytes else 44)
+            + (0 if tokens is None else 56 + len(tokens.packed))
             + (0 if extra is None else 64 + 72 * len(extra))
         )
         """Bytes these names hold (an estimate)."""
@@ -284,9 +284,9 @@ class Announcer:
                 size,
                 None,
                 (
-                    PackedTokens.of(elements[5 * i * per * size : 5 * (i + 1) * per * size]).packed
+                    PackedTokens.of(elements[5 * i * per * size : 5 * (i + 1) * per * size])
                     if elements
-                    else b""
+                    else None
                 ),
                 extra[i * per : (i + 1) * per] if extra else None,
                 kept,
@@ -336,7 +336,7 @@ class Announcer:
             del table.known[key]
             table.size -= names.cost
         tier = self._tier(medium)
-        if all(self._tier(label).medium != tier.medium for label in names.tiers):
+        if not self._held_in(names, tier.medium):
             self._publish(names.tenant, self._removed(names, tier))
 
     # ----------------------------------------------------------------- any tier
@@ -386,6 +386,13 @@ class Announcer:
             tier = self._tier_of[label] = Tier(MEDIUM_STORAGE, "LOCAL", label)
         return tier
 
+    def _held_in(self, names: ChunkNames, medium: str) -> bool:
+        """Whether a tier of ``medium`` holds ``names`` (a loop: no generator per event)."""
+        for label in names.tiers:  # noqa: SIM110 (no generator per event)
+            if self._tier(label).medium == medium:
+                return True
+        return False
+
     def _media(self, names: ChunkNames) -> list[Tier]:
         """The tiers announcing ``names``: one per medium, the first label's (sorted)."""
         media: dict[str, Tier] = {}
@@ -398,7 +405,7 @@ class Announcer:
         """``names`` became readable in tier ``label``: ``BlockStored`` if no tier of its
         medium held it."""
         tier = self._tier(label)
-        new = all(self._tier(other).medium != tier.medium for other in names.tiers)
+        new = not self._held_in(names, tier.medium)
         names.tiers.add(label)
         if new:
             self._publish(names.tenant, self._stored(table, names, tier))
@@ -413,7 +420,7 @@ class Announcer:
         return BlockStored(
             names.hashes,
             self._parent_hash(table, names),
-            PackedTokens(names.tokens) if names.tokens else (),
+            () if names.tokens is None else names.tokens,
             names.block_size,
             tier.medium,
             None,

@@ -78,3 +78,22 @@ def test_a_store_carries_block_hashes_within_bounds() -> None:
         body = encode_request(1, Store("r", 0, 256, (b"x" * 16,), block_hashes=bad))[1]  # type: ignore[arg-type]
         with pytest.raises(ProtocolError, match="block hashes"):
             decode_request("store", body)
+
+
+def test_a_stored_event_with_packed_tokens_is_the_map_of_its_wire() -> None:
+    """The packed path (the server's: tokens spliced in, the rest packed as two arrays whose
+    headers are cut off) gives the map ``wire()`` gives, every optional field included, in the
+    same order, and decodes back to the event."""
+    from kvtrio.protocol import PackedTokens, msgpack_uint32s, pack_tokens
+
+    tokens = PackedTokens.of(msgpack_uint32s(pack_tokens(range(32))))
+    few = BlockStored((7,), 6, tokens, 32, "CPU", locality="LOCAL")
+    every = BlockStored(
+        (1, 2), b"p", tokens, 16, "STORAGE", None, "adapter", (("adapter", ("mm", 3)), None),
+        0, "full_attention", 128, "REMOTE", "s3",
+    )  # fmt: skip
+    for event in (few, every):
+        raw = msgpack.unpackb(encode_batch(2.0, [event]), strict_map_key=False)
+        plain = {**event.wire(), "token_ids": list(range(32))}
+        assert list(raw[1][0].items()) == list(plain.items())
+        assert decode_batch(encode_batch(2.0, [event])).events == (event,)

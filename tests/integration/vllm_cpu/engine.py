@@ -6,7 +6,8 @@
 "max_tokens": int, "wait_ready": int, "repeat": int, "cache_salt": str}]}``. Prompts run one
 after the other; before a prompt with ``wait_ready``, the engine waits until the kvtrio server
 holds that many ready chunks (stores finish after their request does). ``RESULTS.json`` gets,
-per prompt, the generated token ids and ``num_cached_tokens`` (of the first run), and the wall
+per prompt, the generated token ids, ``num_cached_tokens`` and ``kv_transfer_params`` (of the
+first run), and the wall
 time of each of its ``repeat`` (default 1) ``generate`` calls in ``seconds``. ``"llm"``
 (optional): more keyword arguments of ``vllm.LLM`` (e.g. ``tensor_parallel_size``).
 
@@ -102,6 +103,7 @@ def main() -> None:
                 "id": prompt["id"],
                 "token_ids": list(output.outputs[0].token_ids),
                 "num_cached_tokens": output.num_cached_tokens,
+                "kv_transfer_params": output.kv_transfer_params,
                 "seconds": seconds,
             }
         )

@@ -3,15 +3,13 @@
 ``NixlConnector``): hits, stores, ``kv_transfer_params`` and ``request_finished`` are what
 kvtrio alone gives (``test_salt.py``'s numbers: a repeated prompt loads its whole blocks but
 the last token's from kvtrio, greedy output unchanged, nothing left pinned), and the second
-connector stores too. One engine start for the module (``multi_engine.py``).
+connector stores too. One engine start for the module (``engine.py``, its kvtrio connector
+replaced by the ``MultiConnector`` of both).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,12 +19,12 @@ import pytest
 from kvtrio.launch import ServerProcess
 
 from ..._support.server_cache import assert_no_pins, cache
-from ..._support.vllm_cpu import CONTROL, PREFIX, STARTUP
+from ..._support.vllm_cpu import CONTROL, PREFIX, run_engine
 from ..._support.web import free_port
 from ..tiny_model import write_tiny_model
 from .engine import ENV
 
-ENGINE = Path(__file__).with_name("multi_engine.py")
+ENGINE = Path(__file__).with_name("engine.py")
 CHUNK = 128  # 4 of vLLM's 32-token blocks
 CHUNKS = 5  # PREFIX (600 tokens): 4 full chunks and a partial one (2 blocks)
 HIT = 576  # its whole blocks but the last token's: (600 - 1) // 32 * 32
@@ -55,27 +53,33 @@ def results(workdir: Path, kvtrio: ServerProcess) -> dict[str, Any]:
     """One vLLM process: a prompt, the same prompt once kvtrio holds its chunks, another."""
     model = write_tiny_model(workdir / "model", weights=True)
     (workdir / "example").mkdir()
+    kvtrio_config = {
+        "kv_connector": "KvtrioConnector",
+        "kv_connector_module_path": "kvtrio.integration.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvtrio.url": kvtrio.endpoint},
+    }
+    example = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(workdir / "example")},
+    }
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": [kvtrio_config, example]},
+    }
     job = {
-        "kvtrio": kvtrio.endpoint,
-        "example": str(workdir / "example"),
+        "kvtrio": kvtrio.endpoint,  # (wait_ready asks it)
+        "in_process": True,
+        "llm": {"kv_transfer_config": multi},
         "prompts": [
             {"id": "first", "tokens": PREFIX, "max_tokens": 8},
             {"id": "again", "tokens": PREFIX, "max_tokens": 8, "wait_ready": CHUNKS},
             {"id": "other", "tokens": CONTROL, "max_tokens": 8},
         ],
     }
-    job_path, results_path = workdir / "job.json", workdir / "results.json"
-    job_path.write_text(json.dumps(job))
-    log_path = workdir / "vllm.log"
-    with log_path.open("w") as log:
-        proc = subprocess.run(
-            [sys.executable, str(ENGINE), str(model), str(job_path), str(results_path)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV},
-            timeout=STARTUP, check=False,
-        )  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"vLLM exited with {proc.returncode}:\n{log_path.read_text()[-6000:]}")
-    return {r["id"]: r for r in json.loads(results_path.read_text())}
+    return run_engine(ENGINE, model, workdir, "multi", job, {**os.environ, **ENV})
 
 
 def test_kvtrio_in_multi_connector_hits_and_stores_as_alone(

@@ -204,8 +204,9 @@ async def open_server(
                             write_through=config.l2_write_through > 0,
                             admission=config.l2_admission,
                         )
-                        cache = CacheService(config, arenas, l2, CudaTransfers(cuda_runtime))
-                        cache.core.announcer = announcer
+                        cache = CacheService(
+                            config, arenas, l2, CudaTransfers(cuda_runtime), announcer
+                        )
                         if publisher is not None:
                             metrics.events = publisher.stats
                         state = ServerState(

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
-
-import attrs
+from typing import TYPE_CHECKING
 
 from ...config import ServerConfig
 from ...errors import ErrorCode, RequestError
@@ -32,6 +30,7 @@ from ._keys import RequestKey, WriteEnd, checked_hashes, request_key
 from ._limits import KeyBudget, RequestLimits, check_lookup_keys, key_group, tenant_group
 from ._quotas import Quotas
 from ._registry import ModelEntry, Registration, Registry
+from ._steps import Caller, Client, L2Write, LookupStart, LookupStep
 
 if TYPE_CHECKING:
     from .._tenants import TenantArena, TenantArenas
@@ -55,69 +54,6 @@ SLICE_KEYS = 1024
 """Keys of lookups handled between two yields to the event loop: a batch's lookups, and the
 L1 prefix of one long lookup (pinning 1,024 keys takes ~10 ms here on an idle machine, up to
 ~50 ms with the 2 cores loaded 4×; the largest message yields 64 times)."""
-
-
-class Caller(Protocol):
-    """Who asks: a session's id (the owner of its leases) and its client key (``""``: none)."""
-
-    @property
-    def id(self) -> str: ...
-
-    @property
-    def user(self) -> str: ...
-
-
-@attrs.frozen
-class Client:
-    """A :class:`Caller` that is not a server session (tests, tools)."""
-
-    id: str
-    user: str = ""
-
-
-@attrs.frozen
-class L2Write:
-    """A committed chunk for the L2 write-behind."""
-
-    key: bytes
-    fingerprint: bytes
-    tenant: str
-
-
-@attrs.frozen
-class LookupStart:
-    """A lookup checked and admitted, the pins of its request's previous lookup released: its
-    loads must be cancelled before :meth:`CacheCore.pin_first`."""
-
-    request: RequestKey
-    model: ModelEntry
-    hashes: Sequence[bytes]
-    keys: int
-    """Object keys the lookup names (its share of the key budget while it goes on)."""
-
-
-@attrs.frozen
-class LookupStep:
-    """A lookup after its first step: the L1 prefix of its first slice pinned (``hit``), and
-    what is left: more L1 slices (``more``), then, if ``l2``, the chunks from ``hashes[found:]``
-    are needed from L2 by ``deadline``."""
-
-    request: RequestKey
-    model: ModelEntry
-    hashes: Sequence[bytes]
-    hit: int
-    readers: int
-    expires: float
-    keys: int
-    """Object keys the lookup names (its share of the key budget while it goes on)."""
-    more: bool
-    l2: bool
-    deadline: float
-
-    @property
-    def done(self) -> bool:
-        """Answered from L1 now: no more slices, nothing to ask L2."""
-        return not (self.more or self.l2)
 
 
 class CacheCore:

@@ -225,7 +225,7 @@ async def open_server(
                             http_url = None
                             if http_socket is not None:  # first: /healthz says "starting"
                                 http_url = await root.start(serve_http, state, metrics, http_socket)
-                            root.start_soon(_populate, arena)
+                            await root.start(_populate, arena)
                             if publisher is not None:
                                 await root.start(publisher.serve, context)
                             await root.start(l2.serve)
@@ -305,7 +305,9 @@ _POPULATE_SHARE = 0.5
 each slice took): the rest is the requests'."""
 
 
-async def _populate(arena: SharedArena) -> None:
+async def _populate(
+    arena: SharedArena, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
     """Map the arena's (allocated) pages into the server while it already serves, in a thread
     of its own, 16 MiB at a time (:func:`~kvtrio.shm.populate_pages`): it only spares first
     stores their page faults, and must not hold the answers up meanwhile.
@@ -328,6 +330,7 @@ async def _populate(arena: SharedArena) -> None:
                 token.run_sync_soon(done.set)
 
     threading.Thread(target=work, name="kvtrio-l1-populate", daemon=True).start()
+    task_status.started()  # (the thread runs; the server does not wait for it)
     try:
         await done.wait()
     finally:

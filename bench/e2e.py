@@ -230,7 +230,8 @@ def report(kind: str, times: dict[str, list[float]], sequences: int) -> None:
             copies = times[f"{name}/copy"]
             outside = statistics.median(t - c for t, c in zip(times[name], copies, strict=True))
             copy = med[f"{name}/copy"]
-            line += f"{copy * 1e3:>11.2f}{NBYTES / copy / 1e9:>7.2f}{outside * 1e3:>12.2f}"
+            speed = f"{NBYTES / copy / 1e9:>7.2f}" if copy else f"{'-':>7}"  # (none timed)
+            line += f"{copy * 1e3:>11.2f}{speed}{outside * 1e3:>12.2f}"
         print(line)
     checks = [
         ("retrieve / memcpy", med["retrieve"] / memcpy, 1.3),

@@ -1,5 +1,5 @@
-"""What zeroing a store's slots costs (kvtrio.server.cache._quotas.scrub), next to copying the same
-bytes (what the worker does with every slot anyway), in the same run.
+"""What zeroing a store's slots costs (kvtrio.server.cache._scrub.Scrubber), next to copying the
+same bytes (what the worker does with every slot anyway), in the same run.
 
     python bench/scrub.py [--repeats 7]
 
@@ -43,7 +43,7 @@ def main() -> None:
 
 def measure(arena: SharedArena, source: np.ndarray, size: int, repeats: int) -> tuple[float, float]:
     """Median seconds to zero one slot of ``size`` bytes, and to copy a chunk into it."""
-    from kvtrio.server.cache._quotas import _zero
+    from kvtrio.server.cache._scrub import zero as _zero
 
     entry = Entry(b"k", 0, size, EntryState.WRITING)
     target = arena.view(0, size)

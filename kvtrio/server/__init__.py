@@ -1,10 +1,20 @@
-"""The kvtrio server: router, sessions and operation handlers under one root nursery."""
+"""The kvtrio server: router, sessions and operation handlers under one root nursery.
 
-from ._metrics import ServerMetrics
-from ._serve import ServerHandle, open_server, serve
-from ._session import Session
-from ._state import Operation, ServerState
-from ._status import describe_storage, status_document, status_summary, storage_summary
+The names below are loaded on first use, so that importing one of the server's I/O-free parts
+(the cache core, ``kvtrio.server.cache._core``) loads neither trio nor ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._metrics import ServerMetrics
+    from ._serve import ServerHandle, open_server, serve
+    from ._session import Session
+    from ._state import Operation, ServerState
+    from ._status import describe_storage, status_document, status_summary, storage_summary
 
 __all__ = [
     "Operation",
@@ -19,3 +29,27 @@ __all__ = [
     "status_summary",
     "storage_summary",
 ]
+
+_WHERE = {
+    "ServerMetrics": "._metrics",
+    "ServerHandle": "._serve",
+    "open_server": "._serve",
+    "serve": "._serve",
+    "Session": "._session",
+    "Operation": "._state",
+    "ServerState": "._state",
+    "describe_storage": "._status",
+    "status_document": "._status",
+    "status_summary": "._status",
+    "storage_summary": "._status",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name from its module the first time it is asked for."""
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value

@@ -62,9 +62,6 @@ REQUEST_BUCKETS = (
 )
 L2_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-_RENDER = trio.CapacityLimiter(1)
-"""Rendering the text format (a worker thread) runs one scrape at a time."""
-
 _UNKNOWN_OP = "unknown"
 """Label of requests whose operation this server does not know (client-chosen names must not
 create label values without bound)."""
@@ -75,7 +72,10 @@ class ServerMetrics:
     :meth:`observe_request` and its L2 tier :meth:`observe_l2` at their construction, and a
     scrape passes :meth:`render` the state's ``stats`` snapshot."""
 
-    def __init__(self) -> None:
+    def __init__(self, events: Callable[[], Mapping[str, int]] | None = None) -> None:
+        """``events``: the KV event publisher's counters (``--events``), if it runs."""
+        self._render = trio.CapacityLimiter(1)
+        """Rendering the text format (a worker thread) runs one scrape at a time."""
         self._request_counts: dict[tuple[str, ErrorCode | None], int] = {}
         """Requests answered, by (operation label, error code or None)."""
         self._latency: dict[str, list[float]] = {}
@@ -94,8 +94,7 @@ class ServerMetrics:
             registry=None,
         )
         self._known_ops = frozenset(OPERATIONS)
-        self.events: Callable[[], Mapping[str, int]] | None = None
-        """The KV event publisher's counters (``--events``), if it runs."""
+        self.events = events
 
     # ----------------------------------------------------------------- hot path
 
@@ -154,7 +153,7 @@ class ServerMetrics:
         for metric in (self.l2_ops, self.l2_latency):
             registry.register(metric)
         return await trio.to_thread.run_sync(
-            generate_latest, registry, limiter=_RENDER, abandon_on_cancel=True
+            generate_latest, registry, limiter=self._render, abandon_on_cancel=True
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -178,9 +179,8 @@ async def open_server(
                         )
 
                         def new_l1(size: int, base: int) -> L1Cache:
-                            l1 = L1Cache(size, policy=make_policy(config.eviction), base=base)
-                            l1.listener = announcer
-                            return l1
+                            policy = make_policy(config.eviction)
+                            return L1Cache(size, policy=policy, base=base, listener=announcer)
 
                         arenas = TenantArenas(
                             arena,
@@ -189,7 +189,8 @@ async def open_server(
                             directory=config.shm_dir or None,
                             group=config.ipc_group,
                         )
-                        metrics = ServerMetrics()
+                        metrics = ServerMetrics(publisher.stats if publisher else None)
+                        instance_id = uuid.uuid4().hex
                         l2 = L2Tier(
                             backends,
                             arenas.l1,
@@ -201,13 +202,13 @@ async def open_server(
                             tenants=arenas.tenant_count,
                             listener=announcer,
                             chunk_size=config.chunk_size,
+                            instance=instance_id,
                             write_through=config.l2_write_through > 0,
                             admission=config.l2_admission,
                         )
-                        cache = CacheService(config, arenas, l2, CudaTransfers(cuda_runtime))
-                        cache.core.announcer = announcer
-                        if publisher is not None:
-                            metrics.events = publisher.stats
+                        cache = CacheService(
+                            config, arenas, l2, CudaTransfers(cuda_runtime), announcer
+                        )
                         state = ServerState(
                             config,
                             endpoint,
@@ -215,18 +216,18 @@ async def open_server(
                             cache=cache,
                             observe_request=metrics.observe_request,
                             l1_sizing=plan.sizing,
+                            instance_id=instance_id,
+                            events=publisher,
                         )
-                        l2.fleet.instance = state.instance_id
                         register_core_operations(state)
                         cache.install(state)
                         async with trio.open_nursery() as root, trio.open_nursery() as sessions:
                             http_url = None
                             if http_socket is not None:  # first: /healthz says "starting"
                                 http_url = await root.start(serve_http, state, metrics, http_socket)
-                            root.start_soon(_populate, arena)
+                            await root.start(_populate, arena)
                             if publisher is not None:
                                 await root.start(publisher.serve, context)
-                                state.events = publisher
                             await root.start(l2.serve)
                             await root.start(cache.serve_reaper)
                             await root.start(state.heartbeats.run)
@@ -269,16 +270,12 @@ def _events(config: ServerConfig, auth: ServerAuth) -> EventPublisher | None:
     )
 
 
-_CONTEXT_LIMITER = trio.CapacityLimiter(4)
-"""Threads that wait for a stopped server's ZeroMQ context to terminate."""
-
-
 async def _terminate(context: zmq.Context[zmq.Socket[bytes]]) -> None:
     """Terminate the server's own ZeroMQ context once its sockets are closed (shielded,
     bounded: libzmq may hold it for the sockets' linger; after that the thread is abandoned)."""
     with trio.CancelScope(shield=True), trio.move_on_after(2 * _REPLY_LINGER_MS / 1000):
         await trio.to_thread.run_sync(
-            context.term, limiter=_CONTEXT_LIMITER, abandon_on_cancel=True
+            context.term, limiter=trio.CapacityLimiter(1), abandon_on_cancel=True
         )
 
 
@@ -308,7 +305,9 @@ _POPULATE_SHARE = 0.5
 each slice took): the rest is the requests'."""
 
 
-async def _populate(arena: SharedArena) -> None:
+async def _populate(
+    arena: SharedArena, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
     """Map the arena's (allocated) pages into the server while it already serves, in a thread
     of its own, 16 MiB at a time (:func:`~kvtrio.shm.populate_pages`): it only spares first
     stores their page faults, and must not hold the answers up meanwhile.
@@ -331,6 +330,7 @@ async def _populate(arena: SharedArena) -> None:
                 token.run_sync_soon(done.set)
 
     threading.Thread(target=work, name="kvtrio-l1-populate", daemon=True).start()
+    task_status.started()  # (the thread runs; the server does not wait for it)
     try:
         await done.wait()
     finally:

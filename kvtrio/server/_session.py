@@ -92,6 +92,11 @@ class Session:
         """True once the session has been told to end (it takes no new requests then)."""
         return self.scope.cancel_called
 
+    @property
+    def user(self) -> str:
+        """Its client key's id (``""``: none), as the cache core counts callers."""
+        return self.principal.user_id
+
     def __repr__(self) -> str:
         name = f" {self.client_name}" if self.client_name else ""
         return f"<Session {self.id}{name}>"

@@ -133,7 +133,11 @@ class ServerState:
         cache: CacheReport | None = None,
         observe_request: ObserveRequest | None = None,
         l1_sizing: str = "",
+        instance_id: str = "",
+        events: EventPublisher | None = None,
     ) -> None:
+        """``instance_id``: this server's (a new one if empty; its L2 tier's fleet records
+        carry it too); ``events``: the KV event publisher (``--events``), if any."""
         self.config = config
         self.auth = auth or ServerAuth("ipc" if endpoint.startswith("ipc://") else "insecure")
         """Who clients are and how many sessions they may hold (see ``_auth``)."""
@@ -141,7 +145,7 @@ class ServerState:
         """Keys the session ids shown in stats and logs: they never reveal a routing id."""
         self.endpoint = endpoint
         """The endpoint actually bound (a tcp port of 0 resolved)."""
-        self.instance_id = uuid.uuid4().hex
+        self.instance_id = instance_id or uuid.uuid4().hex
         self.started_at = trio.current_time()
         self.counters = Counters()
         self.sessions: dict[bytes, SessionView] = {}
@@ -159,8 +163,8 @@ class ServerState:
         """Requests accepted by the router that have not been answered (or dropped) yet."""
         self.l1_sizing = l1_sizing
         """Why L1 has its size (``default``, ``configured``, ``50% of /dev/shm's 3GiB free``)."""
-        self.events: EventPublisher | None = None
-        """The KV event publisher (``--events``), once it runs."""
+        self.events = events
+        """The KV event publisher (``--events``), if any (it runs in the root nursery)."""
         self.heartbeats = Heartbeats(config.heartbeat_timeout)
         """The sessions' heartbeat deadlines, in the loop's progress time (its task runs in
         the server's root nursery)."""

@@ -45,8 +45,6 @@ log = logging.getLogger("kvtrio.tenants")
 
 _SHIFT = 44
 """Arena ``i``'s virtual offsets start at ``i << _SHIFT`` (16 TiB apart)."""
-_ALLOCATE_LIMITER = trio.CapacityLimiter(1)
-"""Allocating the pages of tenants' arenas runs one arena at a time."""
 _NAMESPACE_SIZE = 16
 """An object key is a 16-byte namespace (model, tenant, profile, rank) and a chunk hash."""
 _GONE_SLICE = 4096
@@ -94,6 +92,9 @@ class TenantArenas:
         group: str = "",
     ) -> None:
         self.arena_size = first.size
+        self._allocate = trio.CapacityLimiter(1)
+        """Allocating the pages of tenants' arenas (and unmapping renewed ones) runs one arena
+        at a time."""
         self.limit = limit
         self._make_l1 = make_l1
         self._directory = directory
@@ -243,7 +244,7 @@ class TenantArenas:
                 try:
                     await trio.to_thread.run_sync(
                         tenant_arena.arena.preallocate,
-                        limiter=_ALLOCATE_LIMITER,
+                        limiter=self._allocate,
                         abandon_on_cancel=True,
                     )
                 except OSError as exc:
@@ -258,7 +259,7 @@ class TenantArenas:
         while self._retired_arenas:
             arena = self._retired_arenas.pop()
             await trio.to_thread.run_sync(
-                arena.close, limiter=_ALLOCATE_LIMITER, abandon_on_cancel=True
+                arena.close, limiter=self._allocate, abandon_on_cancel=True
             )
 
     async def _tell_gone(self) -> None:

@@ -76,6 +76,7 @@ class L1Cache:
         policy: EvictionPolicy | None = None,
         alignment: int = 4096,
         base: int = 0,
+        listener: L1Listener | None = None,
     ) -> None:
         self._allocator = ExtentAllocator(capacity, alignment, base)
         self._policy: EvictionPolicy = (
@@ -89,7 +90,7 @@ class L1Cache:
         self._quarantine: list[tuple[float, int, int]] = []  # (until, offset, nbytes)
         self.evictions = 0
         self.store_failures = 0
-        self.listener: L1Listener | None = None
+        self.listener = listener
         """Told of chunks becoming readable and of readable ones leaving (KV events)."""
 
     @property

@@ -173,7 +173,7 @@ def test_the_bench_sections_the_design_links_to_exist() -> None:
 
 def test_the_checker_finds_what_does_not_exist() -> None:
     assert exists("kvtrio.l2.register")
-    assert exists("CacheCore.settle_copies")
+    assert exists("CacheIO.settle_copies")
     assert not exists("kvtrio.l2.no_such_name")
     assert not exists("CacheCore.no_such_attribute")
     assert path_exists("server/cache/_core.py")

@@ -71,7 +71,7 @@ async def test_servers_with_another_chunk_size_are_reported_once(
 ) -> None:
     shared = SharedMemory()
     async with running(config, shared) as (server_a, worker_a, _):
-        server_a.state.cache.core.l2.fleet.verify_delay = 0.05  # type: ignore[union-attr]
+        server_a.state.cache.io.l2.fleet.verify_delay = 0.05  # type: ignore[union-attr]
 
         async def recorded() -> bool:
             return await _record(shared) is not None
@@ -98,7 +98,7 @@ async def test_servers_with_another_chunk_size_are_reported_once(
 async def test_servers_that_agree_report_nothing(config: ServerConfig) -> None:
     shared = SharedMemory()
     async with running(config, shared) as (server_a, _, _):
-        server_a.state.cache.core.l2.fleet.verify_delay = 0.05  # type: ignore[union-attr]
+        server_a.state.cache.io.l2.fleet.verify_delay = 0.05  # type: ignore[union-attr]
 
         async def recorded() -> bool:
             return await _record(shared) is not None
@@ -185,7 +185,7 @@ async def test_the_models_checked_are_bounded_in_count_and_bytes(
     monkeypatch.setattr(_fleet, "MAX_CHECKS", 4, raising=False)
     shared = SharedMemory()
     async with running(config, shared) as (server, worker, _):
-        fleet = server.state.cache.core.l2.fleet  # type: ignore[union-attr]
+        fleet = server.state.cache.io.l2.fleet  # type: ignore[union-attr]
         fleet.verify_delay = 60.0  # (each check stays running, waiting to read back)
         for index in range(20):
             model = f"model-{index}-" + "x" * 1000

@@ -48,7 +48,7 @@ async def test_a_backend_that_cannot_store_is_unhealthy_with_the_reason_until_a_
     the backoff after a failed store had passed (``"healthy": true`` next to ``"errors": 3``)."""
     backend = _ReadOnly()
     async with running(config, backend) as (server, worker, _):
-        tier = server.state.cache.core.l2.backends[0]  # type: ignore[union-attr]
+        tier = server.state.cache.io.l2.backends[0]  # type: ignore[union-attr]
 
         async def health_is(value: bool) -> bool:
             return (await stats(worker)).l2[0].healthy is value

@@ -32,7 +32,8 @@ from kvtrio.protocol import (
     StoreReply,
 )
 from kvtrio.server import open_server
-from kvtrio.server.cache._quotas import Quotas, scrub
+from kvtrio.server.cache._quotas import Quotas
+from kvtrio.server.cache._scrub import Scrubber
 from kvtrio.shm import SharedArena
 from kvtrio.storage import Entry, EntryState
 from kvtrio.storage.keys import token_chunk_hashes
@@ -214,7 +215,7 @@ async def test_large_stores_are_zeroed_in_a_thread(tmp_path: Path) -> None:
     try:
         arena.view(0, 16 << 20).fill(7)
         entries = [Entry(b"k", i * (2 << 20), 2 << 20, EntryState.WRITING) for i in range(4)]
-        await scrub(arena, entries)
+        await Scrubber(arena).in_thread(entries)
         assert not np.any(arena.view(0, 8 << 20))
         assert np.all(arena.view(8 << 20, 8 << 20) == 7)
     finally:

@@ -23,6 +23,7 @@ from ...errors import ProtocolError, RequestError
 from ...protocol import Lookup, LookupBatch, LookupBatchReply, LookupFailure, LookupReply
 from .._session import Session
 from .._state import Later, ServerState
+from ._core import SLICE_KEYS
 from ._limits import KeyBudget, check_lookup_keys
 
 __all__ = ["L2_PARTS", "SLICE_KEYS", "register_lookup_batch"]
@@ -31,10 +32,6 @@ LookupHandler = Callable[[Session, Lookup], "LookupReply | Later"]
 Turn = Callable[[], Awaitable[None]]
 checkpoint: Turn = trio.lowlevel.checkpoint
 
-SLICE_KEYS = 1024
-"""Keys of lookups handled between two yields to the event loop: a batch's lookups, and the
-L1 prefix of one long lookup (pinning 1,024 keys takes ~10 ms here on an idle machine, up to
-~50 ms with the 2 cores loaded 4×; the largest message yields 64 times)."""
 L2_PARTS = 8
 """L2 parts of one batch's lookups running at once (each probes the backends for its ranks):
 a batch of 1,024 lookups does not make 1,024 runnable tasks at once."""
@@ -78,7 +75,7 @@ class _Batch:
     ) -> None:
         self.lookup = lookup
         self.turn = turn
-        """Awaited between slices (the cache's :meth:`~._core.CacheCore.turn`)."""
+        """Awaited between slices (the cache's :meth:`~._io.CacheIO.turn`)."""
         self.session = session
         self.hit_tokens = [0] * size
         self.hit_chunks = [0] * size

@@ -31,8 +31,8 @@ from ...protocol import Retrieve, RetrieveReply, Slot, Store, StoreReply
 from ...shm import SharedArena
 from ...storage import Entry
 from .._state import Later
-from ._keys import RequestKey
-from ._quotas import scrub, scrub_now
+from ._keys import RequestKey, WriteEnd
+from ._scrub import Scrubber
 
 __all__ = ["NO_BLOCKS", "Blocks", "CopyPath", "HostCopy", "Job", "LeaseEnds", "WriteEnd"]
 
@@ -66,11 +66,6 @@ class Job:
         first = self.slots[0].chunk if self.slots else 0
         slots = [slot for slot in self.slots if slot.status == status]
         return slots, [self.space + self.hashes[slot.chunk - first] for slot in slots]
-
-
-WriteEnd = Literal["commit", "abort", "quarantine"]
-"""How a write reservation ends: its chunk becomes visible (and goes to L2), its slot is freed,
-or its slot is kept out of use for a while (a late writer may still be copying into it)."""
 
 
 class LeaseEnds(Protocol):
@@ -127,7 +122,7 @@ class HostCopy:
     copies_on_server = False
 
     def __init__(self, arena: SharedArena, reservation_ttl: float) -> None:
-        self._arena = arena
+        self._scrub = Scrubber(arena)
         self._reservation_ttl = reservation_ttl
 
     def check(self, op: Store | Retrieve, chunks: range) -> Blocks:
@@ -138,13 +133,13 @@ class HostCopy:
 
     def store(self, job: Job, reserved: Sequence[Entry]) -> StoreReply | Later:
         """Zero the reserved slots, inline if they are few enough, else in a :class:`Later`
-        (a worker thread; cancellation: see :func:`scrub`)."""
+        (a worker thread; cancellation: see :meth:`~._scrub.Scrubber.in_thread`)."""
         reply = StoreReply(tuple(job.slots), self._reservation_ttl)
-        if scrub_now(self._arena, reserved):  # an unwritten slot never shows a previous chunk
+        if self._scrub.now(reserved):  # an unwritten slot never shows a previous chunk
             return reply
 
         async def scrubbed() -> StoreReply:
-            await scrub(self._arena, reserved)
+            await self._scrub.in_thread(reserved)
             return reply
 
         return Later(scrubbed)

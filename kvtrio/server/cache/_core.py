@@ -1,80 +1,76 @@
-"""The cache core: the state every cache operation shares, and the steps they share.
+"""The cache core: the L1 tables of one server and every step on them, with no I/O.
 
-All state changes happen synchronously inside a handler (no checkpoint in the middle), so each
-operation is atomic with respect to every other. Every pin and reservation is a lease
-(``storage.LeaseTable``) undone exactly once: by the operation that ends it (commit, release,
-a server-side copy's completion), by the request's end, by its session's end, or by the reaper
-when it expires. This module holds the tables and those ends; the operations are in
-``_lookups``, ``_writes``, ``_reads`` and ``_registrations``.
+:class:`CacheCore` owns the tenants' L1 (through ``TenantArenas``), the leases, the registry,
+the quotas and the limits. It takes a caller (a session id and its client key) and a request,
+changes its tables synchronously and says what is next as data: an L1 answer and whether the
+lookup needs the rest of its chunks from L2 by a deadline (:class:`LookupStep`), a store's
+slots and the chunks present already (to be rewritten to L2), a commit's chunks for the
+write-behind (:class:`L2Write`). It imports neither trio nor ZeroMQ and knows no session, no
+turn, no L2 tier: the handlers above it (``_lookups``, ``_writes``, ``_reads``,
+``_registrations``, over ``_io.CacheIO``) do, as h11's ``Connection`` is driven by whoever owns
+the socket. Its clock is passed in (the server's: trio's).
+
+Every pin and reservation is a lease (``storage.LeaseTable``) undone exactly once: by the
+operation that ends it (commit, release, a server-side copy's completion), by the request's
+end, by its session's end (:meth:`CacheCore.release_slice`), or by the reaper when it expires
+(:meth:`CacheCore.expire`). Each step is atomic: it never yields.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING
 
-import trio
-
-from ..._logging import event
 from ...config import ServerConfig
 from ...errors import ErrorCode, RequestError
-from ...protocol import Retrieve, Store
-from ...storage import L1Cache, Lease, LeaseKind, LeaseTable
-from .._session import Session
-from .._tenants import TenantArena, TenantArenas
-from ..l2tier import L2Tier
-from ._copy import WriteEnd
-from ._keys import RequestKey, checked_hashes, request_key
-from ._limits import KeyBudget, RequestLimits, key_group, tenant_group
-from ._prefetch import Prefetcher
+from ...protocol import Lookup, Retrieve, Slot, Store
+from ...storage import Entry, L1Cache, Lease, LeaseKind, LeaseTable, Reservation
+from ._keys import RequestKey, WriteEnd, checked_hashes, request_key
+from ._limits import KeyBudget, RequestLimits, check_lookup_keys, key_group, tenant_group
 from ._quotas import Quotas
-from ._registry import Registration, Registry
+from ._registry import ModelEntry, Registration, Registry
+from ._steps import Caller, Client, L2Write, LookupStart, LookupStep
 
-__all__ = ["CacheCore", "ChunkNaming"]
+if TYPE_CHECKING:
+    from .._tenants import TenantArena, TenantArenas
+
+__all__ = [
+    "RELEASE_SLICE",
+    "SLICE_KEYS",
+    "CacheCore",
+    "Caller",
+    "Client",
+    "L2Write",
+    "LookupStart",
+    "LookupStep",
+]
 
 log = logging.getLogger("kvtrio.cache")
 
-
-class ChunkNaming(Protocol):
-    """What the cache tells the KV events' announcer (``server._announce.Announcer``): the
-    names a store carried, and which namespaces are announced. Synchronous, no I/O."""
-
-    def names(
-        self,
-        keys: Sequence[bytes],
-        block_hashes: Sequence[int | bytes],
-        block_size: int,
-        store: Store | Retrieve | None = None,
-    ) -> None: ...
-
-    def announce_space(self, space: bytes, tenant: str) -> None: ...
-
-
 RELEASE_SLICE = 4096
 """Leases a session's end releases between two turns (popping and undoing one takes a few µs)."""
+SLICE_KEYS = 1024
+"""Keys of lookups handled between two yields to the event loop: a batch's lookups, and the
+L1 prefix of one long lookup (pinning 1,024 keys takes ~10 ms here on an idle machine, up to
+~50 ms with the 2 cores loaded 4×; the largest message yields 64 times)."""
 
 
 class CacheCore:
-    """The L1 cache's tables (one per server) and the steps the operations share."""
+    """The L1 cache's tables (one per server) and the steps on them. No I/O."""
 
     def __init__(
-        self,
-        config: ServerConfig,
-        arenas: TenantArenas,
-        l2: L2Tier,
-        settle_copies: Callable[[], None] = lambda: None,
+        self, config: ServerConfig, arenas: TenantArenas, clock: Callable[[], float]
     ) -> None:
+        """``arenas``: the tenants' L1 arenas (their files are created above; the core only
+        reads and changes their indexes); ``clock``: the time leases expire in (trio's)."""
         self.config = config
-        self.settle_copies = settle_copies
-        """Run the completions of server-side copies that have already finished (non-blocking):
-        called first by the operations that read the cache, so a copy the worker saw done is
-        visible to its next request."""
+        self.clock = clock
         self.arenas = arenas  # one per tenant (docs/security.md)
         self.l1: L1Cache = arenas.l1
-        self.l2 = l2
         self.users: dict[str, str] = {}
-        """The client key of each watched session (its requests count against the key)."""
+        """The client key of each session the core knows (its requests count against it)."""
+        self._by_user: dict[str, set[str]] = {}
         self.leases = LeaseTable(self._groups_of)
         self.quotas = Quotas(config, self.leases, self.l1)
         self.registry = Registry(config.chunk_size)
@@ -83,18 +79,30 @@ class CacheCore:
         )
         self.budget = KeyBudget()
         """Keys of lookups still in their L2 part, per session and client key (issue 22)."""
-        self.slices = trio.CapacityLimiter(1)
-        """The turn to run one slice of a big message's work (see :meth:`turn`)."""
-        self.prefetch = Prefetcher(self.l1, l2, config, self.pin_for_lookup)
-        self._watched: set[str] = set()  # sessions whose end releases their leases
-        self.announcer: ChunkNaming | None = None
-        """The KV events' announcer (``--events``), if any."""
 
     # ----------------------------------------------------------------- who and what
 
-    def registration(self, session: Session) -> Registration:
+    def enter(self, caller: Caller) -> None:
+        """Know ``caller`` (its leases count against its client key; whoever runs its session
+        calls :meth:`leave` and :meth:`release_slice` at its end). Idempotent."""
+        if caller.id in self.users:
+            return
+        self.users[caller.id] = caller.user
+        if caller.user:
+            self._by_user.setdefault(caller.user, set()).add(caller.id)
+
+    def leave(self, owner: str) -> None:
+        """Forget the session ``owner`` (its end); its leases are released separately."""
+        user = self.users.pop(owner, "")
+        owners = self._by_user.get(user)
+        if owners is not None:
+            owners.discard(owner)
+            if not owners:
+                del self._by_user[user]
+
+    def registration(self, owner: str) -> Registration:
         """The session's registration, or ``not_registered``."""
-        registration = self.registry.by_session.get(session.id)
+        registration = self.registry.by_session.get(owner)
         if registration is None:
             raise RequestError(
                 ErrorCode.NOT_REGISTERED,
@@ -131,12 +139,16 @@ class CacheCore:
         self.limits.admit_request(self.leases, request, registration.tenant, user)
         return request, hashes, chunks
 
-    def admit(self, session: Session, request: RequestKey, tenant: str) -> None:
-        """Admit ``request`` of ``tenant`` for ``session`` (``busy`` beyond the server's, the
-        tenant's or the client key's share of ``max_requests``); the session's end will
-        release what it takes (:meth:`watch`)."""
-        self.watch(session)
-        self.limits.admit_request(self.leases, request, tenant, session.principal.user_id)
+    def admit(self, caller: Caller, request: RequestKey, tenant: str) -> None:
+        """Admit ``request`` of ``tenant`` for ``caller`` (``busy`` beyond the server's, the
+        tenant's or the client key's share of ``max_requests``)."""
+        self.limits.admit_request(self.leases, request, tenant, caller.user)
+
+    def admit_leases(self, caller: Caller, new: int, chunk_bytes: int) -> None:
+        """``quota_exceeded`` if ``new`` more leases of ``chunk_bytes`` each would exceed the
+        caller's session limit or its client key's share of L1."""
+        owners = self._by_user.get(caller.user, ()) if caller.user else ()
+        self.quotas.admit(caller.id, caller.user, new, chunk_bytes, owners)
 
     def _groups_of(self, lease: Lease) -> tuple[str, ...]:
         """The groups a request counts in, from its first lease: the tenant whose arena holds
@@ -157,31 +169,153 @@ class CacheCore:
             return False
         return all(r.tenant != tenant for r in self.registry.by_session.values())
 
-    async def turn(self) -> None:
-        """Yield to the event loop, then wait for this task's turn to run the next slice of
-        a big message's work. Turns go one task at a time, first come first served, so that
-        many big messages at once still run about one slice per scheduling round, not one
-        each (trio runs every runnable task before it polls the sockets again). Cancellation:
-        raises Cancelled (the caller's slices so far stay done)."""
-        async with self.slices:
-            pass
-
     def local(self, offset: int) -> int:
         """An L1 entry's offset in its tenant's arena file (what the worker maps)."""
         return self.arenas.of_offset(offset).local(offset)
 
-    # ----------------------------------------------------------------- lease ends
+    # ----------------------------------------------------------------- lookups
+
+    def lookup(self, caller: Caller, lookup: Lookup) -> LookupStart | None:
+        """Check ``lookup``, admit its request and release the pins of the request's previous
+        lookup, which this one replaces (its loads are to be cancelled: see
+        :attr:`LookupStart.request`); None if no worker of its engine has registered. Raises
+        :class:`RequestError` (nothing changed) on a bad field or a refused limit."""
+        hashes = checked_hashes(lookup.chunk_hashes)
+        keys = check_lookup_keys(lookup.world_size, len(hashes))  # bounded before any work
+        model = self.registry.engine_model(lookup.engine, lookup.model, lookup.tenant)
+        if model is None:
+            return None
+        if lookup.world_size != model.world_size:
+            raise RequestError(
+                ErrorCode.INCOMPATIBLE,
+                f"model {lookup.model!r} is registered with world size {model.world_size}, "
+                f"the lookup says {lookup.world_size}",
+            )
+        request = request_key(lookup.engine, lookup.model, lookup.tenant, lookup.request)
+        self.enter(caller)
+        self.admit(caller, request, lookup.tenant)
+        self.end_lookup(request)
+        return LookupStart(request, model, hashes, keys)
+
+    def pin_first(
+        self, caller: Caller, lookup: Lookup, start: LookupStart, *, l2: bool
+    ) -> LookupStep:
+        """Admit the started lookup's pins and pin the L1 prefix of its first slice
+        (:data:`SLICE_KEYS` keys); what is left as data. ``l2``: whether the server has an L2
+        to ask for the rest. Raises :class:`RequestError` (nothing pinned) on a refused
+        limit."""
+        model, hashes = start.model, start.hashes
+        now = self.clock()
+        self.quotas.readers(lookup.num_readers, model.world_size)
+        readers = lookup.num_readers or (
+            model.world_size if model.profile.shared_across_ranks else 1
+        )
+        expires = now + self.config.pin_ttl
+        # The first slice of chunks is looked up and pinned now, atomically; the rest of a
+        # long prefix (beyond SLICE_KEYS keys) slice by slice (:meth:`pin_prefix`).
+        first = max(1, SLICE_KEYS // len(model.spaces))
+        if l2 or len(hashes) > first:  # (it may go on)
+            self.budget.check(caller.id, caller.user, start.keys)
+        pending = self.budget.total  # (the L2 parts under way may pin that many)
+        self.limits.admit_pins(self.leases, len(hashes) * len(model.spaces), pending, lookup.tenant)
+        hit = self.pin_prefix(caller, start.request, model, hashes[:first], readers, expires, True)
+        more = hit == first < len(hashes)
+        return LookupStep(
+            request=start.request,
+            model=model,
+            hashes=hashes,
+            hit=hit,
+            readers=readers,
+            expires=expires,
+            keys=start.keys,
+            more=more,
+            l2=l2 and (more or hit < len(hashes)),
+            deadline=now + self.config.lookup_timeout,
+        )
+
+    def pin_prefix(
+        self,
+        caller: Caller,
+        request: RequestKey,
+        model: ModelEntry,
+        hashes: Sequence[bytes],
+        readers: int,
+        expires: float,
+        first: bool,
+    ) -> int:
+        """Find how many leading ``hashes`` every namespace has in L1 and pin them for
+        ``request``; the count. The quotas are admitted before any pin: a refusal raises
+        (``first``) or, for a later slice, ends the prefix there (0)."""
+        hit = len(hashes)
+        for space in model.spaces:
+            hit = self.l1.prefix([space + h for h in hashes[:hit]])
+        if hit:
+            pinned = [space + h for space in model.spaces for h in hashes[:hit]]
+            try:
+                self.admit_leases(caller, len(pinned), model.chunk_bytes)
+                self.quotas.admit_pins(pinned, model.chunk_bytes)
+            except RequestError:
+                if first:
+                    raise
+                return 0
+        for chunk_hash in hashes[:hit]:
+            for space in model.spaces:
+                self.pin_for_lookup(request, caller.id, space + chunk_hash, readers, expires)
+        return hit
+
+    def still_looking(self, request: RequestKey, owner: str, model: ModelEntry,
+                      first_hash: bytes) -> bool:  # fmt: skip
+        """Whether ``owner``'s lookup of ``request`` still holds its first pin (neither ended
+        nor replaced by a new lookup since)."""
+        marker = model.spaces[0] + first_hash
+        return self.leases.get(LeaseKind.LOOKUP, request, owner, marker) is not None
 
     def pin_for_lookup(
         self, request: RequestKey, owner: str, object_key: bytes, readers: int, expires: float
     ) -> None:
+        """Pin an L1 entry for ``readers`` reads of ``request`` (a lease of ``owner``)."""
         self.l1.pin(object_key, readers)
         self.leases.add(LeaseKind.LOOKUP, request, owner, object_key, readers, expires)
 
     def end_lookup(self, request: RequestKey) -> int:
-        """Release a request's lookup pins and cancel its pending loads."""
-        self.prefetch.cancel_request(request)
+        """Release a request's lookup pins; how many (its loads are cancelled above)."""
         return self.undo(self.leases.pop_request(request, [LeaseKind.LOOKUP]), quarantine=False)
+
+    # ----------------------------------------------------------------- writes
+
+    def reserve(
+        self,
+        owner: str,
+        registration: Registration,
+        request: RequestKey,
+        chunks: range,
+        hashes: Sequence[bytes],
+        parent: bytes | None,
+        expires: float,
+        slots: list[Slot],
+        reserved: list[Entry],
+        present: list[bytes],
+    ) -> bytes | None:
+        """Reserve the slots of ``chunks`` (prompt indices; ``hashes`` theirs), appending to
+        ``slots`` and ``reserved``, and to ``present`` the keys already in L1 (to be written to
+        L2 if they never reached it); returns the last chunk's object key (the next parent)."""
+        l1 = self.l1
+        for index, chunk_hash in zip(chunks, hashes, strict=True):
+            object_key = registration.space + chunk_hash
+            outcome = l1.reserve(object_key, registration.chunk_bytes, parent=parent)
+            parent = object_key
+            if isinstance(outcome, Entry):
+                self.leases.add(LeaseKind.WRITE, request, owner, object_key, 1, expires)
+                slots.append(Slot(index, "write", self.local(outcome.offset), outcome.nbytes))
+                reserved.append(outcome)
+            elif outcome is Reservation.PRESENT:
+                slots.append(Slot(index, "present"))
+                present.append(object_key)
+            elif outcome is Reservation.IN_PROGRESS:
+                slots.append(Slot(index, "busy"))
+            else:
+                slots.append(Slot(index, "failed"))
+        return parent
 
     def end_write(
         self,
@@ -190,29 +324,51 @@ class CacheCore:
         object_key: bytes,
         how: WriteEnd,
         fingerprint: bytes,
-        written: list[trio.Event] | None = None,
+        writes: list[L2Write] | None = None,
     ) -> bool:
         """End ``owner``'s write reservation of ``object_key`` for ``request``: ``commit`` it
-        (visible, and queued for L2 with ``fingerprint``), ``abort`` it, or ``quarantine`` its
-        slot. False if there is none (never reserved, expired, or its session ended). With
-        write-through, the event set once a committed chunk's L2 writes ended is appended to
-        ``written``."""
+        (visible; appended to ``writes`` for the L2 write-behind with ``fingerprint``),
+        ``abort`` it, or ``quarantine`` its slot. False if there is none (never reserved,
+        expired, or its session ended)."""
         lease = self.leases.get(LeaseKind.WRITE, request, owner, object_key)
         if lease is None:
             return False
         self.leases.remove(lease)
         if how == "commit":
             self.l1.commit(object_key)
-            arena = self.arenas.of_key(object_key)
-            tenant = "" if arena is None or arena.tenant is None else arena.tenant
-            event = self.l2.writes.commit(object_key, fingerprint, tenant)
-            if event is not None and written is not None:
-                written.append(event)
+            if writes is not None:
+                arena = self.arenas.of_key(object_key)
+                tenant = "" if arena is None or arena.tenant is None else arena.tenant
+                writes.append(L2Write(object_key, fingerprint, tenant))
         elif how == "abort":
             self.l1.abort(object_key)
         else:
-            self.l1.abort_quarantined(object_key, trio.current_time() + self.config.reservation_ttl)
+            self.l1.abort_quarantined(object_key, self.clock() + self.config.reservation_ttl)
         return True
+
+    # ----------------------------------------------------------------- reads
+
+    def pin_reads(
+        self, owner: str, request: RequestKey, chunks: range, keys: Sequence[bytes]
+    ) -> list[Slot]:
+        """Pin the chunks of a retrieve that are in L1, each before consuming the lookup's pin
+        (so it never drops to zero pins in between); a ``read`` slot for each, ``failed`` for
+        one that is not in L1. The caller admitted the quotas."""
+        expires = self.clock() + self.config.pin_ttl
+        slots = []
+        l1, leases = self.l1, self.leases
+        for index, object_key in zip(chunks, keys, strict=False):
+            entry = l1.get(object_key)
+            if entry is None:
+                slots.append(Slot(index, "failed"))
+                continue
+            l1.pin(object_key)  # the read's own pin first, so the entry stays pinned
+            leases.add(LeaseKind.READ, request, owner, object_key, 1, expires)
+            consumed = leases.take_lookup(request, object_key)
+            if consumed:
+                l1.unpin(object_key, consumed)
+            slots.append(Slot(index, "read", self.local(entry.offset), entry.nbytes))
+        return slots
 
     def end_reads(self, owner: str, request: RequestKey, object_keys: Sequence[bytes]) -> int:
         """Unpin ``owner``'s read pins of ``object_keys`` for ``request`` that still exist."""
@@ -224,73 +380,34 @@ class CacheCore:
                 leases.append(lease)
         return self.undo(leases, quarantine=False)
 
+    # ----------------------------------------------------------------- lease ends
+
     def undo(self, leases: Sequence[Lease], *, quarantine: bool) -> int:
         """Undo what removed leases held: unpin, or drop a reservation. Returns the count."""
         l1 = self.l1
         for lease in leases:
             if lease.kind is LeaseKind.WRITE:
                 if quarantine:
-                    l1.abort_quarantined(
-                        lease.key, trio.current_time() + self.config.reservation_ttl
-                    )
+                    l1.abort_quarantined(lease.key, self.clock() + self.config.reservation_ttl)
                 else:
                     l1.abort(lease.key)
             else:
                 l1.unpin(lease.key, lease.count)
         return len(leases)
 
-    # ----------------------------------------------------------------- sessions
+    def release_slice(self, owner: str, *, quarantine: bool) -> int:
+        """Release up to :data:`RELEASE_SLICE` of ``owner``'s leases (a session's end or
+        unregistration: call again while it returns :data:`RELEASE_SLICE`)."""
+        return self.undo(self.leases.pop_owner(owner, RELEASE_SLICE), quarantine=quarantine)
 
-    def watch(self, session: Session) -> None:
-        """Make the session's end release everything it holds (once per session)."""
-        if session.id in self._watched:
-            return
-        self._watched.add(session.id)
-        if session.principal.user_id:
-            self.users[session.id] = session.principal.user_id
-
-        async def session_ended() -> None:
-            self._watched.discard(session.id)
-            self.users.pop(session.id, None)
-            # The client may still be alive (silent, not dead): a late write must land in a
-            # quarantined slot, never in one handed to someone else.
-            await self.release_session(session.id, quarantine=True)
-
-        session.add_cleanup(session_ended)
-
-    async def release_session(self, session_id: str, *, quarantine: bool) -> int:
-        """Drop the session's registration (if any) and every lease it holds; cancel the loads
-        it started. Returns how many leases were released.
-
-        The leases go :data:`RELEASE_SLICE` at a time, taking turns (:meth:`turn`) in between
-        (a session holding 100k pins took ~0.4 s of the loop to end). Cancellation: at a
-        turn, with the registration gone and the leases not released yet still held (they
-        expire); callers at a session's end run it shielded.
-        """
-        self.prefetch.cancel_owner(session_id)
-        registration = self.registry.unregister(session_id)
-        # A copy path that copies on the server may still be writing the reservations.
-        quarantine = quarantine or (registration is not None and registration.copy.copies_on_server)
-        released = 0
-        while True:
-            leases = self.leases.pop_owner(session_id, RELEASE_SLICE)
-            released += self.undo(leases, quarantine=quarantine)
-            if len(leases) < RELEASE_SLICE:
-                break
-            await self.turn()
-        if registration is not None:
-            registration.copy.close()  # (once the copies queued so far are done)
-            log.info(
-                "session %s unregistered %s rank %d",
-                session_id,
-                registration.model,
-                registration.rank,
-                extra=event(
-                    "unregistration",
-                    session=session_id,
-                    model=registration.model,
-                    rank=registration.rank,
-                    released=released,
-                ),
-            )
-        return released
+    def expire(self, now: float) -> tuple[int, float | None]:
+        """The reaper's round: undo the leases expired at ``now`` (write reservations are
+        quarantined: their writer may be slow, not dead) and free the quarantined slots whose
+        time is over. The count expired, and when the next lease or quarantine ends."""
+        expired = self.leases.pop_expired(now)
+        if expired:
+            self.undo(expired, quarantine=True)
+        self.l1.release_quarantine(now)
+        ends = (self.leases.next_expiry(), self.l1.next_quarantine_release())
+        wakes = [when for when in ends if when is not None]
+        return len(expired), min(wakes) if wakes else None

@@ -50,8 +50,6 @@ log = logging.getLogger("kvtrio.cuda")
 RuntimeFactory = Callable[[], CudaRuntime | None]
 """Creates the process's CUDA runtime, or None without a usable GPU (blocking)."""
 
-_CUDA_LIMITER = trio.CapacityLimiter(1)
-"""Blocking CUDA calls of the server (opening handles, pinning, building kernels)."""
 _EVENTS_PER_REGISTRATION = 8
 
 
@@ -101,6 +99,8 @@ class CudaTransfers:
 
     def __init__(self, runtime: RuntimeFactory | None = None) -> None:
         self._factory = runtime or _default_runtime
+        self._limiter = trio.CapacityLimiter(1)
+        """Blocking CUDA calls of the server (opening handles, pinning, building kernels)."""
         self.runtime: CudaRuntime | None = None
         self.pinned: dict[str, PinnedHost] = {}
         """Each tenant arena with a CUDA registration, pinned (by its file's path)."""
@@ -163,7 +163,7 @@ class CudaTransfers:
 
         with trio.CancelScope(shield=True):
             try:
-                registration = await trio.to_thread.run_sync(open_all, limiter=_CUDA_LIMITER)
+                registration = await trio.to_thread.run_sync(open_all, limiter=self._limiter)
             except RequestError:
                 raise
             except Exception as exc:
@@ -200,7 +200,7 @@ class CudaTransfers:
     async def _runtime(self) -> CudaRuntime:
         if self.runtime is not None:
             return self.runtime
-        runtime = await trio.to_thread.run_sync(self._factory, limiter=_CUDA_LIMITER)
+        runtime = await trio.to_thread.run_sync(self._factory, limiter=self._limiter)
         if runtime is None:
             raise bad_request(
                 "this kvtrio server has no usable CUDA (it needs torch built with CUDA and a "
@@ -220,7 +220,7 @@ class CudaTransfers:
         with trio.CancelScope(shield=True):
             try:
                 pinned: PinnedHost = await trio.to_thread.run_sync(
-                    PinnedHost, runtime, arena.buffer, limiter=_CUDA_LIMITER
+                    PinnedHost, runtime, arena.buffer, limiter=self._limiter
                 )
             except Exception as exc:
                 raise bad_request(
@@ -351,7 +351,7 @@ class CudaTransfers:
                 continue  # settle() completed it while the thread waited
             if item.close is not None:
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(item.close, limiter=_CUDA_LIMITER)
+                    await trio.to_thread.run_sync(item.close, limiter=self._limiter)
             self._pending.popleft()
             if item.complete is not None:
                 item.complete(ok and item.event is not None)

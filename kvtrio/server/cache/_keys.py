@@ -7,18 +7,19 @@
   rank followed by its 16-byte chunk hash. L1, L2 and the lease table's ``key`` are object keys.
 
 The wire's ``request`` field of a message holds the engine's request id, from which the request
-key is made (:func:`request_key`).
+key is made (:func:`request_key`). Also here, as the other name every cache module shares: how a
+write reservation ends (:data:`WriteEnd`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NewType
+from typing import Literal, NewType
 
 from ...errors import ErrorCode, RequestError
 from ...protocol import MAX_HASHES
 
-__all__ = ["CHUNK_HASH_SIZE", "RequestKey", "checked_hashes", "request_key"]
+__all__ = ["CHUNK_HASH_SIZE", "RequestKey", "WriteEnd", "checked_hashes", "request_key"]
 
 CHUNK_HASH_SIZE = 16
 
@@ -62,3 +63,8 @@ def checked_hashes(hashes: Sequence[bytes], name: str = "chunk_hashes") -> Seque
                 f"the one at index {index} is {got}",
             )
     return hashes
+
+
+WriteEnd = Literal["commit", "abort", "quarantine"]
+"""How a write reservation ends: its chunk becomes visible (and goes to L2), its slot is freed,
+or its slot is kept out of use for a while (a late writer may still be copying into it)."""

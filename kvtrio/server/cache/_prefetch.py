@@ -13,25 +13,23 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from ...config import ServerConfig
-from ...storage import Entry, L1Cache, Reservation
+from ...storage import Entry, Reservation
 from ..l2tier import L2Tier, Load, TierBackend
+from ._core import CacheCore
 from ._keys import RequestKey
 
 __all__ = ["Prefetcher"]
-
-PinForLookup = Callable[[RequestKey, str, bytes, int, float], None]
-"""``(request, owner session, object key, readers, expires_at)``: pin and record a lease."""
 
 
 class Prefetcher:
     """The L2 → L1 loads the lookups started, by request and by the session that owns them."""
 
-    def __init__(self, l1: L1Cache, l2: L2Tier, config: ServerConfig, pin: PinForLookup) -> None:
-        self.l1 = l1
+    def __init__(self, core: CacheCore, l2: L2Tier) -> None:
+        """The loads land in ``core``'s L1 and are pinned there (calls down, never back)."""
+        self.l1 = core.l1
         self.l2 = l2
-        self.config = config
-        self._pin = pin
+        self.config = core.config
+        self._pin = core.pin_for_lookup
         self._loads: dict[RequestKey, dict[bytes, Load]] = {}  # request → object key → load
         self._count = 0
         self._by_owner: dict[str, set[tuple[RequestKey, bytes]]] = {}

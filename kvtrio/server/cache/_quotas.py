@@ -4,29 +4,22 @@ a share of L1 that leases (pins and reservations) can never take.
 Every pin or reservation is a lease of the cache service's ``LeaseTable``; the quotas count
 them there (no second bookkeeping that could drift) and refuse, with ``quota_exceeded``, a
 request whose new leases would go beyond a limit. Nothing is held when the error is raised:
-the cache service asks before it pins or reserves anything. No I/O.
-
-Also here: :func:`scrub`, which zeroes a slot handed out for a store, so that a slot committed
-without being written (a faulty or hostile worker) holds zeros, never the bytes of the chunk that
-lived there before (another prompt's KV, possibly another tenant's).
+the cache core asks before it pins or reserves anything. No I/O (zeroing a store's slots is
+``_scrub``'s).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-import trio
-
 from ...errors import ErrorCode, RequestError
-from ...shm import SharedArena
-from ...storage import Entry, L1Cache, LeaseTable
+from ...storage import L1Cache, LeaseTable
 
 if TYPE_CHECKING:
     from ...config import ServerConfig
-    from .._session import Session
 
-__all__ = ["Quotas", "scrub"]
+__all__ = ["Quotas"]
 
 
 class Quotas:
@@ -57,26 +50,24 @@ class Quotas:
                 f"num_readers {num_readers} is more than the registration's world size {world_size}"
             )
 
-    def admit(self, session: Session, new: int, chunk_bytes: int) -> None:
+    def admit(
+        self, owner: str, user: str, new: int, chunk_bytes: int, user_owners: Iterable[str] = ()
+    ) -> None:
         """Refuse (``quota_exceeded``) ``new`` more pins or reservations of ``chunk_bytes``
-        each for ``session`` if they would exceed its session's limit or its key's share of L1
-        (CURVE keys: one key cannot starve the others)."""
+        each for the session ``owner`` of client key ``user`` if they would exceed its
+        session's limit or its key's share of L1 (CURVE keys: one key cannot starve the
+        others); ``user_owners``: the key's other sessions that may hold leases."""
         if new <= 0:
             return
         leases = self._leases
-        held = leases.owned(session.id)
+        held = leases.owned(owner)
         if held + new > self.max_per_session:
             self._refuse(
                 f"this session holds {held} pins/reservations; {new} more would exceed its "
                 f"limit of {self.max_per_session}: release some (end finished requests)"
             )
-        user = session.principal.user_id
         if user:
-            mine = sum(
-                leases.owned(other.id)
-                for other in session.state.sessions.values()
-                if other.principal.user_id == user
-            )
+            mine = held + sum(leases.owned(other) for other in user_owners if other != owner)
             if (mine + new) * chunk_bytes > self.share_per_key * self._capacity:
                 self._refuse(
                     f"this client key's pins and reservations may take {self.share_per_key:.0%} "
@@ -107,36 +98,3 @@ class Quotas:
     def _refuse(self, message: str) -> None:
         self.refused += 1
         raise RequestError(ErrorCode.QUOTA_EXCEEDED, message)
-
-
-_INLINE_SCRUB_BYTES = 4 << 20
-"""Up to this many bytes per store are zeroed in the trio thread (~45 GB/s here: < 100 µs)."""
-_SCRUB_LIMITER = trio.CapacityLimiter(1)
-"""Larger stores are zeroed in a worker thread, one store at a time."""
-
-
-async def scrub(arena: SharedArena, entries: Sequence[Entry]) -> None:
-    """Zero the slots of a store's reservations before the worker is told to write them.
-
-    Cancellation: a zeroing that started in a thread finishes (the slots are never left
-    half-zeroed for a later store); the caller's reservations stay leased and are undone as
-    usual.
-    """
-    if sum(entry.nbytes for entry in entries) <= _INLINE_SCRUB_BYTES:
-        _zero(arena, entries)
-        return
-    await trio.to_thread.run_sync(_zero, arena, entries, limiter=_SCRUB_LIMITER)
-
-
-def scrub_now(arena: SharedArena, entries: Sequence[Entry]) -> bool:
-    """Zero the slots now if they are few enough for the trio thread; False (nothing done)
-    if they must be zeroed with :func:`scrub` in a worker thread."""
-    if sum(entry.nbytes for entry in entries) > _INLINE_SCRUB_BYTES:
-        return False
-    _zero(arena, entries)
-    return True
-
-
-def _zero(arena: SharedArena, entries: Sequence[Entry]) -> None:
-    for entry in entries:
-        arena.view(entry.offset, entry.nbytes).fill(0)

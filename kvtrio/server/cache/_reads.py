@@ -15,11 +15,10 @@ from collections.abc import Sequence
 import trio
 
 from ...protocol import Release, Released, Retrieve, RetrieveReply, Slot
-from ...storage import LeaseKind
 from .._session import Session
 from .._state import Later
 from ._copy import Blocks, Job
-from ._core import CacheCore
+from ._io import CacheIO
 from ._keys import RequestKey, checked_hashes
 from ._registry import Registration
 from ._writes import SLICE
@@ -30,8 +29,8 @@ __all__ = ["Reads"]
 class Reads:
     """The retrieve and release operations."""
 
-    def __init__(self, core: CacheCore) -> None:
-        self.core = core
+    def __init__(self, io: CacheIO) -> None:
+        self.io = io
 
     def retrieve(self, session: Session, retrieve: Retrieve) -> RetrieveReply | Later:
         """Pin and answer the slots now; waiting for the chunks' L2 loads is left to a Later.
@@ -40,24 +39,24 @@ class Reads:
         still loading after the ready ones as ``loading`` (see :meth:`_read`). Cancellation of
         the Later (the session ends): nothing is pinned yet; the loads go on for the request.
         """
-        core = self.core
-        core.settle_copies()
-        registration = core.registration(session)
+        io, core = self.io, self.io.core
+        io.settle_copies()
+        registration = core.registration(session.id)
         request, hashes, chunks = core.chunks(registration, retrieve)
         blocks = registration.copy.check(retrieve, chunks)  # before anything is pinned
         keys = [registration.space + h for h in hashes]
-        announcer = core.announcer
+        announcer = io.announcer
         named = retrieve.block_hashes or retrieve.token_ids
         if announcer is not None and registration.rank == 0 and named:
             # (names a chunk that an earlier server left in L2 is known by here)
             announcer.names(keys, retrieve.block_hashes, registration.layout.block_size, retrieve)
-        pending = core.prefetch.pending(request, keys[:1] if retrieve.partial else keys)
+        pending = io.prefetch.pending(request, keys[:1] if retrieve.partial else keys)
         if not pending:
             return self._read(session, registration, retrieve, request, hashes, chunks, blocks)
         # L2 → L1 loads started by the lookup: wait for them, within the deadline, which the
         # retrieves of this request share while its loads last (a worker may split one
         # operation into several retrieves: they wait once, not once each).
-        deadline = core.prefetch.wait_deadline(
+        deadline = io.prefetch.wait_deadline(
             request, registration.space, trio.current_time() + core.config.retrieve_timeout
         )
 
@@ -72,7 +71,7 @@ class Reads:
     def _loading_from(self, request: RequestKey, keys: Sequence[bytes], space: bytes) -> int:
         """A partial retrieve's answer: the index of its first chunk whose load is still
         running (``len(keys)`` if none is, or once the request's wait is over)."""
-        prefetch = self.core.prefetch
+        prefetch = self.io.prefetch
         deadline = prefetch.deadline(request, space)
         if deadline is not None and trio.current_time() >= deadline:
             return len(keys)
@@ -93,27 +92,15 @@ class Reads:
     ) -> RetrieveReply:
         """Pin the chunks of a retrieve that are in L1 (consuming the lookup's pins). A partial
         retrieve answers ``loading`` from its first chunk still loading on (not pinned)."""
-        core = self.core
+        io, core = self.io, self.io.core
         reading = [registration.space + h for h in hashes]
         ready = len(reading)
-        if retrieve.partial and core.prefetch.pending_count:
+        if retrieve.partial and io.prefetch.pending_count:
             ready = self._loading_from(request, reading, registration.space)
         reading, hashes = reading[:ready], hashes[:ready]
-        core.quotas.admit(session, ready, registration.chunk_bytes)
+        core.admit_leases(session, ready, registration.chunk_bytes)
         core.quotas.admit_pins(reading, registration.chunk_bytes)
-        expires = trio.current_time() + core.config.pin_ttl
-        slots = []
-        for index, object_key in zip(chunks, reading, strict=False):
-            entry = core.l1.get(object_key)
-            if entry is None:
-                slots.append(Slot(index, "failed"))
-                continue
-            core.l1.pin(object_key)  # the read's own pin first, so the entry stays pinned
-            core.leases.add(LeaseKind.READ, request, session.id, object_key, 1, expires)
-            consumed = core.leases.take_lookup(request, object_key)
-            if consumed:
-                core.l1.unpin(object_key, consumed)
-            slots.append(Slot(index, "read", core.local(entry.offset), entry.nbytes))
+        slots = core.pin_reads(session.id, request, chunks, reading)
         slots += [Slot(index, "loading") for index in chunks[ready:]]
         job = Job(
             session.id,
@@ -131,8 +118,8 @@ class Reads:
         """Unpin this session's read pins of the named chunks (a worker's copies are done).
         More than :data:`SLICE` chunks: in a Later that yields between slices (issue 22;
         cancellation: at a yield, the pins not ended yet end with the session)."""
-        core = self.core
-        registration = core.registration(session)
+        io, core = self.io, self.io.core
+        registration = core.registration(session.id)
         registration.copy.check_worker_end("release")
         request = core.worker_request(registration, release.request)
         object_keys = [
@@ -145,7 +132,7 @@ class Reads:
             released = 0
             for first in range(0, len(object_keys), SLICE):
                 released += core.end_reads(session.id, request, object_keys[first : first + SLICE])
-                await core.turn()
+                await io.turn()
             return Released(released)
 
         return Later(sliced)

@@ -6,7 +6,7 @@ records the worker in the registry (which refuses a profile its engine's other w
 disagree with) and chooses the copy path once: the host path (the worker copies through the
 shared arena), or for a ``cuda`` worker the CUDA path, after its layers' IPC handles are
 checked and opened (``_cuda``). A re-registration first drops the session's previous one;
-``unregister`` and the session's end drop it (see :meth:`CacheCore.release_session`).
+``unregister`` and the session's end drop it (see :meth:`~._io.CacheIO.release_session`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import logging
 from ..._logging import event
 from ...protocol import Register, Registered, Released, Unregister
 from ...shm import SharedArena
+from ...transfer import KVLayout
 from .._session import Session
 from ._copy import CopyPath, HostCopy
-from ._core import CacheCore
 from ._cuda import CudaTransfers
 from ._cuda_copy import CudaCopy
+from ._io import CacheIO
 from ._limits import check_registration
-from ._registry import Registration
 
 __all__ = ["Registrations"]
 
@@ -32,42 +32,44 @@ log = logging.getLogger("kvtrio.cache")
 class Registrations:
     """The register and unregister operations."""
 
-    def __init__(self, core: CacheCore, cuda: CudaTransfers) -> None:
-        self.core = core
+    def __init__(self, io: CacheIO, cuda: CudaTransfers) -> None:
+        self.io = io
         self.cuda = cuda
-        self.host_copy = HostCopy(core.arenas.memory, core.config.reservation_ttl)
+        self.host_copy = HostCopy(io.core.arenas.memory, io.config.reservation_ttl)
 
     async def register(self, session: Session, register: Register) -> Registered:
-        """Record the worker's registration (replacing the session's previous one).
+        """Record the worker's registration (replacing the session's previous one) with its
+        copy path, chosen before it is recorded.
 
         Cancellation: while the CUDA handles open, they finish opening and are closed again;
         the registration is then not recorded.
         """
-        core = self.core
+        io, core = self.io, self.io.core
         config = core.config
         check_registration(register, config.chunk_size, core.arenas.arena_size)
         async with core.arenas.opened(register.tenant, core.arena_idle) as tenant_arena:
-            released = await core.release_session(session.id, quarantine=False)
-            registration = core.registry.register(session.id, register, self.host_copy)
+            released = await io.release_session(session.id, quarantine=False)
+            layout, _profile, chunk_bytes = core.registry.check(register)
+            copy: CopyPath = self.host_copy
+            if register.device == "cuda":
+                tenant_arena.keep = True  # its mapping is pinned for GPU copies: never renewed
+                copy = await self._cuda_path(register, layout, chunk_bytes, tenant_arena.arena)
+            try:
+                # (checked again: other workers may have registered while the handles opened)
+                registration = core.registry.register(session.id, register, copy)
+            except BaseException:
+                copy.close()
+                raise
             core.arenas.bind(registration.space, tenant_arena)
-        if core.announcer is not None and register.rank == 0:
+        if io.announcer is not None and register.rank == 0:
             # Rank 0's chunks stand for the engine's in KV events (every rank stores its own
             # part of each chunk; a router needs one name per chunk, not one per rank).
-            core.announcer.announce_space(registration.space, register.tenant)
+            io.announcer.announce_space(registration.space, register.tenant)
         profile = registration.profile
-        core.l2.fleet.announce(
+        io.l2.fleet.announce(
             register.model, register.tenant, profile.hash_scheme, profile.block_size
         )
-        core.watch(session)
-        if registration.device == "cuda":
-            tenant_arena.keep = True  # its mapping is pinned for GPU copies: never renewed
-            try:
-                registration.copy = await self._cuda_path(
-                    registration, register, tenant_arena.arena
-                )
-            except BaseException:
-                core.registry.unregister(session.id)
-                raise
+        io.watch(session)
         log.info(
             "session %s registered %s rank %d/%d (%s, %s)%s",
             session.id,
@@ -97,22 +99,20 @@ class Registrations:
         )
 
     async def _cuda_path(
-        self, registration: Registration, register: Register, arena: SharedArena
+        self, register: Register, layout: KVLayout, chunk_bytes: int, arena: SharedArena
     ) -> CopyPath:
         """Open a CUDA worker's layers (``RequestError`` says what is wrong) and its path, with
         the slots in its tenant's ``arena``."""
-        opened = await self.cuda.open(
-            register.cuda, registration.layout, registration.chunk_bytes, arena
-        )
-        config = self.core.config
+        opened = await self.cuda.open(register.cuda, layout, chunk_bytes, arena)
+        config = self.io.config
         return CudaCopy(
             self.cuda,
             opened,
-            self.core,
+            self.io,
             chunk_size=config.chunk_size,
             reservation_ttl=config.reservation_ttl,
         )
 
     async def unregister(self, session: Session, unregister: Unregister) -> Released:
         """Drop the session's registration and everything it holds."""
-        return Released(await self.core.release_session(session.id, quarantine=False))
+        return Released(await self.io.release_session(session.id, quarantine=False))

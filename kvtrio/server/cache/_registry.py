@@ -3,13 +3,17 @@ version 2 every operation carries its own chunk hashes."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 
 from ...errors import ErrorCode, RequestError
 from ...protocol import HASH_SCHEME_TOKENS, LayoutSpec, Register
 from ...storage import ModelProfile, namespace
 from ...transfer import KVLayout
-from ._copy import CopyPath
+
+if TYPE_CHECKING:
+    from ._copy import CopyPath
 
 __all__ = ["ModelEntry", "Registration", "Registry", "layout_of"]
 
@@ -93,13 +97,10 @@ class Registry:
 
     # ----------------------------------------------------------------- registrations
 
-    def register(self, session_id: str, request: Register, copy: CopyPath) -> Registration:
-        """Validate and record a registration (the caller removed the session's previous one),
-        with the copy path it starts with (the caller may replace it before anything uses it).
-
+    def check(self, request: Register) -> tuple[KVLayout, ModelProfile, int]:
+        """Validate a registration without recording it: its layout, profile and chunk bytes.
         Raises :class:`RequestError` (``bad_request`` or ``incompatible``) with a message that
-        says what is wrong.
-        """
+        says what is wrong (:meth:`register` checks the same again)."""
         layout = layout_of(request.layout)
         if request.device not in ("cpu", "cuda"):
             raise RequestError(
@@ -139,7 +140,13 @@ class Registry:
         )
         if hash_mode:
             self._check_hash_agreement(request)
-        chunk_bytes = layout.chunk_nbytes(self.chunk_size)
+        self._check_engine_agreement(request, profile)
+        return layout, profile, layout.chunk_nbytes(self.chunk_size)
+
+    def register(self, session_id: str, request: Register, copy: CopyPath) -> Registration:
+        """Validate (:meth:`check`) and record a registration with its copy path (the caller
+        removed the session's previous one)."""
+        layout, profile, chunk_bytes = self.check(request)
         entry = self._model_for(request, profile, chunk_bytes)
         rank_space = entry.spaces[0] if profile.shared_across_ranks else entry.spaces[request.rank]
         registration = Registration(
@@ -190,22 +197,28 @@ class Registry:
                 "PYTHONHASHSEED and prefix_caching_hash_algo",
             )
 
+    def _check_engine_agreement(self, request: Register, profile: ModelProfile) -> None:
+        """Refuse a worker that disagrees with the other workers of its own engine (and say
+        only what differs, never another engine's settings)."""
+        mine = self.engines.get((request.engine, request.model, request.tenant))
+        if mine is None:
+            return
+        problems = [d.split(":")[0] for d in mine.model.profile.differences(profile)]
+        if mine.model.world_size != request.world_size:
+            problems.append("world_size")
+        if problems:
+            raise RequestError(
+                ErrorCode.INCOMPATIBLE,
+                f"the other workers of engine {request.engine!r} registered model "
+                f"{request.model!r} with another {', '.join(problems)}; all workers of one "
+                "engine must agree",
+            )
+
     def _model_for(self, request: Register, profile: ModelProfile, chunk_bytes: int) -> ModelEntry:
-        """The model entry of this profile; refuses a worker that disagrees with the other
-        workers of its own engine (and says only what differs, never another engine's
-        settings)."""
+        """The model entry of this profile (:meth:`check` found the worker agrees with the
+        other workers of its own engine)."""
         mine = self.engines.get((request.engine, request.model, request.tenant))
         if mine is not None:
-            problems = [d.split(":")[0] for d in mine.model.profile.differences(profile)]
-            if mine.model.world_size != request.world_size:
-                problems.append("world_size")
-            if problems:
-                raise RequestError(
-                    ErrorCode.INCOMPATIBLE,
-                    f"the other workers of engine {request.engine!r} registered model "
-                    f"{request.model!r} with another {', '.join(problems)}; all workers of one "
-                    "engine must agree",
-                )
             return mine.model
         fingerprint = profile.digest()
         key = (request.model, request.tenant, fingerprint, request.world_size)

@@ -1,9 +1,10 @@
 """The cache service: the cache operations assembled, their handlers installed, the reaper, stats.
 
 One per server. The operations live one concern per module (``_registrations``, ``_lookups``,
-``_writes``, ``_reads``) over a shared :class:`~._core.CacheCore`; this module wires them to
-the server's operation table and runs what is nobody's operation: the reaper of expired leases
-and the ``stats`` numbers.
+``_writes``, ``_reads``) over a shared :class:`~._io.CacheIO`, itself over the I/O-free
+:class:`~._core.CacheCore`; this module builds them (complete: the announcer and the CUDA
+transfers are passed in), wires them to the server's operation table and runs what is nobody's
+operation: the reaper of expired leases and the ``stats`` numbers.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..l2tier import L2Tier
 from ._batch import register_lookup_batch
 from ._core import CacheCore
 from ._cuda import CudaTransfers
+from ._io import CacheIO, ChunkNaming
 from ._lookups import Lookups
 from ._reads import Reads
 from ._registrations import Registrations
@@ -55,13 +57,16 @@ class CacheService:
         arenas: TenantArenas,
         l2: L2Tier,
         cuda: CudaTransfers | None = None,
+        announcer: ChunkNaming | None = None,
     ) -> None:
+        """``announcer``: the KV events' (``--events``), told of the chunks' names."""
         self.cuda = cuda if cuda is not None else CudaTransfers()
-        self.core = core = CacheCore(config, arenas, l2, self.cuda.settle)
-        self.registrations = Registrations(core, self.cuda)
-        self.lookups = Lookups(core)
-        self.writes = Writes(core)
-        self.reads = Reads(core)
+        self.core = core = CacheCore(config, arenas, trio.current_time)
+        self.io = io = CacheIO(core, l2, settle_copies=self.cuda.settle, announcer=announcer)
+        self.registrations = Registrations(io, self.cuda)
+        self.lookups = Lookups(io)
+        self.writes = Writes(io)
+        self.reads = Reads(io)
 
     def install(self, state: ServerState) -> None:
         """Register the handlers with the server (lookup runs concurrently)."""
@@ -69,7 +74,7 @@ class CacheService:
         state.register(Unregister, self.registrations.unregister)
         # Inline: answered in the router's round; a Later part (L2, a large scrub) in a task.
         state.register_inline(Lookup, self.lookups.lookup, concurrent=True)
-        register_lookup_batch(state, self.lookups.lookup, self.core.budget, self.core.turn)
+        register_lookup_batch(state, self.lookups.lookup, self.core.budget, self.io.turn)
         state.register_inline(Store, self.writes.store)
         state.register_inline(Commit, self.writes.commit)
         state.register_inline(Retrieve, self.reads.retrieve)  # (waiting for L2 loads: a Later)
@@ -91,19 +96,16 @@ class CacheService:
         task_status.started()
         while True:
             now = trio.current_time()
-            expired = core.leases.pop_expired(now)
+            expired, when = core.expire(now)
             if expired:
                 log.warning(
                     "%d leases expired (clients that neither released nor ended them)",
-                    len(expired),
-                    extra=event("leases_expired", count=len(expired)),
+                    expired,
+                    extra=event("leases_expired", count=expired),
                 )
-                core.undo(expired, quarantine=True)
-            core.l1.release_quarantine(now)
             wake = now + _REAPER_PERIOD
-            for when in (core.leases.next_expiry(), core.l1.next_quarantine_release()):
-                if when is not None:
-                    wake = min(wake, when)
+            if when is not None:
+                wake = min(wake, when)
             await trio.sleep_until(wake)
 
     # ----------------------------------------------------------------- stats
@@ -131,16 +133,16 @@ class CacheService:
             lookup_miss_chunks=lookups.miss_chunks,
             lookup_l2_chunks=lookups.l2_chunks,
             lookup_timeouts=lookups.timeouts,
-            loads_pending=core.prefetch.pending_count,
-            loads_failed=core.prefetch.failed,
-            write_behind_queued=core.l2.writes.queued,
-            write_behind_skipped=core.l2.writes.skipped_stores,
-            l2_corrupt=core.l2.loads.corrupt,
-            l2_admitted=core.l2.writes.admission.admitted,
-            l2_refused=core.l2.writes.admission.refused,
-            l2_admitted_later=core.l2.writes.admission.admitted_later,
+            loads_pending=self.io.prefetch.pending_count,
+            loads_failed=self.io.prefetch.failed,
+            write_behind_queued=self.io.l2.writes.queued,
+            write_behind_skipped=self.io.l2.writes.skipped_stores,
+            l2_corrupt=self.io.l2.loads.corrupt,
+            l2_admitted=self.io.l2.writes.admission.admitted,
+            l2_refused=self.io.l2.writes.admission.refused,
+            l2_admitted_later=self.io.l2.writes.admission.admitted_later,
         )
 
     def l2_stats(self) -> tuple[L2Stats, ...]:
         """The L2 backends' part of the ``stats`` reply."""
-        return self.core.l2.stats()
+        return self.io.l2.stats()

@@ -25,11 +25,12 @@ from collections.abc import Sequence
 import trio
 
 from ...protocol import Commit, CommitReply, Slot, Store, StoreReply
-from ...storage import Entry, LeaseKind, Reservation
+from ...storage import Entry
 from .._session import Session
 from .._state import Later
 from ._copy import Job
-from ._core import CacheCore
+from ._core import L2Write
+from ._io import CacheIO
 from ._keys import RequestKey, checked_hashes
 from ._registry import Registration
 
@@ -43,18 +44,18 @@ of work each on an idle machine, tens on a loaded one)."""
 class Writes:
     """The store and commit operations."""
 
-    def __init__(self, core: CacheCore) -> None:
-        self.core = core
+    def __init__(self, io: CacheIO) -> None:
+        self.io = io
 
     def store(self, session: Session, store: Store) -> StoreReply | Later:
         """Reserve the slots now; what must wait (zeroing many bytes) is left to a Later."""
-        core = self.core
-        registration = core.registration(session)
+        io, core = self.io, self.io.core
+        registration = core.registration(session.id)
         request, hashes, chunks = core.chunks(registration, store)
         copy = registration.copy
         blocks = copy.check(store, chunks)  # before anything is reserved
-        core.quotas.admit(session, len(chunks), registration.chunk_bytes)
-        expires = trio.current_time() + core.config.reservation_ttl
+        core.admit_leases(session, len(chunks), registration.chunk_bytes)
+        expires = core.clock() + core.config.reservation_ttl
         core.limits.admit_pins(core.leases, len(chunks), tenant=registration.tenant)
         parent: bytes | None = None  # the range's first chunk's parent, if the client knows it
         if store.parent_hash:
@@ -74,7 +75,7 @@ class Writes:
                 store.event,
             )
 
-        announcer = core.announcer
+        announcer = io.announcer
         named = store.block_hashes or store.token_ids
         if announcer is not None and registration.rank == 0 and named:
             announcer.names(
@@ -96,7 +97,7 @@ class Writes:
                 part, part_hashes = chunks[first : first + SLICE], hashes[first : first + SLICE]
                 last = self._reserve(session, registration, request, part, part_hashes, last,
                                      expires, slots, reserved)  # fmt: skip
-                await core.turn()
+                await io.turn()
             reply = copy.store(job(), reserved)
             return await reply.run() if type(reply) is Later else reply  # type: ignore[return-value]
 
@@ -114,24 +115,14 @@ class Writes:
         slots: list[Slot],
         reserved: list[Entry],
     ) -> bytes | None:
-        """Reserve the slots of ``chunks`` (prompt indices; ``hashes`` theirs), appending to
-        ``slots`` and ``reserved``; returns the last chunk's object key (the next parent)."""
-        core = self.core
-        for index, chunk_hash in zip(chunks, hashes, strict=True):
-            object_key = registration.space + chunk_hash
-            outcome = core.l1.reserve(object_key, registration.chunk_bytes, parent=parent)
-            parent = object_key
-            if isinstance(outcome, Entry):
-                core.leases.add(LeaseKind.WRITE, request, session.id, object_key, 1, expires)
-                slots.append(Slot(index, "write", core.local(outcome.offset), outcome.nbytes))
-                reserved.append(outcome)
-            elif outcome is Reservation.PRESENT:
-                slots.append(Slot(index, "present"))
-                core.l2.writes.rewrite((object_key,))  # (if it never reached L2)
-            elif outcome is Reservation.IN_PROGRESS:
-                slots.append(Slot(index, "busy"))
-            else:
-                slots.append(Slot(index, "failed"))
+        """Reserve the slots of ``chunks`` (the core's step), appending to ``slots`` and
+        ``reserved``; the chunks present already are rewritten to L2 (if they never reached
+        it). Returns the last chunk's object key (the next parent)."""
+        present: list[bytes] = []
+        parent = self.io.core.reserve(session.id, registration, request, chunks, hashes, parent,
+                                      expires, slots, reserved, present)  # fmt: skip
+        if present:
+            self.io.l2.writes.rewrite(present)
         return parent
 
     def commit(self, session: Session, commit: Commit) -> CommitReply | Later:
@@ -139,8 +130,8 @@ class Writes:
         ones; a written chunk without a live reservation of this session is ``rejected``.
         More than :data:`SLICE` chunks: in a Later that yields between slices (cancellation:
         at a yield; the reservations not ended yet end with the session)."""
-        core = self.core
-        registration = core.registration(session)
+        io, core = self.io, self.io.core
+        registration = core.registration(session.id)
         registration.copy.check_worker_end("commit")
         request = core.worker_request(registration, commit.request)
         written = checked_hashes(commit.written, "written")
@@ -165,7 +156,7 @@ class Writes:
             for first in range(0, len(items), SLICE):
                 part = items[first : first + SLICE]
                 committed += self._end(session, registration, request, part, rejected, in_l2)
-                await core.turn()
+                await io.turn()
             if in_l2:
                 await _wait_written(in_l2, through)
             return CommitReply(committed, tuple(rejected))
@@ -181,21 +172,24 @@ class Writes:
         rejected: list[bytes],
         in_l2: list[trio.Event] | None = None,
     ) -> int:
-        """Commit (True) or abort (False) each chunk's reservation; how many were committed.
-        A chunk to commit without a live reservation is appended to ``rejected``; with
-        write-through, each committed chunk's L2-written event to ``in_l2``."""
-        core = self.core
+        """Commit (True) or abort (False) each chunk's reservation (the core's steps); how
+        many were committed. A chunk to commit without a live reservation is appended to
+        ``rejected``; the committed ones go to the L2 write-behind (with write-through, each
+        one's L2-written event to ``in_l2``)."""
+        core = self.io.core
         committed = 0
         fingerprint = registration.fingerprint
+        writes: list[L2Write] = []
         for chunk_hash, ok in items:
             object_key = registration.space + chunk_hash
             ended = core.end_write(
-                session.id, request, object_key, "commit" if ok else "abort", fingerprint, in_l2
+                session.id, request, object_key, "commit" if ok else "abort", fingerprint, writes
             )
             if ok and ended:
                 committed += 1
             elif ok:
                 rejected.append(chunk_hash)  # never reserved, or the reservation expired
+        self.io.write_behind(writes, in_l2)
         return committed
 
 

@@ -231,10 +231,12 @@ class Calls:
     """The one boundary for calls into backends (:meth:`call`), and the calls that lookups,
     loads, touches and the probes share."""
 
-    def __init__(self, observe: Observe | None = None) -> None:
+    def __init__(
+        self, observe: Observe | None = None, listener: TierListener | None = None
+    ) -> None:
         self.observe = observe
         """The metrics' observer (see :data:`Observe`), if any."""
-        self.listener: TierListener | None = None
+        self.listener = listener
         """Told what the calls learn of the chunks each backend holds (KV events), if any."""
 
     @contextlib.contextmanager

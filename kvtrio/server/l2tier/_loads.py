@@ -25,7 +25,7 @@ from ...l2 import HEADER_SIZE, BackendError, Corrupt, UnreadableObjects, check
 from ...shm import SharedArena
 from ...storage import Entry
 from ._backends import Calls, TierBackend
-from ._writes import CPU_LIMITER
+from ._writes import CPU_THREADS
 
 __all__ = ["PROBES", "Load", "Loads"]
 
@@ -56,9 +56,17 @@ class Loads:
     """Lookups and loads of one tier (their loader tasks run in the tier's nursery)."""
 
     def __init__(
-        self, backends: Sequence[TierBackend], arena: SharedArena, calls: Calls, *, loaders: int
+        self,
+        backends: Sequence[TierBackend],
+        arena: SharedArena,
+        calls: Calls,
+        *,
+        loaders: int,
+        cpu: trio.CapacityLimiter | None = None,
     ) -> None:
+        """``cpu``: the tier's limiter of checksum threads (shared with its write-behind)."""
         self.backends = backends
+        self._cpu = cpu if cpu is not None else trio.CapacityLimiter(CPU_THREADS)
         self.arena = arena
         self._calls = calls
         self._limiters = {id(b): trio.CapacityLimiter(loaders) for b in backends}
@@ -238,7 +246,7 @@ class Loads:
                             [keys[i] for i in read],
                             fingerprint,
                             [payloads[i] for i in read],
-                            limiter=CPU_LIMITER,
+                            limiter=self._cpu,
                         )
                         for i, error in zip(read, verdicts, strict=True):
                             if error is None:

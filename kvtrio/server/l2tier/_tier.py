@@ -30,7 +30,7 @@ from ._backends import Calls, Observe, TierBackend, TierListener
 from ._fleet import Fleet
 from ._loads import Loads
 from ._touches import Touches
-from ._writes import WriteBehind
+from ._writes import CPU_THREADS, WriteBehind
 
 __all__ = ["L2Tier"]
 
@@ -77,8 +77,8 @@ class L2Tier:
         if admission == "auto":
             shared = any(b.capabilities.shared for b in self.backends)
             admission = "all" if shared else "reuse"
-        self._calls = Calls(observe)
-        self._calls.listener = listener
+        self._calls = Calls(observe, listener)
+        cpu = trio.CapacityLimiter(CPU_THREADS)  # checksum threads, stores and loads together
         self.writes = WriteBehind(
             self.backends,
             l1,
@@ -89,9 +89,10 @@ class L2Tier:
             tenants=tenants,
             write_through=write_through,
             admission=admission,
+            cpu=cpu,
         )
         """Committed chunks on their way to the backends."""
-        self.loads = Loads(self.backends, arena, self._calls, loaders=loaders)
+        self.loads = Loads(self.backends, arena, self._calls, loaders=loaders, cpu=cpu)
         """Lookups across the cascade and L2 → L1 loads."""
         self.touches = Touches(self.backends, self._calls)
         """L1 hits on their way to the backends that take touches."""

@@ -45,9 +45,9 @@ from ._backends import Calls, TierBackend
 
 __all__ = ["WriteBehind", "owner_tag"]
 
-CPU_LIMITER = trio.CapacityLimiter(2)
-"""Checksums of chunks (xxh3, ~7 GB/s) run in worker threads, two at a time (stores and
-loads share it)."""
+CPU_THREADS = 2
+"""Checksums of chunks (xxh3, ~7 GB/s) run in worker threads, two at a time per server (its
+stores and loads share one limiter, the tier's)."""
 _BATCH_CHUNKS = 32
 _BATCH_BYTES = 64 << 20
 """A flusher writes at most this many queued chunks (or about this many bytes) per backend call:
@@ -80,11 +80,14 @@ class WriteBehind:
         tenants: Callable[[], int] = lambda: 1,
         write_through: bool = False,
         admission: str = "all",
+        cpu: trio.CapacityLimiter | None = None,
     ) -> None:
-        """``tenants`` says how many tenants the server serves now (its L1 arenas');
+        """``cpu``: the tier's limiter of checksum threads (:data:`CPU_THREADS`);
+        ``tenants`` says how many tenants the server serves now (its L1 arenas');
         ``write_through``: every chunk queued gets an event (see the module docstring);
         ``admission``: ``all`` or ``reuse`` (see ``_admission``)."""
         self.backends = backends
+        self._cpu = cpu if cpu is not None else trio.CapacityLimiter(CPU_THREADS)
         self._tenant_count = tenants
         self.l1 = l1
         self.arena = arena
@@ -263,7 +266,7 @@ class WriteBehind:
         if not keys:
             return
         heads = await trio.to_thread.run_sync(
-            _headers, keys, fingerprints, payloads, limiter=CPU_LIMITER
+            _headers, keys, fingerprints, payloads, limiter=self._cpu
         )
         buffers = [
             [memoryview(head), payload] for head, payload in zip(heads, payloads, strict=True)

@@ -85,7 +85,9 @@ async def test_async_client_without_server(endpoint: str) -> None:
 
 
 async def test_async_client_error_reply_raises_the_mapped_exception(server: ServerHandle) -> None:
+    # (from both tables: an inline operation is answered without the queued path's lookup)
     del server.state.operations[GetChunkSize]
+    server.state.inline_operations.pop(GetChunkSize.op, None)
     async with open_client(server.endpoint) as client:
         with pytest.raises(UnknownOperation, match="not served"):
             await client.request(GetChunkSize())

@@ -173,7 +173,6 @@ class HybridEngine(Engine):
             sampled[request_id] = [100 + sum(tokens[-3:]) % 800] if done_prefill else []
         return sampled, bad
 
-
     def _step_state(
         self, name: str, block_ids: list[int], tokens: list[int], start: int, end: int
     ) -> int | None:

@@ -123,15 +123,15 @@ class GroupSpread:
         A lookup asks windowed groups only for the chunks a hit at its end needs: an answer
         short of that end says the other groups hold its prefix, not whether the windowed ones
         hold what a hit *there* needs. So the lookup is asked again for that end (at most
-        :data:`RELOOKS` times; then nothing is hit). A new lookup replaces the old one's pins."""
+        :data:`RELOOKS` times; then nothing is hit). A new lookup replaces the old one's pins.
+        The end asked for is kept until :meth:`forget`: vLLM asking again (a request waiting
+        for blocks) gets the same answer."""
         end = self._ends.get(request_id, (num_tokens - 1) // self.block_size * self.block_size)
         if hit >= end or hit <= 0 or not self.windowed:
-            self._ends.pop(request_id, None)
-            self._relooks.pop(request_id, None)
-            return max(0, min(hit, end))
+            return max(0, min(hit, end))  # (vLLM may ask again: the same answer, kept)
         tries = self._relooks.get(request_id, 0)
         if tries >= RELOOKS:
-            self._ends.pop(request_id, None)
+            self._ends[request_id] = 0  # (and so if vLLM asks again)
             return 0
         self._relooks[request_id] = tries + 1
         self._ends[request_id] = hit - hit % self.block_size

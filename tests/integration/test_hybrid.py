@@ -260,9 +260,12 @@ def test_a_short_answer_is_asked_again_for_its_own_end() -> None:
     groups, _ = spread.lookup_hashes("r", hashes, PROMPT)
     assert [(len(h), first) for h, first in groups] == [(32, 0), (32, 512 - WINDOW)]
     assert spread.hit("r", 512, PROMPT) == 512
-    assert spread.hit("r", 512, PROMPT) is None  # (a new lookup: its end is 1024 again)
+    assert spread.hit("r", 512, PROMPT) == 512  # vLLM asks again: the same answer
+    spread.forget("r")
+    assert spread.hit("r", 512, PROMPT) is None
     assert spread.hit("r", 256, PROMPT) is None
     assert spread.hit("r", 128, PROMPT) == 0  # asked again twice: nothing
+    assert spread.hit("r", 128, PROMPT) == 0
     assert GroupSpread([FULL, attrs.evolve(FULL, index=1)], BLOCK).hit("r", 512, PROMPT) == 512
 
 

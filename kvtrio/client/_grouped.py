@@ -12,6 +12,7 @@ pins, and the L2 → L1 loads the lookup starts, cover every group's chunks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import attrs
@@ -41,7 +42,7 @@ class GroupedChunks:
     def positions(self) -> int:
         return min(len(g.hashes) for g in self.groups)
 
-    @property
+    @functools.cached_property
     def hashes(self) -> tuple[bytes, ...]:
         asked = tuple(
             g.hashes[p]

@@ -44,7 +44,8 @@ def engines(model_dir: Path) -> Iterator[Callable[..., HybridEngine]]:
     def make(server: ServerProcess, pattern: str, **options: Any) -> HybridEngine:
         for engine in made:
             engine.close()
-        config = make_config(model_dir, server.endpoint, **options)
+        # (every hit loads: what is checked here is the hit, not the load policy's choice)
+        config = make_config(model_dir, server.endpoint, load_policy="always", **options)
         engine = HybridEngine(config, pattern)
         made.append(engine)
         wait_for(lambda: cache(server).registrations >= 1, what="the worker to register")

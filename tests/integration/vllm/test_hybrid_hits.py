@@ -44,8 +44,11 @@ def engines(model_dir: Path) -> Iterator[Callable[..., HybridEngine]]:
     def make(server: ServerProcess, pattern: str, **options: Any) -> HybridEngine:
         for engine in made:
             engine.close()
-        # (every hit loads: what is checked here is the hit, not the load policy's choice)
-        config = make_config(model_dir, server.endpoint, load_policy="always", **options)
+        # Every hit loads, and a slow answer under load is not a miss (kvtrio.timeout): what
+        # is checked here is the hit, not the load policy's choice nor the fail-fast timeout.
+        config = make_config(
+            model_dir, server.endpoint, load_policy="always", timeout=10.0, **options
+        )
         engine = HybridEngine(config, pattern)
         made.append(engine)
         wait_for(lambda: cache(server).registrations >= 1, what="the worker to register")

@@ -29,6 +29,7 @@ from ..protocol import (
     prompt_chunks,
     wire_request_id,
 )
+from ._grouped import GroupedChunks, grouped_chunks
 from ._identity import EngineIdentity
 from ._sync import Client
 
@@ -64,7 +65,9 @@ class _Queued:
 
     __slots__ = ("batch", "chunks", "index", "l1_tokens")
 
-    def __init__(self, chunks: PromptChunks, batch: Future[Reply] | None = None) -> None:
+    def __init__(
+        self, chunks: PromptChunks | GroupedChunks, batch: Future[Reply] | None = None
+    ) -> None:
         self.chunks = chunks
         self.batch = batch
         self.index = -1
@@ -75,11 +78,16 @@ class _Queued:
         return self.chunks.hashes
 
 
+Groups = tuple[tuple[tuple[tuple[bytes | int, ...], int], ...], tuple[bytes | int, ...] | None]
+"""A grouped lookup's block hashes: each group's (with the first token a hit needs of it), and
+the state group's (or None)."""
+
+
 class _Early:
     """A lookup made before the server's first ``hello`` answer (whose chunk size names the
     chunks): its prompt, kept until that answer or ``deadline``."""
 
-    __slots__ = ("block_hashes", "deadline", "defer", "token_ids")
+    __slots__ = ("block_hashes", "deadline", "defer", "groups", "token_ids")
 
     def __init__(
         self,
@@ -87,12 +95,14 @@ class _Early:
         token_ids: Sequence[int] | None,
         defer: bool,
         deadline: float,
+        groups: Groups | None = None,
     ) -> None:
         # Copies: an engine's token list grows as it generates.
         self.block_hashes = None if block_hashes is None else tuple(block_hashes)
         self.token_ids = None if token_ids is None else tuple(token_ids)
         self.defer = defer
         self.deadline = deadline
+        self.groups = groups
 
 
 class SchedulerAdapter:
@@ -179,21 +189,34 @@ class SchedulerAdapter:
         token_ids: Sequence[int] | None = None,
         *,
         defer: bool = False,
+        groups: Sequence[tuple[Sequence[bytes | int], int]] | None = None,
+        state: Sequence[bytes | int] | None = None,
     ) -> None:
         """Start a lookup for ``request_id`` unless one is already pending or answered.
 
         With ``defer``, it is queued and sent with the other queued ones at the next
-        :meth:`flush_lookups` (or when it is waited for).
+        :meth:`flush_lookups` (or when it is waited for). With ``groups`` (each KV cache
+        group's block hashes, and the first token a hit at their end needs of it) and
+        ``state`` (a state group's), one lookup asks for every group's chunks and its hit is
+        what every group holds (:mod:`._grouped`).
         """
         with self._lock:
             if request_id in self._lookups:
                 return
+            grouped: Groups | None = None
+            if groups is not None:
+                grouped = (
+                    tuple((tuple(hashes), first) for hashes, first in groups),
+                    None if state is None else tuple(state),
+                )
             info = self.client.server_info  # its chunk size names the chunks
             if info is None and not self.client.known_away():  # the first hello is on its way
                 deadline = time.monotonic() + self.timeout
-                self._lookups[request_id] = _Early(block_hashes, token_ids, defer, deadline)
+                self._lookups[request_id] = _Early(
+                    block_hashes, token_ids, defer, deadline, grouped
+                )
                 return
-            self._start(request_id, info, block_hashes, token_ids, defer)
+            self._start(request_id, info, block_hashes, token_ids, defer, grouped)
 
     def _start(
         self,
@@ -202,6 +225,7 @@ class SchedulerAdapter:
         block_hashes: Sequence[bytes | int] | None,
         token_ids: Sequence[int] | None,
         defer: bool,
+        grouped: Groups | None = None,
     ) -> None:
         """Queue or send the lookup (under the lock); without ``info`` (no server) it answers
         0 at once."""
@@ -210,9 +234,13 @@ class SchedulerAdapter:
                 raise ValueError(f"no kvtrio server at {self.client.endpoint} yet")
             # The prompt's full chunks and its partial chunk (the whole blocks after them):
             # a hit may reach its last whole block.
-            chunks = prompt_chunks(
-                info.chunk_size, self.block_size, token_ids=token_ids, block_hashes=block_hashes
-            )
+            chunks: PromptChunks | GroupedChunks
+            if grouped is not None:
+                chunks = grouped_chunks(info.chunk_size, self.block_size, *grouped)
+            else:
+                chunks = prompt_chunks(
+                    info.chunk_size, self.block_size, token_ids=token_ids, block_hashes=block_hashes
+                )
             # A lookup answers a prefix: beyond the server's bounds, a shorter prefix.
             chunks = chunks.limited(lookup_limit(self.world_size))
         except (ValueError, TypeError, OverflowError) as exc:
@@ -241,7 +269,14 @@ class SchedulerAdapter:
         with self._lock:
             if self._lookups.get(request_id) is early:
                 del self._lookups[request_id]
-                self._start(request_id, info, early.block_hashes, early.token_ids, early.defer)
+                self._start(
+                    request_id,
+                    info,
+                    early.block_hashes,
+                    early.token_ids,
+                    early.defer,
+                    early.groups,
+                )
             entry = self._lookups.get(request_id)
         return entry if isinstance(entry, _Queued) else None
 

@@ -1,24 +1,29 @@
 """Loads and stores of an engine with several KV cache groups (vLLM's hybrid KV cache manager
 on: full attention beside sliding-window, chunked-local or Mamba layers). No vLLM import.
 
-The scheduler side plans one request's transfers as for a single group, on its *primary* group
-(the first full-attention group, else the first windowed one): the lookup, the load policy's
-decision, which chunks are held and which to store. :class:`GroupSpread` then makes of each
-planned load or store one per group, with the group's own blocks and keys:
+The lookup asks for every group's chunks at once (:meth:`GroupSpread.lookup_hashes`,
+:mod:`kvtrio.client._grouped`): the hit reported to vLLM is the longest prefix every group
+holds (every chunk of it, for every group: a lookup answers leading chunks), and a Mamba group's
+state at that prefix's end. The scheduler side then plans one request's transfers as for a
+single group, on its *primary* group (the first full-attention group, else the first windowed
+one): the load policy's decision, which chunks are held and which to store.
+:class:`GroupSpread` then makes of each planned load or store one per group, with the group's
+own blocks and keys:
 
 * **loads** move of each group only what its layers read for the hit's end
   (:meth:`~._kv_groups.KvGroup.first_needed`): every block for full attention, the last
   ``window - 1`` tokens' blocks for a sliding window, the hit's last attention chunk for chunked
-  local attention. vLLM gives the blocks before them the null block; they are left alone.
-  The hit reported to vLLM is the primary group's, which every group stores alongside it: a
-  chunk of another group that is missing fails its blocks, and vLLM recomputes from there;
+  local attention, the one block holding the state at the hit's end for Mamba. vLLM gives
+  the blocks before them the null block; they are left alone;
 * **stores** of a windowed group are skipped where one of their blocks is already the null
   block (vLLM freed it behind the window during a chunked prefill): what is stored is what a
   later hit can load, never a null block's bytes. Windowed groups' stores must be copied before
   vLLM reuses their blocks, which it may do while the request still runs: they are marked
   ``windowed`` and the workers wait for them before the next forward;
-* an engine with a **Mamba** group loads and stores nothing (kvtrio does not keep the state):
-  every lookup misses, vLLM keeps its hybrid manager.
+* a **Mamba** group (vLLM's ``align`` cache mode) stores, of a chunk, the state at its end
+  when vLLM has it there (its block there is not the null block: a step ended there), in
+  every block slot of the chunk (no null block is read); it is waited for as windowed stores
+  are. In other cache modes the engine loads and stores nothing (every lookup misses).
 
 Bytes per hit are counted (:attr:`GroupSpread.stats`): ``loaded_bytes`` moved, and
 ``hit_bytes_full`` what loading every group's every block of the same hits would have moved;
@@ -41,6 +46,9 @@ __all__ = ["GroupSpread", "primary_group"]
 
 log = logging.getLogger("kvtrio.vllm")
 
+RELOOKS = 2
+"""How many times a request's lookup is asked again for a shorter hit (:meth:`GroupSpread.hit`)."""
+
 NULL_BLOCK = 0
 """vLLM's null block id (its block pool hands block 0 out as the null block)."""
 
@@ -62,13 +70,18 @@ class GroupSpread:
         self.groups = tuple(groups)
         self.block_size = block_size
         self.primary = primary_group(self.groups)
-        self.keeps_state = not any(g.kind == "mamba" for g in self.groups)
-        """False with a Mamba group: nothing is loaded or stored."""
+        self.keeps_state = all(g.aligned for g in self.groups if g.kind == "mamba")
+        """False with a Mamba group outside vLLM's ``align`` mode: nothing is loaded or
+        stored."""
         self.stats: collections.Counter[str] = collections.Counter()
         """Counters since the engine started (``hits``, ``loaded_bytes``, ``hit_bytes_full``,
         ``stores_skipped_window``)."""
         self._reported: collections.Counter[str] = collections.Counter()
         self._hashes: dict[str, tuple[int, list[tuple[bytes, ...]]]] = {}
+        self.windowed = any(g.kind in ("window", "chunked") for g in self.groups)
+        self._ends: dict[str, int] = {}
+        """Requests asked again for a shorter hit: the end asked for (:meth:`hit`)."""
+        self._relooks: dict[str, int] = {}
 
     def hashes(self, request: Any, base: Sequence[bytes] | None) -> list[tuple[bytes, ...]]:
         """The request's block hashes of every group, from the engine's (``base``, hash mode)
@@ -83,6 +96,47 @@ class GroupSpread:
         fresh = [old[g.index] + group_block_hashes(base[done:], g.index) for g in self.groups]
         self._hashes[request.request_id] = (len(base), fresh)
         return fresh
+
+    def lookup_hashes(
+        self, request_id: str, hashes: Sequence[Sequence[bytes]], num_tokens: int
+    ) -> tuple[list[tuple[Sequence[bytes], int]], Sequence[bytes] | None]:
+        """What the request's lookup asks for (the :class:`~kvtrio.client.SchedulerAdapter`'s
+        ``groups`` and ``state``): the block hashes of every attention group, with the first
+        token a hit at their end needs of it, and the Mamba group's, up to the hit's furthest
+        end (the whole blocks before the prompt's last token of ``num_tokens``), or the end
+        :meth:`hit` asks again for. With several Mamba groups, the first's state stands for
+        all: they store and load together."""
+        end = self._ends.get(request_id, (num_tokens - 1) // self.block_size * self.block_size)
+        blocks = max(0, end) // self.block_size
+        attention = [
+            (hashes[g.index][:blocks], g.first_needed(end) // self.block_size * self.block_size)
+            for g in self.groups
+            if g.kind != "mamba"
+        ]
+        mamba = [g for g in self.groups if g.kind == "mamba"]
+        return attention, (hashes[mamba[0].index][:blocks] if mamba else None)
+
+    def hit(self, request_id: str, hit: int, num_tokens: int) -> int | None:
+        """The hit every group serves, from a lookup's answer ``hit``; None: ask again, for a
+        shorter hit (:meth:`lookup_hashes` then asks for that end).
+
+        A lookup asks windowed groups only for the chunks a hit at its end needs: an answer
+        short of that end says the other groups hold its prefix, not whether the windowed ones
+        hold what a hit *there* needs. So the lookup is asked again for that end (at most
+        :data:`RELOOKS` times; then nothing is hit). A new lookup replaces the old one's pins.
+        The end asked for is kept until :meth:`forget`: vLLM asking again (a request waiting
+        for blocks) gets the same answer."""
+        end = self._ends.get(request_id, (num_tokens - 1) // self.block_size * self.block_size)
+        if hit >= end or hit <= 0 or not self.windowed:
+            return max(0, min(hit, end))  # (vLLM may ask again: the same answer, kept)
+        tries = self._relooks.get(request_id, 0)
+        if tries >= RELOOKS:
+            self._ends[request_id] = 0  # (and so if vLLM asks again)
+            return 0
+        self._relooks[request_id] = tries + 1
+        self._ends[request_id] = hit - hit % self.block_size
+        self.stats["relookups"] += 1
+        return None
 
     def since_last(self) -> dict[str, int]:
         """The counters gained since the last call (for vLLM's stats logger)."""
@@ -104,6 +158,8 @@ class GroupSpread:
 
     def forget(self, request_id: str) -> None:
         self._hashes.pop(request_id, None)
+        self._ends.pop(request_id, None)
+        self._relooks.pop(request_id, None)
 
     def loads(
         self,
@@ -160,18 +216,25 @@ class GroupSpread:
         store_of: Callable[..., list[PlannedTransfer]],
         block_ids: Sequence[Sequence[int]],
         hashes: Sequence[Sequence[bytes]],
+        chunk_size: int = 0,
     ) -> list[PlannedTransfer]:
         """The primary group's stores (``store_of(block_ids=, block_hashes=)``, which updates
         the request's plan) and the same token ranges of every other group, with its own
-        blocks and keys; a windowed group's store that would read a null block is skipped."""
+        blocks and keys; a windowed group's store that would read a null block is skipped; a
+        Mamba group's is the state at the store's end, in its last chunk (``chunk_size``)."""
         primary = store_of(block_ids=block_ids[self.primary], block_hashes=hashes[self.primary])
         transfers = []
         size = self.block_size
         for group in self.groups:
-            windowed = group.kind in ("window", "chunked")
+            windowed = group.kind in ("window", "chunked", "mamba")
             for store in primary:
                 op = store.op
                 blocks = block_ids[group.index][: op.end // size]
+                if group.kind == "mamba":
+                    state = self._state_store(store, blocks, hashes[group.index], chunk_size)
+                    if state is not None:
+                        transfers.append(attrs.evolve(state, group=group.index, windowed=True))
+                    continue
                 if windowed and NULL_BLOCK in blocks[op.start // size :]:
                     self.stats["stores_skipped_window"] += 1
                     continue
@@ -184,3 +247,30 @@ class GroupSpread:
                     )
                 transfers.append(attrs.evolve(store, op=op, group=group.index, windowed=windowed))
         return transfers
+
+    def _state_store(
+        self,
+        store: PlannedTransfer,
+        blocks: Sequence[int],
+        hashes: Sequence[bytes],
+        chunk_size: int,
+    ) -> PlannedTransfer | None:
+        """A Mamba group's store of ``store``'s range: its last chunk, every block slot the
+        block holding the state at the range's end (None when vLLM keeps no state there)."""
+        op, size = store.op, self.block_size
+        last = op.end // size - 1
+        if last < 0 or len(blocks) <= last or blocks[last] == NULL_BLOCK:
+            self.stats["stores_skipped_state"] += 1
+            return None
+        start = max(op.start, (op.end - 1) // chunk_size * chunk_size) if chunk_size else op.start
+        state_blocks = list(blocks)
+        state_blocks[start // size : last + 1] = [blocks[last]] * (last + 1 - start // size)
+        state_op = attrs.evolve(
+            op,
+            block_ids=tuple(state_blocks),
+            block_hashes=tuple(hashes[: op.end // size]),
+            start=start,
+            skip_first_n_tokens=0,
+            event_hashes=None,
+        )
+        return attrs.evolve(store, op=state_op)

@@ -14,8 +14,10 @@ what its layers read (:meth:`KvGroup.first_needed`):
   tokens; vLLM gives the blocks before them the null block (id 0);
 * chunked local attention (``ChunkedLocalAttentionSpec``): the tokens of the hit's last
   attention chunk;
-* Mamba (``MambaSpec``): its state at the hit's end, which kvtrio does not keep: an engine
-  with a Mamba group stays on (vLLM keeps its hybrid manager) but every lookup misses.
+* Mamba (``MambaSpec``): its state at the hit's end, one block. vLLM keeps states at block
+  boundaries only in its ``align`` cache mode (its prefix caching of Mamba hybrids): there
+  kvtrio keeps the state at the end of a chunk it stores when vLLM has it (``KvGroup.aligned``);
+  in other modes the engine stays on (vLLM keeps its hybrid manager) but every lookup misses.
 
 Refused (the connector stays off for that engine, which runs as without it): R-SWA (gap
 blocks evicted during decode), layers of different KV shapes without the hybrid manager
@@ -73,6 +75,8 @@ class KvGroup:
     """Sliding window (tokens) or attention chunk (tokens) of ``window``/``chunked`` groups."""
     block_bytes: int = 0
     """Bytes of one block of the group, all its layers (what a load of a block moves)."""
+    aligned: bool = False
+    """A Mamba group in vLLM's ``align`` cache mode: its blocks hold the state at their ends."""
 
     def first_needed(self, end: int) -> int:
         """The first token this group's layers read to compute the token at ``end``: what a
@@ -82,7 +86,7 @@ class KvGroup:
         if self.kind == "chunked":
             return end // self.window * self.window
         if self.kind == "mamba":
-            return end
+            return end - 1  # (its state at the end: the one block holding it)
         return 0
 
 
@@ -122,6 +126,7 @@ def kv_groups(kv_cache_config: Any) -> tuple[KvGroup, ...]:
                 len(group.layer_names),
                 window,
                 page * len(group.layer_names),
+                kind == "mamba" and getattr(spec, "mamba_cache_mode", "none") == "align",
             )
         )
     return tuple(groups)

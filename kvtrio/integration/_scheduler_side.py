@@ -138,6 +138,12 @@ class SchedulerSide:
             self.lookup_wait.waited(self._clock() - started, answered=hit is not None)
         if hit is None:
             return None, False
+        if self.spread is not None:  # what every group serves (or ask again, for less)
+            hit = self.spread.hit(request.request_id, hit, len(tokens))
+            if hit is None:
+                self.adapter.cleanup_lookup_result(request.request_id)
+                self._submit_lookup(request)
+                return None, False
         plan.locked = hit > 0
         chunk_size = self.adapter.chunk_size
         if chunk_size % self.block_size:
@@ -248,11 +254,12 @@ class SchedulerSide:
     def _submit_lookup(self, request: Any) -> None:
         """Queue the request's lookup (deferred: the queued lookups go out together, one message
         at the end of the step (build_step), or when one is waited for)."""
-        if self.spread is not None:
+        if self.spread is not None:  # every group's chunks, in one lookup
+            groups, state = self.spread.lookup_hashes(
+                request.request_id, self._group_hashes(request), len(request.all_token_ids)
+            )
             self.adapter.maybe_submit_lookup_request(
-                request.request_id,
-                block_hashes=self._group_hashes(request)[self.spread.primary],
-                defer=True,
+                request.request_id, groups=groups, state=state, defer=True
             )
         elif self.keys.engine_hashes:
             self.adapter.maybe_submit_lookup_request(
@@ -349,7 +356,9 @@ class SchedulerSide:
             )
             if self.spread is not None and group_block_ids_of is not None:
                 groups = group_block_ids_of(request_id)
-                transfers += self.spread.stores(store_of, groups, self._group_hashes(request))
+                transfers += self.spread.stores(
+                    store_of, groups, self._group_hashes(request), self.adapter.chunk_size
+                )
             else:
                 transfers += store_of(
                     block_ids=block_ids_of(request_id), block_hashes=self._hashes(request)

@@ -229,12 +229,74 @@ def test_a_hybrid_engines_failed_load_is_not_tried_again() -> None:
     ]
     side = SchedulerSide(options, block, adapter, groups=groups)  # type: ignore[arg-type]
     request = policy.Request("r")
-    adapter.hits["r"] = (4 * policy.CHUNK, 4 * policy.CHUNK)
+    adapter.hits["r"] = (5 * policy.CHUNK, 5 * policy.CHUNK)  # (all of it: not asked again)
     need, asynchronous = side.matched_tokens(request, 0, preempted=False)
-    assert (need, asynchronous) == (4 * policy.CHUNK, True)
+    assert (need, asynchronous) == (5 * policy.CHUNK, True)
     ids = [policy.BLOCKS, [b + 1000 for b in policy.BLOCKS]]
     side.allocated(request, ids[0], need or 0, ids)
     loads = side.build_step({}, (), 0, None).transfers
     assert [(t.group, t.sync) for t in loads] == [(0, False), (1, False)]
     side.loads_failed({"r"})
     assert side.matched_tokens(request, 0, preempted=False) == (0, False)
+
+
+ALIGNED = KvGroup(1, "mamba", "mamba", 1, block_bytes=BLOCK_BYTES, aligned=True)
+
+
+def test_a_lookup_asks_each_group_for_what_a_hit_at_its_end_needs() -> None:
+    spread = GroupSpread([FULL, SLIDING, attrs.evolve(ALIGNED, index=2)], BLOCK)
+    hashes = spread.hashes(request(), None)
+    groups, state = spread.lookup_hashes("r", hashes, PROMPT)
+    assert [(len(h), first) for h, first in groups] == [(64, 0), (64, 1024 - WINDOW)]
+    assert state is not None
+    assert (len(state), state[-1]) == (64, hashes[2][63])
+
+
+def test_a_short_answer_is_asked_again_for_its_own_end() -> None:
+    spread = GroupSpread([FULL, SLIDING], BLOCK)
+    hashes = spread.hashes(request(), None)
+    assert spread.hit("r", 1024, PROMPT) == 1024  # whole: as answered
+    assert spread.hit("r", 512, PROMPT) is None  # windows asked only at 1024
+    groups, _ = spread.lookup_hashes("r", hashes, PROMPT)
+    assert [(len(h), first) for h, first in groups] == [(32, 0), (32, 512 - WINDOW)]
+    assert spread.hit("r", 512, PROMPT) == 512
+    assert spread.hit("r", 512, PROMPT) == 512  # vLLM asks again: the same answer
+    spread.forget("r")
+    assert spread.hit("r", 512, PROMPT) is None
+    assert spread.hit("r", 256, PROMPT) is None
+    assert spread.hit("r", 128, PROMPT) == 0  # asked again twice: nothing
+    assert spread.hit("r", 128, PROMPT) == 0
+    assert GroupSpread([FULL, attrs.evolve(FULL, index=1)], BLOCK).hit("r", 512, PROMPT) == 512
+
+
+def test_a_mamba_group_stores_the_state_at_a_stores_end_where_vllm_has_it() -> None:
+    spread = GroupSpread([FULL, ALIGNED], BLOCK)
+    assert spread.keeps_state
+    plan = RequestPlan("r")
+    store_of = partial(
+        plan_store, plan, tokens=TOKENS, computed_tokens=256, prompt_tokens=PROMPT,
+        block_size=BLOCK, chunk_size=CHUNK,
+    )  # fmt: skip
+    state_ids = [0] * 15 + [2015]  # align mode: the state at 256 in block 15, null before
+    stores = spread.stores(
+        store_of, [blocks(FULL, 256), state_ids], spread.hashes(request(), None), CHUNK
+    )
+    assert [(s.group, s.windowed, s.op.start, s.op.end) for s in stores] == [
+        (0, False, 0, 256),
+        (1, True, 192, 256),  # its last chunk, every slot the state block
+    ]
+    assert stores[1].op.block_ids[192 // BLOCK :] == (2015,) * 4
+    plan = RequestPlan("r")
+    store_of = partial(store_of.func, plan, **store_of.keywords)
+    stores = spread.stores(
+        store_of, [blocks(FULL, 256), [0] * 16], spread.hashes(request(), None), CHUNK
+    )
+    assert [s.group for s in stores] == [0]  # no state at 256: not stored
+    assert spread.stats["stores_skipped_state"] == 1
+
+
+def test_a_mamba_group_loads_the_one_block_of_the_state_at_the_hits_end() -> None:
+    spread, (full, state) = spread_load([FULL, ALIGNED], 0, 1024)
+    assert (full.op.start, full.op.end) == (0, 1024)
+    assert (state.group, state.op.start, state.op.skip_first_n_tokens) == (1, 960, 48)
+    assert spread.stats["loaded_bytes"] == (1024 // BLOCK + 1) * BLOCK_BYTES

@@ -1,7 +1,7 @@
 """:class:`HybridEngine`: the harness's :class:`~.harness.Engine` with vLLM's hybrid KV cache
 manager on, for a model whose layers mix attention kinds (``pattern``: one letter per layer,
 ``f`` full attention, ``s`` sliding window, ``c`` chunked local attention, ``m`` MLA,
-``w`` sliding-window MLA).
+``w`` sliding-window MLA, ``M`` Mamba in vLLM's ``align`` cache mode).
 
 vLLM 0.33's own ``get_kv_cache_groups`` makes the KV cache groups (one per kind and group of
 layers, all of one size) from the layers' specs; the KV tensors are shared as vLLM shares them:
@@ -9,7 +9,10 @@ tensor ``i`` holds the ``i``-th layer of every group, a block belongs to one gro
 The stand-in model's forward writes each layer's KV into its group's blocks, and checks of each
 layer only what that layer reads (vLLM's ``get_num_skipped_tokens`` of the layer's group: the
 window, or the attention chunk): a load that wrote the wrong bytes there, or the null block's,
-fails the step.
+fails the step. A Mamba layer's "state" fills a whole block, a function of every token before
+it: a step reads it from the block holding the state at its start and writes the state at its
+end into the block vLLM gives that position (as vLLM's ``align`` mode does); a state loaded
+wrong fails the step.
 
 vLLM's platform in this environment (no compiled kernels) says it cannot run the hybrid
 manager; a real CPU or GPU engine can: the harness turns it on the way vLLM does for those.
@@ -27,6 +30,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
@@ -61,7 +65,27 @@ def spec(kind: str) -> KVCacheSpec:
         return MLAAttentionSpec(**common)
     if kind == "w":
         return SlidingWindowMLASpec(**common, sliding_window=WINDOW)
+    if kind == "M":  # a state of half a page, padded to an attention layer's page
+        page = FullAttentionSpec(**common).page_size_bytes
+        return MambaSpec(
+            block_size=BLOCK,
+            shapes=((HEADS * BLOCK * HEAD_DIM,),),
+            dtypes=(DTYPE,),
+            page_size_padded=page,
+            mamba_cache_mode="align",
+        )
     raise ValueError(kind)
+
+
+def expected_state(tokens: list[int], layer: int) -> torch.Tensor:
+    """The stand-in Mamba layer's state after ``tokens``: a block's worth of values that
+    depend on every token, their order and the layer."""
+    digest = 0
+    for token in tokens:
+        digest = (digest * 131 + token) % 1_000_003
+    base = (digest + len(tokens) * 17 + layer * 101) % 4093
+    values = torch.arange(HEADS * BLOCK * 2 * HEAD_DIM, dtype=torch.int64) + base
+    return (values % 251).to(DTYPE).view(HEADS, BLOCK, 2 * HEAD_DIM)
 
 
 def hybrid_kv_cache_config(
@@ -70,6 +94,8 @@ def hybrid_kv_cache_config(
     """vLLM's KV cache config for layers of ``pattern`` with its hybrid manager on, and the
     layers' names."""
     config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    if "M" in pattern:
+        config.cache_config.mamba_cache_mode = "align"
     if config.cache_config.kv_cache_layout is None:  # (what vLLM's engine core resolves)
         config.cache_config.kv_cache_layout = "NHD"
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(len(pattern))]
@@ -88,8 +114,11 @@ class HybridEngine(Engine):
         shared = [
             torch.zeros(num_blocks, HEADS, BLOCK, 2 * HEAD_DIM, dtype=DTYPE) for _ in range(slots)
         ]
+        # (vLLM hands a Mamba layer its state tensors as a list, views of the shared tensor)
         self.shared_kv = {
-            name: shared[i] for group in groups for i, name in enumerate(group.layer_names)
+            name: [shared[i]] if isinstance(group.kv_cache_spec, MambaSpec) else shared[i]
+            for group in groups
+            for i, name in enumerate(group.layer_names)
         }
         super().__init__(config, num_blocks=num_blocks)
 
@@ -121,6 +150,12 @@ class HybridEngine(Engine):
             marks = request_marks(request, end)
             for index, group in enumerate(groups):
                 block_ids = list(all_ids[index])
+                if isinstance(group.kv_cache_spec, MambaSpec):
+                    for name in group.layer_names:
+                        wrong = self._step_state(name, block_ids, tokens, start, end)
+                        if wrong is not None:
+                            bad.setdefault(request_id, set()).add(wrong)
+                    continue
                 first = self.group_of(index).get_num_skipped_tokens(start)
                 for name in group.layer_names:
                     layer = self.layers.index(name)
@@ -137,6 +172,24 @@ class HybridEngine(Engine):
             done_prefill = end >= request.num_tokens
             sampled[request_id] = [100 + sum(tokens[-3:]) % 800] if done_prefill else []
         return sampled, bad
+
+    def _step_state(
+        self, name: str, block_ids: list[int], tokens: list[int], start: int, end: int
+    ) -> int | None:
+        """A Mamba layer's step ``[start, end)``: check the state it starts from, write the
+        one it ends with; the block of a wrong state, if it was."""
+        layer = self.layers.index(name)
+        cache = self.kv[name][0]
+        wrong = None
+        if start > 0:
+            source = block_ids[-(-start // BLOCK) - 1]
+            assert source != 0, "a Mamba step starts from the null block"
+            if not torch.equal(cache[source], expected_state(tokens[:start], layer)):
+                wrong = source
+        target = block_ids[-(-end // BLOCK) - 1]
+        assert target != 0, "a Mamba step writes into the null block"
+        cache[target] = expected_state(tokens[:end], layer)
+        return wrong
 
 
 def _views(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvtrio.integration._kv_groups import kv_groups, unsupported_kv_cache
+from kvtrio.integration._vllm_setup import UnsupportedVllm, supported_range
 from kvtrio.integration.vllm import KvtrioConnector
 
 from ..tiny_model import write_tiny_model
@@ -155,3 +156,19 @@ def test_a_mamba_hybrid_keeps_the_connector_on_and_misses(config: VllmConfig) ->
     )()
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     scheduler.shutdown()
+
+
+def test_a_vllm_outside_the_supported_range_fails_at_connector_start_in_one_line(
+    config: VllmConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's factory builds the connector in a vLLM kvtrio does not claim: it fails there,
+    in one line naming the supported range (not deep in a step)."""
+    import vllm
+
+    kv = kv_cache_config(config, full(), full())
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    with pytest.raises(UnsupportedVllm) as raised:
+        connector(config, KVConnectorRole.SCHEDULER, kv)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert f"vLLM {supported_range()}, not 0.34.0" in message

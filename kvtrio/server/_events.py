@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -68,6 +69,7 @@ from ..protocol import (
     tenant_problem,
 )
 from ..transport import Socket, open_socket
+from ._announce import Announcer, Publish, Subscribed
 from ._auth import EVENTS_ZAP_DOMAIN, Principal, ServerAuth
 from ._event_limits import RateLog, Rates
 from ._snapshot import Snapshots, send_snapshot
@@ -112,7 +114,10 @@ class EventPublisher:
         replay: str = "",
         queue: int = 100_000,
         ipc_group: str = "",
+        announce: Callable[[Publish, Subscribed], Announcer] | None = None,
     ) -> None:
+        """``announce`` makes the announcer that publishes here (given :meth:`publish` and
+        :meth:`subscribed`); its snapshots answer snapshot requests."""
         self.auth = auth
         self.endpoint = endpoint
         self.replay = replay or replay_endpoint(endpoint)
@@ -147,7 +152,11 @@ class EventPublisher:
         self._log_replay = RateLog()
         self._log_reset = RateLog()
         self._last_reset = -RESET_INTERVAL
-        self.snapshots: Snapshots | None = None
+        self.announcer = None if announce is None else announce(self.publish, self.subscribed)
+        """What turns the cache's changes into events published here."""
+        self.snapshots: Snapshots | None = (
+            None if self.announcer is None else self.announcer.snapshot
+        )
         """A tenant's current blocks (the announcer's), for snapshot requests."""
 
     # ----------------------------------------------------------------- request path

@@ -6,7 +6,7 @@ import contextlib
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import attrs
@@ -21,7 +21,7 @@ from ..options import ByteSize, format_size
 from ..shm import SharedArena, default_shm_dir
 from ..storage import L1Cache, make_policy
 from ..transport import ensure_endpoint_free, open_socket, serve_zap
-from ._announce import Announcer, l2_tiers
+from ._announce import Announcer, Tier, l2_tiers
 from ._auth import ServerAuth, configure_auth
 from ._events import EventPublisher
 from ._http import bind_http, serve_http
@@ -130,18 +130,17 @@ async def open_server(
     if plan.warning:
         log.warning("%s", plan.warning, extra=event("l1_size", warning=plan.warning))
     auth = configure_auth(config)  # first: a bad key file stops the start before anything runs
-    publisher = _events(config, auth)
+    names = (
+        [name for name, _ in backends]
+        if backends is not None
+        else [spec.name for spec in config.l2]
+    )
+    publisher = _events(config, auth, l2_tiers(names, config.l2))
+    announcer = publisher.announcer if publisher is not None else None
     http_socket = bind_http(config.http) if config.http else None
     try:
         if backends is None:
             backends = [(spec.name, create_backend(spec.name, spec.options)) for spec in config.l2]
-        announcer = None
-        if publisher is not None:
-            tiers = l2_tiers([name for name, _ in backends], config.l2)
-            announcer = Announcer(
-                publisher.publish, config.chunk_size, publisher.subscribed, tiers=tiers
-            )
-            publisher.snapshots = announcer.snapshot
         arena = create_arena(plan)
     except BaseException:
         if http_socket is not None:
@@ -252,8 +251,11 @@ async def open_server(
             await _terminate(context)
 
 
-def _events(config: ServerConfig, auth: ServerAuth) -> EventPublisher | None:
-    """The KV event publisher (``--events``), or none."""
+def _events(
+    config: ServerConfig, auth: ServerAuth, tiers: Mapping[str, Tier]
+) -> EventPublisher | None:
+    """The KV event publisher (``--events``) and its announcer (naming the L2 ``tiers``), or
+    none."""
     if not config.events:
         return None
     if config.events.startswith("tcp://") and auth.mode == "ipc":
@@ -267,6 +269,9 @@ def _events(config: ServerConfig, auth: ServerAuth) -> EventPublisher | None:
         buffer=config.events_buffer,
         interval=config.events_interval,
         ipc_group=config.ipc_group,
+        announce=lambda publish, subscribed: Announcer(
+            publish, config.chunk_size, subscribed, tiers=tiers
+        ),
     )
 
 

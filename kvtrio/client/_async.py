@@ -24,14 +24,15 @@ from ..errors import (
 from ..protocol import Goodbye, HelloReply, Ping, Reply, Request, encode_request
 from ..transport import Monitor, Socket, check_endpoint, open_monitor, open_socket
 from ._common import (
-    DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_TIMEOUT,
     GOODBYE_TIMEOUT,
     MONITOR_EVENTS,
     HandshakeWatch,
     curve_options,
     dealer_options,
+    heartbeat_interval,
     hello_request,
+    ping_due,
     read_reply_header,
     reply_or_error,
 )
@@ -222,11 +223,9 @@ class AsyncClient:
         """Ping whenever nothing was sent for a quarter of the server's heartbeat timeout."""
         await self._connected_event.wait()
         while True:
-            interval = DEFAULT_HEARTBEAT_INTERVAL
-            if self.server_info is not None:
-                interval = self.server_info.heartbeat_timeout / 4
+            interval = heartbeat_interval(self.server_info)
             await trio.sleep_until(self._last_send + interval)
-            if trio.current_time() >= self._last_send + interval and self.connected:
+            if ping_due(trio.current_time(), self._last_send, self.server_info) and self.connected:
                 with suppress(KvtrioError):
                     await self.request(Ping(), timeout=interval)
 

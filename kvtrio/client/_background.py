@@ -19,7 +19,7 @@ from collections.abc import Callable
 import zmq
 
 from ..protocol import HelloReply, Ping, Pong, Reply, Request, encode_request
-from ._common import DEFAULT_HEARTBEAT_INTERVAL, hello_request
+from ._common import heartbeat_interval, hello_request, ping_due
 from ._connection import Connection
 from ._state import Call, ClientState, ReplyFuture
 
@@ -101,8 +101,7 @@ class Background:
 
     def heartbeat_interval(self) -> float:
         """A quarter of the server's heartbeat timeout (a default until its hello)."""
-        info = self.state.server_info
-        return info.heartbeat_timeout / 4 if info is not None else DEFAULT_HEARTBEAT_INTERVAL
+        return heartbeat_interval(self.state.server_info)
 
     def heartbeat(self, now: float) -> None:
         """Ping when nothing was sent for a heartbeat interval (under the socket lock)."""
@@ -110,7 +109,7 @@ class Background:
         if (
             state.heartbeat
             and state.status == "connected"
-            and now - self.conn.last_send >= self.heartbeat_interval()
+            and ping_due(now, self.conn.last_send, state.server_info)
         ):
             self.internal(Ping(), self.on_pong, first=True)
 

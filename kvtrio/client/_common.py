@@ -13,6 +13,7 @@ from ..protocol import (
     PROTOCOL_VERSION,
     ErrorReply,
     Hello,
+    HelloReply,
     Reply,
     Request,
     decode_reply_body,
@@ -28,7 +29,9 @@ __all__ = [
     "HandshakeWatch",
     "curve_options",
     "dealer_options",
+    "heartbeat_interval",
     "hello_request",
+    "ping_due",
     "read_reply_header",
     "reply_or_error",
 ]
@@ -194,9 +197,22 @@ def curve_options(
 
 
 def hello_request(client_name: str) -> Hello:
+    """What every client says on every connection (its name, version and protocol)."""
     return Hello(
         client_name=client_name, client_version=__version__, protocol_version=PROTOCOL_VERSION
     )
+
+
+def heartbeat_interval(info: HelloReply | None) -> float:
+    """Seconds between heartbeats: a quarter of the server's heartbeat timeout, from its
+    ``hello`` (:data:`DEFAULT_HEARTBEAT_INTERVAL` before one)."""
+    return info.heartbeat_timeout / 4 if info is not None else DEFAULT_HEARTBEAT_INTERVAL
+
+
+def ping_due(now: float, last_send: float, info: HelloReply | None) -> bool:
+    """Whether a connected client that last sent at ``last_send`` pings at ``now``: nothing was
+    sent for a heartbeat interval (any request counts as a sign of life)."""
+    return now - last_send >= heartbeat_interval(info)
 
 
 def read_reply_header(frames: list[bytes]) -> tuple[int, str] | None:

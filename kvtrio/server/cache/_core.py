@@ -150,6 +150,18 @@ class CacheCore:
         owners = self._by_user.get(caller.user, ()) if caller.user else ()
         self.quotas.admit(caller.id, caller.user, new, chunk_bytes, owners)
 
+    def admit_store(self, caller: Caller, registration: Registration, chunks: int) -> None:
+        """Refuse (``quota_exceeded``, ``busy``) a store of ``chunks`` chunks that would exceed
+        the caller's leases or its tenant's pins; nothing is reserved yet."""
+        self.admit_leases(caller, chunks, registration.chunk_bytes)
+        self.limits.admit_pins(self.leases, chunks, tenant=registration.tenant)
+
+    def admit_reads(self, caller: Caller, keys: Sequence[bytes], chunk_bytes: int) -> None:
+        """Refuse (``quota_exceeded``) reads of ``keys`` that would exceed the caller's leases
+        or the pins a key's share allows; nothing is pinned yet."""
+        self.admit_leases(caller, len(keys), chunk_bytes)
+        self.quotas.admit_pins(keys, chunk_bytes)
+
     def _groups_of(self, lease: Lease) -> tuple[str, ...]:
         """The groups a request counts in, from its first lease: the tenant whose arena holds
         the chunk, and the client key of the session that took it (if any)."""
@@ -353,7 +365,7 @@ class CacheCore:
     ) -> list[Slot]:
         """Pin the chunks of a retrieve that are in L1, each before consuming the lookup's pin
         (so it never drops to zero pins in between); a ``read`` slot for each, ``failed`` for
-        one that is not in L1. The caller admitted the quotas."""
+        one that is not in L1. The caller admitted them (:meth:`admit_reads`)."""
         expires = self.clock() + self.config.pin_ttl
         slots = []
         l1, leases = self.l1, self.leases

@@ -98,8 +98,7 @@ class Reads:
         if retrieve.partial and io.prefetch.pending_count:
             ready = self._loading_from(request, reading, registration.space)
         reading, hashes = reading[:ready], hashes[:ready]
-        core.admit_leases(session, ready, registration.chunk_bytes)
-        core.quotas.admit_pins(reading, registration.chunk_bytes)
+        core.admit_reads(session, reading, registration.chunk_bytes)
         slots = core.pin_reads(session.id, request, chunks, reading)
         slots += [Slot(index, "loading") for index in chunks[ready:]]
         job = Job(

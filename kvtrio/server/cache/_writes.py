@@ -54,9 +54,8 @@ class Writes:
         request, hashes, chunks = core.chunks(registration, store)
         copy = registration.copy
         blocks = copy.check(store, chunks)  # before anything is reserved
-        core.admit_leases(session, len(chunks), registration.chunk_bytes)
+        core.admit_store(session, registration, len(chunks))
         expires = core.clock() + core.config.reservation_ttl
-        core.limits.admit_pins(core.leases, len(chunks), tenant=registration.tenant)
         parent: bytes | None = None  # the range's first chunk's parent, if the client knows it
         if store.parent_hash:
             parent = registration.space + checked_hashes((store.parent_hash,), "parent_hash")[0]

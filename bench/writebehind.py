@@ -29,7 +29,7 @@ import trio
 
 import kvtrio.server.l2tier._writes as l2_module
 from kvtrio.l2.disk import DiskBackend, DiskOptions
-from kvtrio.server.l2tier import L2Tier
+from kvtrio.server.l2tier import L2Tier, open_l2_tier
 from kvtrio.shm import SharedArena
 from kvtrio.storage import Entry, L1Cache
 
@@ -68,9 +68,10 @@ async def run(
     l2_module._BATCH_CHUNKS = batch  # type: ignore[attr-defined,unused-ignore]
     with tempfile.TemporaryDirectory(prefix="kvtrio-wb-", dir=where) as directory:
         disk = DiskBackend(DiskOptions(path=str(Path(directory) / "l2")))
-        tier = L2Tier([("disk", disk)], l1, arena, queue_size=QUEUE, flushers=2, loaders=4)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(tier.serve)
+        async with open_l2_tier(
+            [("disk", disk)], l1, arena, queue_size=QUEUE, flushers=2, loaders=4
+        ) as tier:
+            await tier.start()
             await disk.lookup_and_lock([])  # (the directory scan is not measured)
 
             started = time.perf_counter()
@@ -93,7 +94,6 @@ async def run(
             skipped = tier.writes.skipped_stores - before
             drained = len(keys) + offered - skipped
             await until(lambda: not tier.writes.queued and stored(tier) >= drained)
-            nursery.cancel_scope.cancel()
     return drain, skipped, offered
 
 

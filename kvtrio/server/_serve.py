@@ -32,7 +32,7 @@ from ._router import Router
 from ._state import ServerState
 from ._tenants import TenantArenas
 from .cache import CacheService, CudaTransfers, RuntimeFactory
-from .l2tier import L2Tier
+from .l2tier import open_l2_tier
 
 __all__ = ["ServerHandle", "open_server", "serve"]
 
@@ -190,7 +190,7 @@ async def open_server(
                         )
                         metrics = ServerMetrics(publisher.stats if publisher else None)
                         instance_id = uuid.uuid4().hex
-                        l2 = L2Tier(
+                        async with open_l2_tier(
                             backends,
                             arenas.l1,
                             arenas.memory,
@@ -204,41 +204,43 @@ async def open_server(
                             instance=instance_id,
                             write_through=config.l2_write_through > 0,
                             admission=config.l2_admission,
-                        )
-                        cache = CacheService(
-                            config, arenas, l2, CudaTransfers(cuda_runtime), announcer
-                        )
-                        state = ServerState(
-                            config,
-                            endpoint,
-                            auth,
-                            cache=cache,
-                            observe_request=metrics.observe_request,
-                            l1_sizing=plan.sizing,
-                            instance_id=instance_id,
-                            events=publisher,
-                        )
-                        register_core_operations(state)
-                        cache.install(state)
-                        async with trio.open_nursery() as root, trio.open_nursery() as sessions:
-                            http_url = None
-                            if http_socket is not None:  # first: /healthz says "starting"
-                                http_url = await root.start(serve_http, state, metrics, http_socket)
-                            await root.start(_populate, arena)
-                            if publisher is not None:
-                                await root.start(publisher.serve, context)
-                            await root.start(l2.serve)
-                            await root.start(cache.serve_reaper)
-                            await root.start(state.heartbeats.run)
-                            await root.start(cache.cuda.serve)
-                            router = Router(state, socket, sessions)
-                            await root.start(router.run)
-                            state.serving = True
-                            try:
-                                yield ServerHandle(state, stop_scope, http_url)
-                            finally:
-                                state.serving = False
-                                root.cancel_scope.cancel()
+                        ) as l2:
+                            cache = CacheService(
+                                config, arenas, l2, CudaTransfers(cuda_runtime), announcer
+                            )
+                            state = ServerState(
+                                config,
+                                endpoint,
+                                auth,
+                                cache=cache,
+                                observe_request=metrics.observe_request,
+                                l1_sizing=plan.sizing,
+                                instance_id=instance_id,
+                                events=publisher,
+                            )
+                            register_core_operations(state)
+                            cache.install(state)
+                            async with trio.open_nursery() as root, trio.open_nursery() as sessions:
+                                http_url = None
+                                if http_socket is not None:  # first: /healthz says "starting"
+                                    http_url = await root.start(
+                                        serve_http, state, metrics, http_socket
+                                    )
+                                await root.start(_populate, arena)
+                                if publisher is not None:
+                                    await root.start(publisher.serve, context)
+                                await l2.start()  # (the probes: before serving)
+                                await root.start(cache.serve_reaper)
+                                await root.start(state.heartbeats.run)
+                                await root.start(cache.cuda.serve)
+                                router = Router(state, socket, sessions)
+                                await root.start(router.run)
+                                state.serving = True
+                                try:
+                                    yield ServerHandle(state, stop_scope, http_url)
+                                finally:
+                                    state.serving = False
+                                    root.cancel_scope.cancel()
                 finally:
                     auth_tasks.cancel_scope.cancel()
     finally:

@@ -107,15 +107,21 @@ class Fleet:
     """The fleet records of one tier's backends (see the module docstring)."""
 
     def __init__(
-        self, backends: Sequence[TierBackend], calls: Calls, *, chunk_size: int, instance: str
+        self,
+        backends: Sequence[TierBackend],
+        calls: Calls,
+        tasks: trio.Nursery,
+        *,
+        chunk_size: int,
+        instance: str,
     ) -> None:
+        """``tasks``: the tier's nursery, where the checks run."""
         self.backends = backends
         self._calls = calls
         self.chunk_size = chunk_size
         self.instance = instance
         self.host = socket.gethostname()
-        self.nursery: trio.Nursery | None = None
-        """Where the checks run; set by the tier while it serves."""
+        self._tasks = tasks
         self._seen: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         """Digests of the (model, tenant, scheme, block size) checked, oldest first."""
         self.checks = 0
@@ -128,7 +134,7 @@ class Fleet:
     def announce(self, model: str, tenant: str, hash_scheme: str, block_size: int) -> None:
         """A worker registered ``model``: check (once per model, tenant and scheme in this
         process) the model's record in every backend, in a task; never waits."""
-        if self.nursery is None or not self.backends:
+        if not self.backends:
             return
         seen = hashlib.sha256(msgpack.packb([model, tenant, hash_scheme, block_size])).digest()
         if seen in self._seen:
@@ -144,7 +150,7 @@ class Fleet:
         mine = FleetRecord(self.chunk_size, hash_scheme, block_size, self.instance, self.host)
         for tier_backend in shared:
             self.checks += 1
-            self.nursery.start_soon(self._counted_check, tier_backend, model, tenant, mine)
+            self._tasks.start_soon(self._counted_check, tier_backend, model, tenant, mine)
 
     def _skip(self, model: str) -> None:
         self.skipped += 1

@@ -60,18 +60,19 @@ class Loads:
         backends: Sequence[TierBackend],
         arena: SharedArena,
         calls: Calls,
+        tasks: trio.Nursery,
         *,
         loaders: int,
         cpu: trio.CapacityLimiter | None = None,
     ) -> None:
-        """``cpu``: the tier's limiter of checksum threads (shared with its write-behind)."""
+        """``tasks``: the tier's nursery, where loader tasks run; ``cpu``: the tier's limiter of
+        checksum threads (shared with its write-behind)."""
         self.backends = backends
         self._cpu = cpu if cpu is not None else trio.CapacityLimiter(CPU_THREADS)
         self.arena = arena
         self._calls = calls
         self._limiters = {id(b): trio.CapacityLimiter(loaders) for b in backends}
-        self.loaders: trio.Nursery | None = None
-        """Where loader tasks run; set by the tier while it serves."""
+        self._loaders = tasks
         self.corrupt = 0
 
     # ----------------------------------------------------------------- lookup
@@ -175,13 +176,12 @@ class Loads:
         ``load.done`` is set; the objects stay locked in the backend until then. The loads of a
         batch share one cancel scope (one request's chunks: they are cancelled together).
         """
-        assert self.loaders is not None, "the L2 tier is not running"
         loads: list[Load] = []
         batch: list[Load] = []
         nbytes, limit = 0, 1
         for key, entry in items:
             if batch and (len(batch) >= limit or nbytes + entry.nbytes > _BATCH_BYTES):
-                self.loaders.start_soon(self._load, batch, fingerprint, on_done)
+                self._loaders.start_soon(self._load, batch, fingerprint, on_done)
                 batch, nbytes, limit = [], 0, min(2 * limit, _BATCH_CHUNKS)
             scope = batch[0].scope if batch else trio.CancelScope()
             load = Load(key, entry, source, scope=scope)
@@ -189,7 +189,7 @@ class Loads:
             loads.append(load)
             nbytes += entry.nbytes
         if batch:
-            self.loaders.start_soon(self._load, batch, fingerprint, on_done)
+            self._loaders.start_soon(self._load, batch, fingerprint, on_done)
         return loads
 
     async def _load(

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
 
 import trio
 
@@ -32,7 +34,7 @@ from ._loads import Loads
 from ._touches import Touches
 from ._writes import CPU_THREADS, WriteBehind
 
-__all__ = ["L2Tier"]
+__all__ = ["L2Tier", "open_l2_tier"]
 
 log = logging.getLogger("kvtrio.l2")
 
@@ -43,14 +45,40 @@ _REPROBE_INTERVAL = 1.0
 _PROBE_OBJECT = b"kvtrio health probe"
 
 
+@asynccontextmanager
+async def open_l2_tier(
+    backends: Sequence[tuple[str, Backend]], l1: L1Cache, arena: SharedArena, **options: Any
+) -> AsyncIterator[L2Tier]:
+    """The L2 tier over ``backends`` (``options``: :class:`L2Tier`'s), its tasks' nursery open
+    for the block; :meth:`L2Tier.start` probes the backends and starts the tasks. Leaving the
+    block cancels the tasks (stores and loads under way), then closes the backends (shielded,
+    at most 5 s), also if the tier could not be made."""
+    try:
+        async with trio.open_nursery() as tasks:
+            tier = L2Tier(backends, l1, arena, tasks, **options)
+            try:
+                yield tier
+            finally:
+                tasks.cancel_scope.cancel()
+    finally:
+        with trio.move_on_after(5) as scope:
+            scope.shield = True
+            for name, backend in backends:
+                try:
+                    await backend.aclose()
+                except Exception:
+                    log.exception("closing L2 backend %s failed", name)
+
+
 class L2Tier:
-    """The backends of one server, in cascade order."""
+    """The backends of one server, in cascade order (made by :func:`open_l2_tier`)."""
 
     def __init__(
         self,
         backends: Sequence[tuple[str, Backend]],
         l1: L1Cache,
         arena: SharedArena,
+        tasks: trio.Nursery,
         *,
         queue_size: int,
         flushers: int,
@@ -68,7 +96,8 @@ class L2Tier:
         write-behind queue); ``chunk_size`` and ``instance`` (the server's) go into the fleet
         records; ``write_through``: a store's commit waits for its chunks' L2 writes;
         ``admission``: which committed chunks are written (``all``, ``reuse``, or ``auto``:
-        ``reuse`` unless a backend is a shared store; see ``_admission``)."""
+        ``reuse`` unless a backend is a shared store; see ``_admission``); ``tasks``: the
+        nursery the tier's tasks run in (loaders, fleet checks, flushers)."""
         names = [name for name, _ in backends]
         self.backends = [
             TierBackend(backend, name, name if names.count(name) == 1 else f"{name}#{i + 1}")
@@ -92,11 +121,14 @@ class L2Tier:
             cpu=cpu,
         )
         """Committed chunks on their way to the backends."""
-        self.loads = Loads(self.backends, arena, self._calls, loaders=loaders, cpu=cpu)
+        self._tasks = tasks
+        self.loads = Loads(self.backends, arena, self._calls, tasks, loaders=loaders, cpu=cpu)
         """Lookups across the cascade and L2 → L1 loads."""
         self.touches = Touches(self.backends, self._calls)
         """L1 hits on their way to the backends that take touches."""
-        self.fleet = Fleet(self.backends, self._calls, chunk_size=chunk_size, instance=instance)
+        self.fleet = Fleet(
+            self.backends, self._calls, tasks, chunk_size=chunk_size, instance=instance
+        )
         """The models' fleet records in the backends."""
 
     @property
@@ -105,39 +137,22 @@ class L2Tier:
 
     # ----------------------------------------------------------------- tasks
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Probe every backend (at once, each for at most :data:`_PROBE_TIMEOUT`), then report
-        started; run the flushers and the touches' task and host the loaders until cancelled;
-        close the backends after. The server serves only once this has started, so the first
-        lookup after a restart sees the L2 as it is (a disk L2 has built its index).
+    async def start(self) -> None:
+        """Probe every backend (at once, each for at most :data:`_PROBE_TIMEOUT`), then start
+        the flushers, the reprobes and the touches' task in the tier's nursery, and return. The
+        server serves only once this returned, so the first lookup after a restart sees the L2
+        as it is (a disk L2 has built its index).
 
         A backend found misconfigured by its start-up probe raises :class:`ConfigError` (the
-        server does not start). Cancellation: running probes, stores and loads are cancelled;
-        closing is shielded and bounded.
+        server does not start). Cancellation: the probes are cancelled, nothing is started.
         """
-        try:
-            async with trio.open_nursery() as nursery:
-                self.loads.loaders = nursery
-                self.fleet.nursery = nursery
-                async with trio.open_nursery() as probes:
-                    for tier_backend in self.backends:
-                        probes.start_soon(self._probe_at_start, tier_backend)
-                for tier_backend in self.backends:
-                    nursery.start_soon(self._reprobe, tier_backend)
-                self.writes.start(nursery)
-                nursery.start_soon(self.touches.run)
-                task_status.started()
-                await trio.sleep_forever()
-        finally:
-            self.loads.loaders = None
-            self.fleet.nursery = None
-            with trio.move_on_after(5) as scope:
-                scope.shield = True
-                for tier_backend in self.backends:
-                    try:
-                        await tier_backend.backend.aclose()
-                    except Exception:
-                        log.exception("closing L2 backend %s failed", tier_backend.name)
+        async with trio.open_nursery() as probes:
+            for tier_backend in self.backends:
+                probes.start_soon(self._probe_at_start, tier_backend)
+        for tier_backend in self.backends:
+            self._tasks.start_soon(self._reprobe, tier_backend)
+        self.writes.start(self._tasks)
+        self._tasks.start_soon(self.touches.run)
 
     async def _reprobe(self, tier_backend: TierBackend) -> None:
         """After the start-up probe (:meth:`serve`), probe ``tier_backend`` again whenever it

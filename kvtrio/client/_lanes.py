@@ -12,12 +12,15 @@ waits), so no queued store reads blocks a load writes; within a lane, order is k
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
 
 __all__ = ["TransferLanes"]
+
+log = logging.getLogger("kvtrio.client")
 
 
 class TransferLanes(Executor):
@@ -74,7 +77,10 @@ class TransferLanes(Executor):
 
     def _run(self) -> None:
         if self._initializer is not None:
-            self._initializer()  # (placement: logs a refusal, never raises)
+            try:
+                self._initializer()  # (placement: logs a refusal, never raises)
+            except Exception:  # the calls still run, where the thread is
+                log.exception("initializing the thread %s failed", self._thread.name)
         while True:
             with self._ready:
                 while not (self._lanes[0] or self._lanes[1] or self._closed):

@@ -68,3 +68,14 @@ def test_the_initializer_runs_in_the_thread_first() -> None:
     finally:
         lanes.shutdown()
     assert seen == ["kvtrio-transfer-7_0"]
+
+
+def test_a_failing_initializer_leaves_the_thread_running_calls() -> None:
+    def broken() -> None:
+        raise OSError("no such CPU")
+
+    lanes = TransferLanes("test-lanes", broken)
+    try:
+        assert lanes.submit(int, "7").result(timeout=10) == 7
+    finally:
+        lanes.shutdown()

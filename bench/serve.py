@@ -575,7 +575,8 @@ class Bench:
         header = self.header(env)
         rows = summarize(self.runs)
         bindings = sorted({" ".join(e.get("omp_binding", [])) for e in self.engines})
-        lines = [*header, "", *table(rows), "", "OpenMP binding per engine (must match):"]
+        lines = [*header, "", *table(rows), "", *sustained_lines(sustained(rows))]
+        lines += ["", "OpenMP binding per engine (must match):"]
         for engine in self.engines:
             lines.append(f"  {engine['tag']:14} {' | '.join(engine.get('omp_binding', [])) or '?'}")
         if len(bindings) > 1:
@@ -590,7 +591,8 @@ class Bench:
         (self.out / "table.txt").write_text("\n".join(lines) + "\n")
         result = {
             "header": header, "environment": env, "settings": self.settings(),
-            "engines": self.engines, "summary": rows, "runs": self.runs,
+            "engines": self.engines, "summary": rows, "sustained": sustained(rows),
+            "runs": self.runs,
             "problems": self.problems, "elapsed_s": self.elapsed,
         }  # fmt: skip
         (self.out / "serve.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
@@ -669,6 +671,62 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["policy"] = policy
             rows.append(row)
     return rows
+
+
+SUSTAINED_FACTOR = 10
+"""A rate is sustained while the median TTFT p99 stays under this many times the unloaded TTFT
+(issue 33's measure)."""
+
+
+def sustained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per workload, the highest offered rate each case sustains: every rate up to it has a
+    median TTFT p99 under :data:`SUSTAINED_FACTOR` × vLLM alone's unloaded TTFT (its median
+    TTFT p50 at the lowest rate measured, where requests seldom overlap); None if not even the
+    lowest. With the ratio of each case's rate to vLLM alone's."""
+    found = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        mine = sorted((r for r in rows if r["workload"] == workload), key=lambda r: r["rate"])
+        base = [r for r in mine if r["case"] == "vllm" and "median_ttft_ms" in r]
+        if not base:
+            continue
+        unloaded = base[0]["median_ttft_ms"]["median"]
+        limit = SUSTAINED_FACTOR * unloaded
+        rates: dict[str, float | None] = {}
+        for case in dict.fromkeys(r["case"] for r in mine):
+            best = None
+            for row in (r for r in mine if r["case"] == case):
+                p99 = row.get("p99_ttft_ms")
+                if p99 is None or p99["median"] > limit:
+                    break
+                best = row["rate"]
+            rates[case] = best
+        alone = rates.get("vllm")
+        found.append({
+            "workload": workload, "unloaded_ttft_ms": unloaded, "limit_ms": limit,
+            "rates": rates,
+            "ratios": {c: (r / alone if r and alone else None) for c, r in rates.items()},
+        })  # fmt: skip
+    return found
+
+
+def sustained_lines(found: list[dict[str, Any]]) -> list[str]:
+    """The table's lines for :func:`sustained`."""
+    lines = [
+        f"sustained rate (TTFT p99 under {SUSTAINED_FACTOR}× vLLM alone's unloaded TTFT, its "
+        "TTFT p50 at the lowest rate; '<' the lowest rate measured already exceeds it):"
+    ]
+    for item in found:
+        cases = []
+        for case, rate in item["rates"].items():
+            ratio = item["ratios"][case]
+            text = "<lowest" if rate is None else f"{rate:g}/s"
+            cases.append(
+                text + (f" ({ratio:.2f}×)" if ratio and case != "vllm" else "") + f" {case}"
+            )
+        lines.append(
+            f"  {item['workload']:9} limit {item['limit_ms']:,.0f} ms: " + ", ".join(cases)
+        )
+    return lines
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:

@@ -150,3 +150,26 @@ def test_the_summary_gives_medians_and_spreads(bench: tuple[ModuleType, ModuleTy
     lines = serve.table(rows)
     assert "200 (100–300)" in lines[2]
     assert sys.modules["serve"] is serve
+
+
+def test_the_sustained_rate_is_the_last_rate_under_ten_times_the_unloaded_ttft(
+    bench: tuple[ModuleType, ModuleType],
+) -> None:
+    """vLLM alone's TTFT p50 at the lowest rate is the unloaded TTFT (50 ms: limit 500 ms); a
+    case sustains each rate up to the first whose p99 passes the limit."""
+    _, serve = bench
+    p99s = {"vllm": (300, 2_000, 400), "l1": (200, 450, 5_000), "l1+disk": (900, 100, 100)}
+    runs = [
+        {"workload": "multiturn", "rate": rate, "case": case, "failed": 0,
+         "median_ttft_ms": 50, "p99_ttft_ms": p99, "median_itl_ms": 10, "p99_itl_ms": 20,
+         "request_throughput": rate, "output_throughput": 16, "vllm_hit_ratio": 0.0,
+         "external_hit_ratio": 0.0}
+        for case, values in p99s.items()
+        for rate, p99 in zip((2, 4, 8), values, strict=True)
+    ]  # fmt: skip
+    (found,) = serve.sustained(serve.summarize(runs))
+    assert found["limit_ms"] == 500
+    assert found["rates"] == {"vllm": 2, "l1": 4, "l1+disk": None}
+    assert found["ratios"]["l1"] == 2.0
+    (_, line) = serve.sustained_lines([found])
+    assert "2/s vllm, 4/s (2.00×) l1, <lowest l1+disk" in line

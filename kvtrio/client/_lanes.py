@@ -7,6 +7,11 @@ prefill's chunks), which the load policy then counted as the load's own time. Re
 safe: a load writes into blocks just allocated to its request, and vLLM holds a request's blocks
 until its stores are done (a preempted one's too, :meth:`~._worker_side.WorkerSide.preemptions`
 waits), so no queued store reads blocks a load writes; within a lane, order is kept.
+
+Loads overtake a waiting store a bounded number of times (``overtakes``, 8): a steady stream of
+hits (one load per hit request) would otherwise hold stores back for as long as it lasts, and
+with them the blocks vLLM keeps until a request's stores are done, and the chunks later hits
+would find. A load then waits for at most one store.
 """
 
 from __future__ import annotations
@@ -25,14 +30,26 @@ log = logging.getLogger("kvtrio.client")
 
 class TransferLanes(Executor):
     """One worker thread running calls in two lanes: those of :meth:`submit` in order, before
-    any of :meth:`submit_later`'s, which run in order when the first lane is empty.
+    any of :meth:`submit_later`'s, which run in order when the first lane is empty, or when
+    ``overtakes`` calls of the first lane in a row ran while the second one's next call waited.
 
     Otherwise a one-thread :class:`~concurrent.futures.ThreadPoolExecutor`: a submit returns a
     future of the call's result and raises ``RuntimeError`` after :meth:`shutdown`, which lets
     what is queued run (and with ``wait`` joins the thread). ``initializer`` runs first in the
     thread."""
 
-    def __init__(self, name: str, initializer: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        initializer: Callable[[], object] | None = None,
+        *,
+        overtakes: int = 8,
+    ) -> None:
+        if overtakes < 1:
+            raise ValueError(f"overtakes must be at least 1, not {overtakes}")
+        self._overtakes = overtakes
+        self._overtaken = 0
+        """Calls of the first lane run in a row while the second lane's next call waited."""
         self._lanes: tuple[collections.deque[_Item], collections.deque[_Item]] = (
             collections.deque(),
             collections.deque(),
@@ -85,8 +102,13 @@ class TransferLanes(Executor):
             with self._ready:
                 while not (self._lanes[0] or self._lanes[1] or self._closed):
                     self._ready.wait()
-                lane = self._lanes[0] or self._lanes[1]
-                if not lane:
+                first, second = self._lanes
+                if second and (not first or self._overtaken >= self._overtakes):
+                    lane, self._overtaken = second, 0
+                elif first:
+                    lane = first
+                    self._overtaken += 1 if second else 0
+                else:
                     return  # closed, nothing left
                 future, fn, args, kwargs = lane.popleft()
             if not future.set_running_or_notify_cancel():

@@ -79,3 +79,32 @@ def test_a_failing_initializer_leaves_the_thread_running_calls() -> None:
         assert lanes.submit(int, "7").result(timeout=10) == 7
     finally:
         lanes.shutdown()
+
+
+def test_a_waiting_store_is_overtaken_a_bounded_number_of_times() -> None:
+    """A steady stream of loads does not hold a store back: after ``overtakes`` loads have
+    passed it, it runs, and the loads go on."""
+    ran: list[str] = []
+    gate, running = threading.Event(), threading.Event()
+
+    def load_in_progress() -> None:
+        running.set()
+        gate.wait(10)
+
+    lanes = TransferLanes("test-lanes", overtakes=3)
+    try:
+        busy = lanes.submit(load_in_progress)
+        assert running.wait(10)  # (it started before the store came)
+        futures = [lanes.submit_later(ran.append, "store")]
+        futures += [lanes.submit(ran.append, f"load {i}") for i in range(5)]
+        gate.set()
+        for future in [busy, *futures]:
+            future.result(timeout=10)
+    finally:
+        lanes.shutdown()
+    assert ran == ["load 0", "load 1", "load 2", "store", "load 3", "load 4"]
+
+
+def test_overtakes_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="overtakes"):
+        TransferLanes("test-lanes", overtakes=0)

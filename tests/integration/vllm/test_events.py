@@ -4,7 +4,8 @@
   named by vLLM's own block hashes, live and through the replay socket as vLLM's replay
   protocol asks it (``[b"", start_seq]``);
 - vLLM's own stream (its ``ZmqEventPublisher``, with ``kvtrio.events`` set): its GPU blocks and
-  kvtrio's tiers, relayed by the connector through vLLM's ``take_events`` hook.
+  kvtrio's tiers, relayed by the connector through vLLM's ``take_events`` hook, with kvtrio
+  alone or first in vLLM's ``MultiConnector`` (whose ``take_events`` relays each child's).
 """
 
 from __future__ import annotations
@@ -74,14 +75,26 @@ def subscriber(kvtrio: ServerProcess, events: str) -> Iterator[zmq.Socket[bytes]
         yield sub
 
 
-@pytest.fixture
+@pytest.fixture(params=[False, True], ids=["alone", "in-MultiConnector"])
 def engine(
+    request: pytest.FixtureRequest,
     model_dir: Path,
     kvtrio: ServerProcess,
     events: str,
     short_dir: Path,
+    tmp_path: Path,
     subscriber: zmq.Socket[bytes],
 ) -> Iterator[Engine]:
+    """A scheduler publishing vLLM's own KV events, with kvtrio alone or first in vLLM's
+    ``MultiConnector`` beside ``ExampleConnector`` (issue 35 item 5: its ``take_events``
+    relays each connector's, so kvtrio's tiers reach vLLM's stream either way)."""
+    beside = None
+    if request.param:
+        beside = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "example")},
+        }
     published = KVEventsConfig(
         enable_kv_cache_events=True,
         publisher="zmq",
@@ -90,7 +103,12 @@ def engine(
     )
     engine = Engine(
         make_config(
-            model_dir, kvtrio.endpoint, prefix_caching=True, kv_events=published, events=events
+            model_dir,
+            kvtrio.endpoint,
+            prefix_caching=True,
+            kv_events=published,
+            events=events,
+            beside=beside,
         ),
         num_blocks=64,
     )
@@ -126,6 +144,10 @@ def test_both_streams_decode_with_vllms_classes(
     engine: Engine, subscriber: zmq.Socket[bytes], events: str
 ) -> None:
     sub, topic = subscriber, TOPIC
+    multi = engine.config.kv_transfer_config.kv_connector == "MultiConnector"
+    assert type(engine.scheduler.connector).__name__ == (
+        "MultiConnector" if multi else "KvtrioConnector"
+    )
     if True:
         engine.add("first", PROMPT)
         engine.run()

@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
          "--events", events, "--events-buffer", str(BUFFER), "--events-interval", "0.0005",
          "--l1-size", "512MiB", "--l2", "none", "--log-level", "info",
          "--http", f"127.0.0.1:{metrics}"],
-        env, log_path=log, probe_key=keys["server"],
+        env, log_path=log, server_key=keys["server"],
     )  # fmt: skip
     os.environ.update(KVTRIO_SERVER_KEY=keys["server"], KVTRIO_CLIENT_KEY=keys["victim"])
     stop = workdir / "stop"

@@ -97,9 +97,9 @@ def raw_server(kind: str, endpoint: str) -> None:
         }
         while True:
             identity, header, _ = sock.recv_multipart()
-            _, request_id, op = msgpack.unpackb(header)
+            _, call_id, op = msgpack.unpackb(header)
             sock.send_multipart(
-                [identity, msgpack.packb((PROTOCOL_VERSION, request_id, op)), bodies[op]]
+                [identity, msgpack.packb((PROTOCOL_VERSION, call_id, op)), bodies[op]]
             )
     while True:
         frames = sock.recv_multipart()
@@ -322,7 +322,7 @@ def main() -> None:
             plain = ep.startswith("tcp://") and kind != "tcp-curve"
             key = "none" if plain else None
             log_path = workdir / f"{kind}{round_}.log"
-            with ServerProcess(ep, server_args, env, log_path=log_path, probe_key=key) as server:
+            with ServerProcess(ep, server_args, env, log_path=log_path, server_key=key) as server:
                 pid = server.pid
                 assert pid is not None
                 with Client(ep, heartbeat=False, server_key=key) as client:

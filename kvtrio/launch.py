@@ -44,8 +44,9 @@ class ServerProcess:
 
     ``env`` is its whole environment (default: this process's); its output goes to
     ``log_path`` (appended; default: this process's stdout and stderr). ``new_session``: its
-    own session, so that a Ctrl-C meant for the caller does not drain the server under it.
-    ``probe_key`` is the server key the readiness probe uses (``none`` for plain tcp).
+    own process session (setsid), so that a Ctrl-C meant for the caller does not drain the
+    server under it.
+    ``server_key`` is the server key the readiness check uses (``none`` for plain tcp).
     :meth:`start` may be called again after :meth:`stop` (same endpoint and arguments).
     """
 
@@ -57,7 +58,7 @@ class ServerProcess:
         *,
         log_path: Path | None = None,
         new_session: bool = False,
-        probe_key: str | None = None,
+        server_key: str | None = None,
         python: str = sys.executable,
     ) -> None:
         self.endpoint = endpoint
@@ -65,7 +66,7 @@ class ServerProcess:
         self.env = dict(env) if env is not None else None
         self.log_path = log_path
         self.new_session = new_session
-        self.probe_key = probe_key
+        self.server_key = server_key
         self.python = python
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -103,7 +104,7 @@ class ServerProcess:
         proc = self.proc
         assert proc is not None
         deadline = time.monotonic() + timeout
-        with self._probe_client(proc, deadline, timeout) as probe:
+        with self._ready_client(proc, deadline, timeout) as client:
             delay = 0.005
             while True:
                 if proc.poll() is not None:
@@ -111,7 +112,7 @@ class ServerProcess:
                         f"kvtrio serve exited with {proc.returncode}: {self.log_tail()}"
                     )
                 with contextlib.suppress(KvtrioError):
-                    probe.request(Ping())
+                    client.request(Ping())
                     return
                 if time.monotonic() > deadline:
                     raise ServerStartError(
@@ -120,17 +121,17 @@ class ServerProcess:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.1)
 
-    def _probe_client(
+    def _ready_client(
         self, proc: subprocess.Popen[bytes], deadline: float, timeout: float
     ) -> Client:
-        """The readiness probe's client, once it can be made: a client never creates keys,
+        """The readiness check's client, once it can be made: a client never creates keys,
         and on its first start the server creates the default ones (a :class:`ConfigError`
         until then)."""
         delay = 0.005
         while True:
             try:
                 return Client(
-                    self.endpoint, timeout=0.5, heartbeat=False, server_key=self.probe_key,
+                    self.endpoint, timeout=0.5, heartbeat=False, server_key=self.server_key,
                     client_name="kvtrio-launch",
                 )  # fmt: skip
             except ConfigError:

@@ -315,7 +315,8 @@ def _own_server(options: BenchOptions, console: Console) -> Iterator[str]:
         if spec == "disk":
             spec = f"disk:path={workdir / 'l2'}"
         args += ["--l2", spec]
-    # Its own session: a Ctrl-C meant for the bench must not drain the server under it.
+    # Its own process session (setsid): a Ctrl-C meant for the bench must not drain the server
+    # under it.
     server = ServerProcess(
         f"ipc://{workdir}/kvtrio.sock",
         args,

@@ -114,14 +114,14 @@ class AsyncClient:
         if self._closed:
             raise ClientClosed("the client is closed")
         timeout = self.timeout if timeout is None else timeout
-        request_id = next(self._ids)
+        call_id = next(self._ids)
         call = _Call(type(request))
-        self._calls[request_id] = call
+        self._calls[call_id] = call
         try:
             with trio.move_on_after(timeout):
                 if not self._up.is_set():
                     await self._up.wait()  # never queue a request for a connection that is down
-                frames = encode_request(request_id, request)
+                frames = encode_request(call_id, request)
                 # No scheduling round for the send when the socket takes it at once (at the
                 # high-water mark it waits); the wait for the reply is this call's checkpoint.
                 if not self._socket.try_send_multipart(frames):
@@ -132,7 +132,7 @@ class AsyncClient:
         except trio.ClosedResourceError:
             raise ClientClosed("the client is closed") from None
         finally:
-            self._calls.pop(request_id, None)
+            self._calls.pop(call_id, None)
         if call.result is None:
             if not call.sent:
                 why = f": {self.handshake_error}" if self.handshake_error else ""

@@ -125,11 +125,11 @@ class Background:
         ``timeout`` like any request (nothing is retried: the next heartbeat or connection
         sends anew)."""
         state = self.state
-        request_id = next(state.ids)
+        call_id = next(state.ids)
         future = ReplyFuture(None, time.monotonic() + state.timeout)
-        call = Call(request, encode_request(request_id, request), future, False)
+        call = Call(request, encode_request(call_id, request), future, False)
         call.on_reply = on_reply
-        self.conn.add(request_id, call, first=first)
+        self.conn.add(call_id, call, first=first)
         state.want_background()  # nobody else waits for this reply
 
     def on_hello(self, reply: Reply) -> None:

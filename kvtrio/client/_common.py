@@ -216,7 +216,7 @@ def ping_due(now: float, last_send: float, info: HelloReply | None) -> bool:
 
 
 def read_reply_header(frames: list[bytes]) -> tuple[int, str] | None:
-    """``(request_id, kind)`` of a reply, or None for a message that is not a well-formed
+    """``(call_id, kind)`` of a reply, or None for a message that is not a well-formed
     reply."""
     if len(frames) != 2:
         return None

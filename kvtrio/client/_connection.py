@@ -75,9 +75,9 @@ class Connection:
         self.settled = []
         return settled
 
-    def pop(self, request_id: int) -> Call | None:
+    def pop(self, call_id: int) -> Call | None:
         """Forget a call (answered, expired or failed); keeps ``in_flight`` exact."""
-        call = self.calls.pop(request_id, None)
+        call = self.calls.pop(call_id, None)
         if call is not None and call.sent:
             self.state.in_flight -= 1
         return call
@@ -102,15 +102,15 @@ class Connection:
         state = self.state
         outbox = state.outbox
         while outbox:
-            request_id, call = outbox.popleft()
+            call_id, call = outbox.popleft()
             if call.future.finished:  # cancelled before it was sent
                 continue
             if call.fail_fast and state.status == "disconnected":
                 self.fail(call, ServerUnavailable(state.unreachable()))
                 continue
-            self.calls[request_id] = call
-            heapq.heappush(self.deadlines, (call.deadline, request_id))
-            self.unsent.append((request_id, call))
+            self.calls[call_id] = call
+            heapq.heappush(self.deadlines, (call.deadline, call_id))
+            self.unsent.append((call_id, call))
 
     def flush(self) -> None:
         """Send queued requests while the connection is up (see ``dealer_options``); at the
@@ -118,8 +118,8 @@ class Connection:
         state = self.state
         send = self.dealer.send
         while self.unsent and state.status == "connected":
-            request_id, call = self.unsent[0]
-            if request_id not in self.calls:  # expired while waiting to be sent
+            call_id, call = self.unsent[0]
+            if call_id not in self.calls:  # expired while waiting to be sent
                 self.unsent.popleft()
                 continue
             frames = call.frames
@@ -139,8 +139,8 @@ class Connection:
         ``ServerUnavailable`` if not (never processed)."""
         endpoint = self.state.endpoint
         while self.deadlines and self.deadlines[0][0] <= now:
-            _, request_id = heapq.heappop(self.deadlines)
-            call = self.pop(request_id)
+            _, call_id = heapq.heappop(self.deadlines)
+            call = self.pop(call_id)
             if call is None:
                 continue
             if call.sent:
@@ -207,27 +207,27 @@ class Connection:
                 self.fail_unsent_fail_fast()
             if event == _DISCONNECTED:
                 self.read_replies()  # replies that arrived before the close are still good
-                for request_id, call in list(self.calls.items()):
+                for call_id, call in list(self.calls.items()):
                     if call.sent:
-                        self.pop(request_id)
+                        self.pop(call_id)
                         self.fail(call, ConnectionLost(f"connection to {state.endpoint} lost"))
 
     def fail_unsent_fail_fast(self) -> None:
         """Requests that may not wait for a connection fail once the server is known down."""
-        for request_id, call in list(self.calls.items()):
+        for call_id, call in list(self.calls.items()):
             if call.fail_fast and not call.sent:
-                self.pop(request_id)
+                self.pop(call_id)
                 self.fail(call, ServerUnavailable(self.state.unreachable()))
 
-    def add(self, request_id: int, call: Call, *, first: bool = False) -> None:
+    def add(self, call_id: int, call: Call, *, first: bool = False) -> None:
         """Queue a call made by the client itself (hello, heartbeat), ahead of others if
         ``first``."""
-        self.calls[request_id] = call
-        heapq.heappush(self.deadlines, (call.deadline, request_id))
+        self.calls[call_id] = call
+        heapq.heappush(self.deadlines, (call.deadline, call_id))
         if first:
-            self.unsent.appendleft((request_id, call))
+            self.unsent.appendleft((call_id, call))
         else:
-            self.unsent.append((request_id, call))
+            self.unsent.append((call_id, call))
         self.flush()
         self.read_replies()  # a send may have consumed the socket's edge: drain to re-arm it
 

@@ -221,14 +221,14 @@ class Client:
         """
         shared = self._shared
         timeout = shared.timeout if timeout is None else timeout
-        request_id = next(shared.ids)
+        call_id = next(shared.ids)
         future = ReplyFuture(shared, time.monotonic() + timeout)
-        call = Call(request, encode_request(request_id, request), future, fail_fast)
+        call = Call(request, encode_request(call_id, request), future, fail_fast)
         with self._lock:
             if shared.closing:
                 future.set_exception(ClientClosed("the client is closed"))
                 return future
-            shared.outbox.append((request_id, call))
+            shared.outbox.append((call_id, call))
         self.poll()
         if call.deadline < shared.background_wakes_at:  # the background must expire it in time
             shared.wake()

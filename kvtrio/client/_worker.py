@@ -33,7 +33,6 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
@@ -54,6 +53,7 @@ from ..protocol import (
 from ..transfer import KVLayout
 from ..transfer.cuda import CudaRuntime, torch_runtime
 from ._arena_worker import ArenaCopies
+from ._completions import Completions
 from ._copies import LoadStoreOp, Retrieved, Span, WorkerCopies, when_all
 from ._cuda_worker import CudaCopies, is_cuda_cache
 from ._failures import Failures
@@ -103,17 +103,11 @@ class WorkerAdapter:
         self._cuda_runtime = cuda_runtime
         self._path: WorkerCopies | None = None
         """How this rank's bytes move: chosen by :meth:`register_kv_caches`."""
-        self._lock = threading.Lock()
         self.failures = Failures()
         self._transfers = TransferLanes(f"kvtrio-transfer-{kv_rank}_0", placement.apply)
         """Loads (and registration) before stores, each in order (see :mod:`._lanes`)."""
-        self._pending_stores: collections.Counter[str] = collections.Counter()
-        self._open_stores: set[Future[None]] = set()  # submitted, commits not answered yet
-        self._pending_retrieves: collections.Counter[str] = collections.Counter()
-        self._stored: set[str] = set()
-        self._engine_finished: set[str] = set()
-        self._retrieves_done: set[str] = set()
-        self._failed_blocks: set[int] = set()
+        self._completions = Completions()
+        """What is reported to the engine as done (:meth:`get_finished`), or failed."""
         self.client = Client(
             server_url,
             timeout=timeout,
@@ -245,14 +239,11 @@ class WorkerAdapter:
         chunks that could not be stored are counted and logged (it never raises)."""
         engine_event = self._path.engine_event() if self._path is not None else b""
         done: Future[None] = Future()
-        with self._lock:
-            self._pending_stores[request_id] += 1
-            self._stored.add(request_id)
-            self._open_stores.add(done)
+        self._completions.store_submitted(request_id, done)
         try:
             self._transfers.submit_later(self._run_store, request_id, op, engine_event, done)
         except RuntimeError:  # shut down: nothing will run it
-            self._store_done(request_id, done)
+            self._completions.store_ended(request_id, done)
             raise
         return done
 
@@ -265,13 +256,11 @@ class WorkerAdapter:
         The future is done when the blocks are in place or reported failed (it never raises)."""
         engine_event = self._path.engine_event() if self._path is not None else b""
         done: Future[None] = Future()
-        with self._lock:
-            self._pending_retrieves[request_id] += 1
+        self._completions.retrieve_submitted(request_id)
         try:
             self._transfers.submit(self._run_retrieve, request_id, op, engine_event, done)
         except RuntimeError:  # shut down: nothing will run it
-            with self._lock:
-                self._pending_retrieves[request_id] -= 1
+            self._completions.retrieve_not_run(request_id)
             raise
         return done
 
@@ -285,25 +274,13 @@ class WorkerAdapter:
         """``(stores done, retrieves done)`` since the last call.
 
         vLLM's rule: a request's stores are reported done only once the engine has also reported
-        the request finished (its blocks are held until then).
+        the request finished (its blocks are held until then); see :mod:`._completions`.
         """
-        with self._lock:
-            self._engine_finished.update(
-                r for r in finished_req_ids_from_engine if r in self._stored
-            )
-            stores = {r for r in self._engine_finished if not self._pending_stores[r]}
-            for request_id in stores:
-                self._engine_finished.discard(request_id)
-                self._stored.discard(request_id)
-                del self._pending_stores[request_id]
-            retrieves, self._retrieves_done = self._retrieves_done, set()
-        return stores, retrieves
+        return self._completions.finished(finished_req_ids_from_engine)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Engine blocks whose retrieve failed since the last call (the engine recomputes them)."""
-        with self._lock:
-            failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
+        return self._completions.failed_blocks()
 
     # ----------------------------------------------------------------- transfers (own thread)
 
@@ -376,14 +353,7 @@ class WorkerAdapter:
             log.exception("store of %s failed", request_id)
             self.failures.store(request_id, "internal", chunks, exc)
         finally:
-            when_all(commits, lambda: self._store_done(request_id, done))
-
-    def _store_done(self, request_id: str, done: Future[None]) -> None:
-        """The store is finished: its commits are answered (any thread)."""
-        with self._lock:
-            self._pending_stores[request_id] -= 1
-            self._open_stores.discard(done)
-        done.set_result(None)
+            when_all(commits, lambda: self._completions.store_ended(request_id, done))
 
     def _run_retrieve(
         self, request_id: str, op: LoadStoreOp, engine_event: bytes, done: Future[None]
@@ -402,12 +372,7 @@ class WorkerAdapter:
                 causes.get(c, cause or "missing") for c in missing
             ).items():
                 self.failures.retrieve(reason, count)
-            with self._lock:
-                self._failed_blocks.update(failed)
-                self._pending_retrieves[request_id] -= 1
-                if not self._pending_retrieves[request_id]:
-                    del self._pending_retrieves[request_id]
-                    self._retrieves_done.add(request_id)
+            self._completions.retrieve_ended(request_id, failed)
             done.set_result(None)
 
         try:
@@ -440,8 +405,7 @@ class WorkerAdapter:
         """Finish queued transfers, unregister (best effort), close the connection."""
         self._registration.close()
         self._transfers.shutdown(wait=True)
-        with self._lock:
-            stores = list(self._open_stores)
+        stores = self._completions.open_stores()
         concurrent.futures.wait(stores, timeout=self.timeout)  # commits still being answered
         if self._registration.current() is not None:
             with contextlib.suppress(KvtrioError):

@@ -1,7 +1,7 @@
 """The one place where messages become bytes and bytes become messages.
 
 A message travels as two ZeroMQ frames, ``[header, body]``, both msgpack: the header is the array
-``[version, request_id, kind]`` and the body is a map of the message's fields (see
+``[version, call_id, kind]`` and the body is a map of the message's fields (see
 ``docs/protocol.md``). One cattrs converter, built from cattrs' msgpack preconfiguration, turns
 attrs classes into maps and back.
 
@@ -53,7 +53,7 @@ __all__ = [
 ERROR_KIND = "error"
 """The header ``kind`` of an error reply."""
 
-_MAX_REQUEST_ID = 2**64 - 1
+_MAX_CALL_ID = 2**64 - 1
 _M = TypeVar("_M")
 IntTuple = tuple[int, ...]
 BytesTuple = tuple[bytes, ...]
@@ -63,13 +63,13 @@ LayerTuple = tuple[CudaLayer, ...]
 
 
 class HeaderError(ProtocolError):
-    """The header frame is invalid. ``request_id`` is set when it could still be read from it."""
+    """The header frame is invalid. ``call_id`` is set when it could still be read from it."""
 
     def __init__(
-        self, message: str, request_id: int | None, code: ErrorCode = ErrorCode.BAD_REQUEST
+        self, message: str, call_id: int | None, code: ErrorCode = ErrorCode.BAD_REQUEST
     ) -> None:
         super().__init__(message, code)
-        self.request_id = request_id
+        self.call_id = call_id
 
 
 # --------------------------------------------------------------------------- the converter
@@ -288,14 +288,14 @@ def _pack(obj: object) -> bytes:
 def decode_header(frame: bytes) -> Header:
     """Decode and check a header frame.
 
-    Raises :class:`HeaderError` (with ``request_id`` when it could be read) for a malformed
+    Raises :class:`HeaderError` (with ``call_id`` when it could be read) for a malformed
     header or a protocol version other than :data:`PROTOCOL_VERSION`.
     """
     return Header(PROTOCOL_VERSION, *read_request_header(frame))
 
 
 def read_request_header(frame: bytes) -> tuple[int, str]:
-    """:func:`decode_header` for the server's hot path: ``(request_id, kind)``, no object built.
+    """:func:`decode_header` for the server's hot path: ``(call_id, kind)``, no object built.
 
     Raises :class:`HeaderError` as :func:`decode_header` does.
     """
@@ -304,47 +304,47 @@ def read_request_header(frame: bytes) -> tuple[int, str]:
     except Exception:
         raise HeaderError("the header frame is not valid msgpack", None) from None
     if type(raw) is tuple and len(raw) == 3:
-        version, request_id, kind = raw
+        version, call_id, kind = raw
         if (
             version == PROTOCOL_VERSION
             and type(version) is int
-            and type(request_id) is int
+            and type(call_id) is int
             and type(kind) is str
-            and 0 <= request_id <= _MAX_REQUEST_ID
+            and 0 <= call_id <= _MAX_CALL_ID
         ):
-            return request_id, kind
+            return call_id, kind
     return _header_error(raw)
 
 
 def _header_error(raw: Any) -> tuple[int, str]:
     """Raise the :class:`HeaderError` that says what is wrong with a decoded header."""
     if type(raw) is not tuple or len(raw) < 2:
-        raise HeaderError("the header must be the array [version, request_id, kind]", None)
-    request_id = raw[1]
-    if type(request_id) is not int or not 0 <= request_id <= _MAX_REQUEST_ID:
-        raise HeaderError("the request id must be an unsigned 64-bit integer", None)
+        raise HeaderError("the header must be the array [version, call_id, kind]", None)
+    call_id = raw[1]
+    if type(call_id) is not int or not 0 <= call_id <= _MAX_CALL_ID:
+        raise HeaderError("the call id must be an unsigned 64-bit integer", None)
     if len(raw) != 3:
-        raise HeaderError("the header must be the array [version, request_id, kind]", request_id)
+        raise HeaderError("the header must be the array [version, call_id, kind]", call_id)
     version = raw[0]
     if type(version) is not int:
-        raise HeaderError("the protocol version must be an integer", request_id)
+        raise HeaderError("the protocol version must be an integer", call_id)
     if version != PROTOCOL_VERSION:
         raise HeaderError(
             f"the client speaks protocol version {version}, this server speaks version "
             f"{PROTOCOL_VERSION}: use a kvtrio client that matches the server",
-            request_id,
+            call_id,
             ErrorCode.UNSUPPORTED_VERSION,
         )
-    raise HeaderError("the operation name must be a string", request_id)
+    raise HeaderError("the operation name must be a string", call_id)
 
 
 # --------------------------------------------------------------------------- requests
 
 
-def encode_request(request_id: int, request: Request) -> list[bytes]:
+def encode_request(call_id: int, request: Request) -> list[bytes]:
     """The frames of a request (without the routing id the ROUTER socket adds)."""
     return [
-        _pack((PROTOCOL_VERSION, request_id, request.op)),
+        _pack((PROTOCOL_VERSION, call_id, request.op)),
         _pack(_unstructure(request)),
     ]
 
@@ -372,15 +372,15 @@ def decode_request(op: str, body: bytes) -> Request:
 # --------------------------------------------------------------------------- replies
 
 
-def encode_reply(request_id: int, op: str, reply: Reply) -> list[bytes]:
-    """The frames of a successful reply to request ``request_id`` of operation ``op``."""
-    return [_pack((PROTOCOL_VERSION, request_id, op)), _pack(_unstructure(reply))]
+def encode_reply(call_id: int, op: str, reply: Reply) -> list[bytes]:
+    """The frames of a successful reply to request ``call_id`` of operation ``op``."""
+    return [_pack((PROTOCOL_VERSION, call_id, op)), _pack(_unstructure(reply))]
 
 
-def encode_error(request_id: int, code: ErrorCode, message: str) -> list[bytes]:
+def encode_error(call_id: int, code: ErrorCode, message: str) -> list[bytes]:
     """The frames of an error reply."""
     return [
-        _pack((PROTOCOL_VERSION, request_id, ERROR_KIND)),
+        _pack((PROTOCOL_VERSION, call_id, ERROR_KIND)),
         _pack({"code": code.value, "message": message}),
     ]
 
@@ -396,10 +396,10 @@ def decode_reply_header(frame: bytes) -> Header:
 
 
 def read_reply_header(frame: bytes) -> tuple[int, str]:
-    """:func:`decode_reply_header` for the clients' hot path: ``(request_id, kind)``, no object
+    """:func:`decode_reply_header` for the clients' hot path: ``(call_id, kind)``, no object
     built. Raises :class:`ProtocolError` as it does."""
-    _, request_id, kind = _unpack_reply_header(frame)
-    return request_id, kind
+    _, call_id, kind = _unpack_reply_header(frame)
+    return call_id, kind
 
 
 def _unpack_reply_header(frame: bytes) -> tuple[int, int, str]:
@@ -414,7 +414,7 @@ def _unpack_reply_header(frame: bytes) -> tuple[int, int, str]:
         or type(raw[1]) is not int
         or type(raw[2]) is not str
     ):
-        raise ProtocolError("the reply header must be the array [version, request_id, kind]")
+        raise ProtocolError("the reply header must be the array [version, call_id, kind]")
     return cast("tuple[int, int, str]", raw)
 
 

@@ -48,15 +48,15 @@ PROTOCOL_VERSION = 2
 
 @frozen
 class Header:
-    """First frame of every message: ``[version, request_id, kind]`` as a msgpack array.
+    """First frame of every message: ``[version, call_id, kind]`` as a msgpack array.
 
     In a request ``kind`` is the operation name; in a reply it is the same operation name for a
     result and ``"error"`` for an :class:`ErrorReply`. This layout never changes between protocol
-    versions, so a peer can always read the version and request id of any message.
+    versions, so a peer can always read the version and call id of any message.
     """
 
     version: int
-    request_id: int
+    call_id: int
     kind: str
 
 
@@ -182,7 +182,7 @@ class ServerCounters:
     """Error replies sent."""
     errors_by_code: dict[str, int]
     frames_dropped: int
-    """Messages dropped because no request id could be read from them."""
+    """Messages dropped because no call id could be read from them."""
     replies_undeliverable: int
     """Replies dropped because the client had disconnected or stopped reading."""
     sessions_started: int
@@ -241,7 +241,7 @@ class L2Stats:
     healthy: bool | None
     """False while an operation fails (lookups or stores: a backend that cannot store is
     unhealthy although lookups answer), until one of that kind succeeds again; None (unknown)
-    until its start-up probe or a first operation has answered."""
+    until its start-up health check or a first operation has answered."""
     counters: dict[str, float]
     problem: str = ""
     """Why it is unhealthy, in one line (``stores fail: disk: cannot use /proc/nope: …``)."""

@@ -6,8 +6,9 @@ The names below are loaded on first use, so that importing one of the server's I
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from ._metrics import ServerMetrics
@@ -45,11 +46,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """Load a public name from its module the first time it is asked for."""
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(where, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _WHERE)

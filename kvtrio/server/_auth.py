@@ -5,7 +5,7 @@ Three modes, decided at start from the endpoint and the settings (:func:`configu
 * ``curve`` (every ``tcp://`` endpoint unless ``insecure``): ZeroMQ CURVE; the ZAP handler
   accepts only the allowed client keys; each key is a principal with its own tenants.
 * ``ipc``: the socket file is 0600 (or 0660 for ``ipc_group``): whoever can connect is this
-  user (or that group), trusted like the server's owner with every tenant.
+  user (or that group), trusted like the user the server runs as, with every tenant.
 * ``insecure`` (``tcp://`` with ``insecure = true``): nobody is authenticated, so there is
   exactly one tenant, ``""``; a request naming another is refused.
 

@@ -26,7 +26,7 @@ class Replies(Protocol):
         ...
 
     def answer_now(
-        self, identity: bytes, request_id: int, code: ErrorCode, message: str, kind: str = "?"
+        self, identity: bytes, call_id: int, code: ErrorCode, message: str, kind: str = "?"
     ) -> None:
         """Send an error reply without waiting (counted, observed)."""
         ...
@@ -44,17 +44,17 @@ class Incoming:
     one is made per message.
     """
 
-    __slots__ = ("body", "error", "frames", "kind", "later", "received", "request_id")
+    __slots__ = ("body", "call_id", "error", "frames", "kind", "later", "received")
 
     def __init__(
         self,
-        request_id: int,
+        call_id: int,
         kind: str,
         body: bytes,
         error: RequestError | None = None,
         received: float = 0.0,
     ) -> None:
-        self.request_id = request_id
+        self.call_id = call_id
         self.kind = kind
         self.body = body
         self.error = error

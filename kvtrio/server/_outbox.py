@@ -38,7 +38,7 @@ class Outbox:
             return True
 
     def answer_now(
-        self, identity: bytes, request_id: int, code: ErrorCode, message: str, kind: str = "?"
+        self, identity: bytes, call_id: int, code: ErrorCode, message: str, kind: str = "?"
     ) -> None:
         """Send an error reply to a ``kind`` request without waiting; if the client cannot take
         it now, count it."""
@@ -46,7 +46,7 @@ class Outbox:
         state.counters.error(code)
         if state.observe_request is not None:
             state.observe_request(kind, code, 0.0)
-        self.send_or_count(identity, encode_error(request_id, code, message))
+        self.send_or_count(identity, encode_error(call_id, code, message))
 
     def send_or_count(self, identity: bytes, frames: list[bytes]) -> None:
         """Send without waiting; a reply the client cannot take now is counted as lost."""

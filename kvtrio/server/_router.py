@@ -81,14 +81,14 @@ class Router:
             return
         now = trio.current_time()
         try:
-            request_id, kind = read_request_header(parts[0])
+            call_id, kind = read_request_header(parts[0])
         except HeaderError as exc:
-            if exc.request_id is None:
+            if exc.call_id is None:
                 self._drop(identity, exc.message)
                 return
-            item = Incoming(exc.request_id, "?", b"", exc, now)
+            item = Incoming(exc.call_id, "?", b"", exc, now)
         else:
-            item = Incoming(request_id, kind, parts[-1], _check_frames(parts, state), now)
+            item = Incoming(call_id, kind, parts[-1], _check_frames(parts, state), now)
         state.counters.requests += 1
         session: Session | None = state.sessions.get(identity)  # type: ignore[assignment]
         if session is not None and session.ending:
@@ -96,7 +96,7 @@ class Router:
         if state.draining:
             self.answer_now(
                 identity,
-                item.request_id,
+                item.call_id,
                 ErrorCode.SHUTTING_DOWN,
                 "the server is shutting down",
                 item.kind,
@@ -106,7 +106,7 @@ class Router:
             # Another key's connection took over this routing id: it gets nothing of the session.
             self.answer_now(
                 identity,
-                item.request_id,
+                item.call_id,
                 ErrorCode.FORBIDDEN,
                 "this routing id belongs to another client's session",
                 item.kind,
@@ -115,7 +115,7 @@ class Router:
         if session is None:
             if item.error is not None:  # nothing to keep in order with: answer here
                 self.answer_now(
-                    identity, item.request_id, item.error.code, item.error.message, item.kind
+                    identity, item.call_id, item.error.code, item.error.message, item.kind
                 )
                 return
             started = self._start_session(identity, user, item)
@@ -133,7 +133,7 @@ class Router:
         else:
             self.answer_now(
                 identity,
-                item.request_id,
+                item.call_id,
                 ErrorCode.BUSY,
                 f"more than {state.config.session_queue_size} requests queued; retry later",
                 item.kind,
@@ -146,13 +146,13 @@ class Router:
         principal = auth.principal(user)
         if principal is None:
             self.answer_now(
-                identity, item.request_id, ErrorCode.FORBIDDEN, "unknown client key", item.kind
+                identity, item.call_id, ErrorCode.FORBIDDEN, "unknown client key", item.kind
             )
             return None
         refusal = auth.session_refusal(principal, len(self._state.sessions))
         if refusal is not None:
             self._state.counters.sessions_refused += 1
-            self.answer_now(identity, item.request_id, ErrorCode.BUSY, refusal, item.kind)
+            self.answer_now(identity, item.call_id, ErrorCode.BUSY, refusal, item.kind)
             return None
         session = Session(identity, self._state, self.outbox, principal)
         auth.sessions_by_user[principal.user_id] += 1

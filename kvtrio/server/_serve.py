@@ -229,7 +229,7 @@ async def open_server(
                                 await root.start(_populate, arena)
                                 if publisher is not None:
                                     await root.start(publisher.serve, context)
-                                await l2.start()  # (the probes: before serving)
+                                await l2.start()  # (the backends' health checks: before serving)
                                 await root.start(cache.serve_reaper)
                                 await root.start(state.heartbeats.run)
                                 await root.start(cache.cuda.serve)

@@ -158,12 +158,12 @@ class Session:
             if type(result) is Later:
                 self._defer(item, result, operation.concurrent)
                 return
-            frames = encode_reply(item.request_id, item.kind, result)
+            frames = encode_reply(item.call_id, item.kind, result)
             code = None
             goodbye = item.kind == _GOODBYE
         except RequestError as exc:
             code = exc.code
-            frames = encode_error(item.request_id, code, exc.message)
+            frames = encode_error(item.call_id, code, exc.message)
         except Exception:
             code, frames = self._failed(item)
         if code is not None:
@@ -191,7 +191,7 @@ class Session:
         if not self.offer(item):  # (idle: the queue was empty)
             self._active.discard(item)
             self._outbox.answer_now(
-                self.identity, item.request_id, ErrorCode.BUSY, "retry later", item.kind
+                self.identity, item.call_id, ErrorCode.BUSY, "retry later", item.kind
             )
             self.state.settled()
 
@@ -285,7 +285,7 @@ class Session:
                 check_tenant(self.principal, tenant)
             operation = self.state.operations[type(request)]
         except RequestError as exc:
-            await self._finish(item, encode_error(item.request_id, exc.code, exc.message), exc.code)
+            await self._finish(item, encode_error(item.call_id, exc.code, exc.message), exc.code)
             return
         if operation.inline:
             await self._handle_inline(item, request, operation, children)
@@ -303,7 +303,7 @@ class Session:
             result = operation.handler(self, request)
         except RequestError as exc:
             code = exc.code
-            frames = encode_error(item.request_id, code, exc.message)
+            frames = encode_error(item.call_id, code, exc.message)
         except Exception:
             code, frames = self._failed(item)
         else:
@@ -313,7 +313,7 @@ class Session:
                 else:
                     await self._run_later(item, result)
                 return
-            code, frames = None, encode_reply(item.request_id, item.kind, result)
+            code, frames = None, encode_reply(item.call_id, item.kind, result)
         await self._finish(item, frames, code)
         if code is None and type(request) is Goodbye:
             self.end("goodbye")
@@ -322,10 +322,10 @@ class Session:
         code: ErrorCode | None = None
         try:
             reply = await later.run()
-            frames = encode_reply(item.request_id, item.kind, reply)
+            frames = encode_reply(item.call_id, item.kind, reply)
         except RequestError as exc:
             code = exc.code
-            frames = encode_error(item.request_id, exc.code, exc.message)
+            frames = encode_error(item.call_id, exc.code, exc.message)
         except Exception:
             code, frames = self._failed(item)
         await self._finish(item, frames, code)
@@ -334,10 +334,10 @@ class Session:
         code: ErrorCode | None = None
         try:
             reply = await operation.handler(self, request)
-            frames = encode_reply(item.request_id, item.kind, reply)
+            frames = encode_reply(item.call_id, item.kind, reply)
         except RequestError as exc:
             code = exc.code
-            frames = encode_error(item.request_id, exc.code, exc.message)
+            frames = encode_error(item.call_id, exc.code, exc.message)
         except Exception:
             code, frames = self._failed(item)
         await self._finish(item, frames, code)
@@ -345,9 +345,9 @@ class Session:
             self.end("goodbye")
 
     def _failed(self, item: Incoming) -> tuple[ErrorCode, list[bytes]]:
-        log.exception("%s: %r request %d failed", self, item.kind, item.request_id)
+        log.exception("%s: %r request %d failed", self, item.kind, item.call_id)
         message = f"the server failed while handling {item.kind!r} (see its log)"
-        return ErrorCode.INTERNAL, encode_error(item.request_id, ErrorCode.INTERNAL, message)
+        return ErrorCode.INTERNAL, encode_error(item.call_id, ErrorCode.INTERNAL, message)
 
     async def _finish(self, item: Incoming, frames: list[bytes], code: ErrorCode | None) -> None:
         self._active.discard(item)
@@ -385,7 +385,7 @@ class Session:
             if item.frames is not None:  # answered already, not delivered yet
                 self._outbox.send_or_count(self.identity, item.frames)
             else:
-                self._outbox.answer_now(self.identity, item.request_id, code, message, item.kind)
+                self._outbox.answer_now(self.identity, item.call_id, code, message, item.kind)
         self.state.settled(len(unanswered))
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + CLEANUP_TIMEOUT

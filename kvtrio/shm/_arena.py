@@ -121,19 +121,21 @@ def default_shm_dir() -> str:
 class SharedArena:
     """A mapped shared-memory file. Create it in the server, :meth:`attach` it in workers."""
 
-    def __init__(self, path: str, size: int, fd: int, owner: bool, populate: bool = False) -> None:
+    def __init__(
+        self, path: str, size: int, fd: int, creator: bool, populate: bool = False
+    ) -> None:
         self.path = path
         self.size = size
-        self._owner = owner
+        self._creator = creator
         try:
             self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
             raise
         # The creator keeps the file open with an exclusive lock for as long as it lives: that
-        # is how a later server tells a dead owner's leftover file from a live one.
-        self._lock_fd: int | None = fd if owner else None
-        if not owner:
+        # is how a later server tells a dead creator's leftover file from a live one.
+        self._lock_fd: int | None = fd if creator else None
+        if not creator:
             os.close(fd)
         self.buffer: npt.NDArray[np.uint8] = np.frombuffer(self._mmap, dtype=np.uint8)
         if populate:
@@ -163,7 +165,7 @@ class SharedArena:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(fresh)
             raise
-        return cls(path, size, fd, owner=True)
+        return cls(path, size, fd, creator=True)
 
     @classmethod
     def attach(cls, path: str, size: int, *, populate: bool = True) -> SharedArena:
@@ -179,7 +181,7 @@ class SharedArena:
         if actual < size:
             os.close(fd)
             raise OSError(f"{path} is {actual} bytes, expected {size}")
-        return cls(path, size, fd, owner=False, populate=populate)
+        return cls(path, size, fd, creator=False, populate=populate)
 
     def preallocate(self) -> None:
         """:meth:`allocate`, then :meth:`populate`. Blocking: call it from a worker thread."""
@@ -231,7 +233,7 @@ class SharedArena:
         self.buffer = np.empty(0, dtype=np.uint8)
         with contextlib.suppress(BufferError):  # views still alive: the mapping goes with them
             self._mmap.close()
-        if self._owner:
+        if self._creator:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
         if self._lock_fd is not None:

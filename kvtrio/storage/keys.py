@@ -78,8 +78,8 @@ class ModelProfile:
 def namespace(model: str, tenant: str, profile: ModelProfile, world_size: int, rank: int) -> bytes:
     """The 16-byte namespace of rank ``rank``'s objects (ranks share one when the profile says
     so)."""
-    owner = -1 if profile.shared_across_ranks else rank
-    packed = msgpack.packb(["kvtrio/ns/v1", model, tenant, profile.digest(), world_size, owner])
+    ranks = -1 if profile.shared_across_ranks else rank  # -1: every rank's
+    packed = msgpack.packb(["kvtrio/ns/v1", model, tenant, profile.digest(), world_size, ranks])
     return _sha128(packed)
 
 

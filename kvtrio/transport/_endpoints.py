@@ -110,10 +110,10 @@ def is_listening(path: str) -> bool:
     """
     if not os.path.exists(path):
         return False
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        probe.setblocking(False)
-        probe.connect(path)
+        sock.setblocking(False)
+        sock.connect(path)
     except BlockingIOError:
         return True
     except OSError as exc:
@@ -121,7 +121,7 @@ def is_listening(path: str) -> bool:
             return False
         raise TransportError(f"cannot check ipc://{path}: {exc.strerror}") from None
     finally:
-        probe.close()
+        sock.close()
     return True
 
 
@@ -205,7 +205,7 @@ async def wait_released(paths: Sequence[str]) -> None:
     with (
         trio.CancelScope(shield=True),
         trio.move_on_after(_RELEASE_TIMEOUT),
-        contextlib.suppress(TransportError),  # a path we may not probe: nothing to wait for
+        contextlib.suppress(TransportError),  # a path we may not check: nothing to wait for
     ):
         delay = 0.0005
         while any(is_listening(path) for path in paths):

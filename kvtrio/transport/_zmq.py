@@ -79,9 +79,9 @@ class Socket:
         self._pumped = pump
         """False: no pump task; the one reader waits on the FD itself (:meth:`serve_edge`)."""
         self._edge: trio.CancelScope | None = None
-        """The edge owner's cancel scope (one for many waits; replaced after a cancel)."""
+        """The edge reader's cancel scope (one for many waits; replaced after a cancel)."""
         self._edge_waiting = False
-        """True while the edge owner waits on the FD (in :meth:`serve_edge`)."""
+        """True while the edge reader waits on the FD (in :meth:`serve_edge`)."""
         self._closed = False
         self._ipc_paths: list[str] = []
         """Paths of the ``ipc://`` endpoints bound, waited for by :func:`open_socket`."""
@@ -159,7 +159,7 @@ class Socket:
                 self._readers.unpark_all()
             if self._edge_waiting:
                 assert self._edge is not None
-                self._edge.cancel()  # the edge owner's wait: it re-checks and takes the message
+                self._edge.cancel()  # the edge reader's wait: it re-checks and takes the message
         if events & _POLLOUT and self._writers:
             self._writers.unpark_all()
 

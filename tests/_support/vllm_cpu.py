@@ -14,7 +14,17 @@ from typing import Any
 
 import pytest
 
-__all__ = ["CONTROL", "PREFIX", "STARTUP", "run_engine", "tensor_parallel_binding"]
+__all__ = [
+    "CHUNK",
+    "CONTROL",
+    "ENGINE",
+    "PREFIX",
+    "PREFIX_CHUNKS",
+    "PREFIX_HIT",
+    "STARTUP",
+    "run_engine",
+    "tensor_parallel_binding",
+]
 
 _random = random.Random(11)
 PREFIX = [_random.randrange(3, 1000) for _ in range(600)]
@@ -23,6 +33,15 @@ CONTROL = [_random.randrange(3, 1000) for _ in range(540)]
 """Another 540, for a prompt that shares nothing with :data:`PREFIX`."""
 STARTUP = 600.0
 """Seconds a vLLM process may take to come up (2 cores, shared)."""
+ENGINE = Path(__file__).parents[1] / "integration" / "vllm_cpu" / "engine.py"
+"""The script that runs a vLLM CPU engine over a job (:func:`run_engine`)."""
+CHUNK = 128
+"""The chunk size of the ``kvtrio`` fixture's server: 4 of vLLM's 32-token blocks."""
+PREFIX_CHUNKS = 5
+"""Chunks of :data:`PREFIX` (600 tokens): 4 full ones and a partial one (2 blocks)."""
+PREFIX_HIT = 576
+"""What a repeated :data:`PREFIX` loads: its whole blocks but the last token's,
+``(600 - 1) // 32 * 32``."""
 
 
 def run_engine(

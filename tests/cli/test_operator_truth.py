@@ -89,7 +89,7 @@ def _plain_server(short_dir: Path) -> ServerProcess:
         "KVTRIO_KEY_DIR": str(short_dir / "server-keys"),
     }
     return ServerProcess(
-        endpoint, ["--insecure"], env, log_path=short_dir / "server.log", probe_key="none"
+        endpoint, ["--insecure"], env, log_path=short_dir / "server.log", server_key="none"
     ).start()
 
 

@@ -26,9 +26,9 @@ from .._support.waiting import wait_for
 class Taken:
     """One request the raw server received."""
 
-    def __init__(self, identity: bytes, request_id: int, op: str, body: bytes) -> None:
+    def __init__(self, identity: bytes, call_id: int, op: str, body: bytes) -> None:
         self.identity = identity
-        self.request_id = request_id
+        self.call_id = call_id
         self.op = op
         self.body = body
 
@@ -47,14 +47,14 @@ class RawServer:
         """The next request (waits up to 10 s for it)."""
         assert self.sock.poll(10_000), "no request came"
         identity, header, body = self.sock.recv_multipart()
-        _, request_id, op = msgpack.unpackb(header)
-        return Taken(identity, request_id, op, body)
+        _, call_id, op = msgpack.unpackb(header)
+        return Taken(identity, call_id, op, body)
 
     def answer(self, taken: Taken, reply: Reply) -> None:
-        self.sock.send_multipart([taken.identity, *encode_reply(taken.request_id, taken.op, reply)])
+        self.sock.send_multipart([taken.identity, *encode_reply(taken.call_id, taken.op, reply)])
 
     def refuse(self, taken: Taken, code: ErrorCode, message: str) -> None:
-        self.sock.send_multipart([taken.identity, *encode_error(taken.request_id, code, message)])
+        self.sock.send_multipart([taken.identity, *encode_error(taken.call_id, code, message)])
 
     def close(self) -> None:
         self.sock.close(linger=0)

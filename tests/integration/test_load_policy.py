@@ -15,6 +15,8 @@ from kvtrio.integration._costs import CostModel
 from kvtrio.integration._options import ConnectorOptions
 from kvtrio.integration._scheduler_side import REPORT_EVERY, SchedulerSide
 
+from .._support.engine_requests import EngineRequest
+
 CHUNK, BLOCK = 64, 16
 PROMPT = 5 * CHUNK + 10  # a hit reaches 320 tokens
 BLOCKS = list(range(100, 100 + 21))
@@ -55,19 +57,6 @@ class Adapter:
         pass
 
 
-class Request:
-    kv_transfer_params = None
-    cache_salt = None
-    lora_request = None
-    mm_features = None
-
-    def __init__(self, request_id: str, tokens: int = PROMPT) -> None:
-        self.request_id = request_id
-        self.all_token_ids = list(range(1000, 1000 + tokens))
-        self.num_prompt_tokens = tokens
-        self.num_computed_tokens = 0
-
-
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -94,7 +83,9 @@ def model(per_token: float = 10e-6) -> CostModel:
     return made
 
 
-def hand_out(side: SchedulerSide, request: Request, scheduled: dict[str, int] | None = None) -> Any:
+def hand_out(
+    side: SchedulerSide, request: EngineRequest, scheduled: dict[str, int] | None = None
+) -> Any:
     """vLLM's next calls for a request it admitted: allocation, then the step's plan."""
     need, _ = side.matched_tokens(request, 0, preempted=False)
     side.allocated(request, BLOCKS, need or 0)
@@ -106,7 +97,7 @@ def test_a_split_loads_only_the_l1_part_and_is_judged_when_it_is_done() -> None:
     # loading the L1 part ~2.4 ms then computing 192 tokens 19.2 ms.
     side, adapter, clock = scheduler(model(per_token=100e-6))
     adapter.hits["r"] = (320, 2 * CHUNK)
-    request = Request("r")
+    request = EngineRequest("r", PROMPT)
     assert side.matched_tokens(request, 0, preempted=False) == (2 * CHUNK, True)
     assert side.matched_tokens(request, 0, preempted=False) == (2 * CHUNK, True)  # once
     side.allocated(request, BLOCKS, 2 * CHUNK)
@@ -126,38 +117,38 @@ def test_loads_in_flight_make_a_marginal_hit_compute() -> None:
     # computing them takes 1.76 ms, and as long again of waiting for the other request.
     side, adapter, clock = scheduler(model(per_token=5.5e-6))
     adapter.hits.update(first=(1280, 1280), second=(320, 320), third=(320, 320))
-    request = Request("first", 1280 + 10)
+    request = EngineRequest("first", 1280 + 10)
     assert side.matched_tokens(request, 0, preempted=False) == (1280, True)  # 5.8 < 7 ms
     side.allocated(request, list(range(100, 181)), 1280)
     (first,) = side.build_step({}, (), 0, None).transfers  # in flight from now
     assert first.kind == "load"
-    second = Request("second")
+    second = EngineRequest("second", PROMPT)
     assert side.matched_tokens(second, 0, preempted=False) == (0, False)
     assert side.policy.stats["skipped_contention"] == 1
     side.allocated(second, BLOCKS, 0)
     assert adapter.freed == ["second"]  # its pins go at once
     clock.now += 0.002
     side.loads_done(["first"])  # done: the queue is empty again
-    assert side.matched_tokens(Request("third"), 0, preempted=False) == (320, True)
+    assert side.matched_tokens(EngineRequest("third", PROMPT), 0, preempted=False) == (320, True)
 
 
 def test_the_backlog_makes_a_load_pay_that_an_idle_engine_would_not() -> None:
     # 320 L1 tokens: ~2.96 ms to load against 1.6 ms to compute on an idle engine.
     side, adapter, _ = scheduler(model(per_token=5e-6))
     adapter.hits.update(idle=(320, 320), busy=(320, 320))
-    assert side.matched_tokens(Request("idle"), 0, preempted=False) == (0, False)
+    assert side.matched_tokens(EngineRequest("idle", PROMPT), 0, preempted=False) == (0, False)
     assert side.policy.stats["skipped_idle"] == 1
     # A running request with 900 prompt tokens left after this step: 4.5 ms of prefill ahead.
-    running = Request("running", 1000)
+    running = EngineRequest("running", 1000)
     side.new_request(running)
     side.build_step({"running": 100}, (), 100, None)
-    assert side.matched_tokens(Request("busy"), 0, preempted=False) == (320, True)
+    assert side.matched_tokens(EngineRequest("busy", PROMPT), 0, preempted=False) == (320, True)
 
 
 def test_a_skipped_hit_is_timed_until_its_tokens_are_computed() -> None:
     side, adapter, clock = scheduler(model())  # an L2 hit: 100 ms against 3.2 ms
     adapter.hits.update(quick=(320, 0), slow=(320, 0))
-    quick, slow = Request("quick"), Request("slow")
+    quick, slow = EngineRequest("quick", PROMPT), EngineRequest("slow", PROMPT)
     assert hand_out(side, quick).transfers == []
     assert hand_out(side, slow).transfers == []
     assert side.policy.stats["skipped"] == 2
@@ -176,13 +167,16 @@ def test_a_skipped_hit_is_timed_until_its_tokens_are_computed() -> None:
 def test_a_finished_request_leaves_no_load_in_flight() -> None:
     side, adapter, clock = scheduler(model())
     adapter.hits["r"] = (320, 320)
-    hand_out(side, Request("r"))
+    hand_out(side, EngineRequest("r", PROMPT))
     side.finished("r")
     clock.now += 1.0
     side.loads_done(["r"])
     assert "judged" not in side.policy.stats
     adapter.hits["s"] = (320, 320)
-    assert side.matched_tokens(Request("s"), 0, preempted=False) == (320, True)  # no queue
+    assert side.matched_tokens(EngineRequest("s", PROMPT), 0, preempted=False) == (
+        320,
+        True,
+    )  # no queue
 
 
 def test_the_counters_are_logged_as_json_now_and_then_and_at_shutdown(
@@ -191,7 +185,7 @@ def test_the_counters_are_logged_as_json_now_and_then_and_at_shutdown(
     side, adapter, clock = scheduler(model())
     adapter.hits["r"] = (320, 320)
     with caplog.at_level(logging.INFO, logger="kvtrio.vllm"):
-        hand_out(side, Request("r"))
+        hand_out(side, EngineRequest("r", PROMPT))
         clock.now += REPORT_EVERY
         side.build_step({}, (), 0, None)
         clock.now += REPORT_EVERY
@@ -217,8 +211,8 @@ def test_a_short_l1_load_in_a_busy_engine_is_loaded_inside_the_step_and_judged_t
     side, adapter, clock = scheduler(model())
     side.measured([(8, 0.050)] * 3, [(320, 0.0005), (640, 0.001)])
     adapter.hits.update(other=(0, 0), fast=(320, 320), slow=(320, 0))
-    side.new_request(Request("other"))
-    fast = Request("fast")
+    side.new_request(EngineRequest("other", PROMPT))
+    fast = EngineRequest("fast", PROMPT)
     assert side.matched_tokens(fast, 0, preempted=False) == (320, False)  # not asynchronous
     assert side.policy.stats["in_step"] == 1
     side.allocated(fast, BLOCKS, 320)
@@ -232,6 +226,6 @@ def test_a_short_l1_load_in_a_busy_engine_is_loaded_inside_the_step_and_judged_t
     assert (side.policy.stats["judged"], side.policy.stats["regret"]) == (1, 0)
     # An L2 hit never loads inside the step (the server reads its backend first): this one is
     # computed (100 ms to load against ~10 ms for it and the two others).
-    assert side.matched_tokens(Request("slow"), 0, preempted=False) == (0, False)
+    assert side.matched_tokens(EngineRequest("slow", PROMPT), 0, preempted=False) == (0, False)
     assert not side.costs.decide(320, 0, others=2).in_step
     assert side.costs.decide(320, 0, others=2, backlog=100_000).tokens == 320  # between steps

@@ -10,6 +10,8 @@ from kvtrio.integration._lookup_wait import LookupWait
 from kvtrio.integration._options import ConnectorOptions, parse_options
 from kvtrio.integration._scheduler_side import SchedulerSide
 
+from .._support.engine_requests import EngineRequest
+
 BLOCK = 16
 
 
@@ -78,33 +80,20 @@ class Adapter:
         pass
 
 
-class Request:
-    kv_transfer_params = None
-    cache_salt = None
-    lora_request = None
-    mm_features = None
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.all_token_ids = list(range(1000, 1200))
-        self.num_prompt_tokens = 200
-        self.num_computed_tokens = 0
-
-
 def test_the_scheduler_waits_once_a_pass_as_long_as_the_engine_can_afford() -> None:
     adapter = Adapter()
     side = SchedulerSide(ConnectorOptions(), BLOCK, adapter)  # type: ignore[arg-type]
     side.policy.model = CostModel()
     side.policy.model.observe_step(4, 0.120)  # the engine's steps take 120 ms
     for name in ("a", "b", "c"):
-        side.new_request(Request(name))
+        side.new_request(EngineRequest(name))
     # Three requests in the engine: the first unanswered one waits 120 / 3 ms, the others
     # of the pass not at all.
-    assert side.matched_tokens(Request("a"), 0, preempted=False) == (None, False)
-    assert side.matched_tokens(Request("b"), 0, preempted=False) == (None, False)
+    assert side.matched_tokens(EngineRequest("a"), 0, preempted=False) == (None, False)
+    assert side.matched_tokens(EngineRequest("b"), 0, preempted=False) == (None, False)
     assert adapter.waits == [pytest.approx(0.040)]
     side.build_step({}, (), 0, None)  # the next pass may wait again: as the answer came
     adapter.answer = 0  # late, the usual answer is "endless", and it waits up to a step
-    assert side.matched_tokens(Request("a"), 0, preempted=False) == (0, False)
+    assert side.matched_tokens(EngineRequest("a"), 0, preempted=False) == (0, False)
     assert adapter.waits == [pytest.approx(0.040), pytest.approx(0.120)]
     assert side.lookup_wait.since_last() == {"lookups_waited": 2, "lookups_late": 1}

@@ -73,7 +73,7 @@ def test_requests_round_trip(request_: object) -> None:
 def test_replies_round_trip(request_: object, reply: object) -> None:
     header_frame, body = encode_reply(7, request_.op, reply)  # type: ignore[attr-defined,arg-type]
     header = decode_reply_header(header_frame)
-    assert (header.request_id, header.kind) == (7, request_.op)  # type: ignore[attr-defined]
+    assert (header.call_id, header.kind) == (7, request_.op)  # type: ignore[attr-defined]
     assert decode_reply(header, body, type(request_)) == reply  # type: ignore[arg-type]
 
 
@@ -84,13 +84,11 @@ def test_error_reply_round_trips() -> None:
     assert decode_reply(header, body, Ping) == ErrorReply("busy", "slow down")
 
 
-@given(
-    request_id=st.integers(0, 2**64 - 1), name=st.text(max_size=50), version=st.text(max_size=20)
-)
-def test_hello_round_trips_any_strings_and_ids(request_id: int, name: str, version: str) -> None:
-    frames = encode_request(request_id, Hello(name, version, PROTOCOL_VERSION))
+@given(call_id=st.integers(0, 2**64 - 1), name=st.text(max_size=50), version=st.text(max_size=20))
+def test_hello_round_trips_any_strings_and_ids(call_id: int, name: str, version: str) -> None:
+    frames = encode_request(call_id, Hello(name, version, PROTOCOL_VERSION))
     header = decode_header(frames[0])
-    assert header.request_id == request_id
+    assert header.call_id == call_id
     assert decode_request(header.kind, frames[1]) == Hello(name, version, PROTOCOL_VERSION)
 
 
@@ -98,7 +96,7 @@ def test_hello_round_trips_any_strings_and_ids(request_id: int, name: str, versi
 
 
 @pytest.mark.parametrize(
-    ("frame", "request_id", "fragment"),
+    ("frame", "call_id", "fragment"),
     [
         (b"\xc1", None, "not valid msgpack"),
         (msgpack.packb({"a": 1}), None, "array"),
@@ -117,24 +115,24 @@ def test_hello_round_trips_any_strings_and_ids(request_id: int, name: str, versi
 )
 @pytest.mark.parametrize("decode", [decode_header, read_request_header])
 def test_bad_headers(
-    frame: bytes, request_id: int | None, fragment: str, decode: Callable[[bytes], object]
+    frame: bytes, call_id: int | None, fragment: str, decode: Callable[[bytes], object]
 ) -> None:
     with pytest.raises(HeaderError, match=fragment) as info:
         decode(frame)
-    assert info.value.request_id == request_id
+    assert info.value.call_id == call_id
     assert info.value.code is ErrorCode.BAD_REQUEST
 
 
 def test_the_servers_header_reader_builds_no_header_object() -> None:
     frame = msgpack.packb([PROTOCOL_VERSION, 2**64 - 1, "lookup"])
     assert read_request_header(frame) == (2**64 - 1, "lookup")
-    assert decode_header(frame).request_id == 2**64 - 1
+    assert decode_header(frame).call_id == 2**64 - 1
 
 
-def test_other_protocol_version_is_refused_with_the_request_id() -> None:
+def test_other_protocol_version_is_refused_with_the_call_id() -> None:
     with pytest.raises(HeaderError, match="speaks protocol version 99") as info:
         decode_header(msgpack.packb([99, 5, "ping"]))
-    assert info.value.request_id == 5
+    assert info.value.call_id == 5
     assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
 
 

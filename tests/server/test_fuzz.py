@@ -1,6 +1,6 @@
 """Thousands of random and mutated frames against a live server process.
 
-Every message whose header carries a readable request id gets exactly one reply, never an
+Every message whose header carries a readable call id gets exactly one reply, never an
 ``internal`` error; the rest are dropped and counted; the server keeps answering ping. And every
 field of every request at and beyond its declared bounds (``FIELD_BOUNDS``, issue 32): a value
 outside gets exactly one error reply, ``bad_request`` naming the field (or
@@ -50,7 +50,7 @@ msgpack_values = st.recursive(
 @st.composite
 def well_headed(draw: st.DrawFn) -> tuple[list[bytes], int]:
     """A readable header (so exactly one reply is due) with any op, body and frame count."""
-    request_id = draw(st.integers(0, BARRIER_ID - 1))
+    call_id = draw(st.integers(0, BARRIER_ID - 1))
     op = draw(st.sampled_from(OPS) | st.text(max_size=30))
     version = draw(st.sampled_from([PROTOCOL_VERSION, PROTOCOL_VERSION, 0, 2, 2**40]))
     body = draw(
@@ -59,18 +59,18 @@ def well_headed(draw: st.DrawFn) -> tuple[list[bytes], int]:
         | st.binary(max_size=40)
     )
     extra = draw(st.lists(st.binary(max_size=8), max_size=2))
-    frames = [msgpack.packb([version, request_id, op]), body, *extra]
+    frames = [msgpack.packb([version, call_id, op]), body, *extra]
     if draw(st.booleans()) and not extra:
         frames = frames[:1]  # truncated: the body frame is missing
-    return frames, request_id
+    return frames, call_id
 
 
 @st.composite
 def mutated(draw: st.DrawFn) -> tuple[list[bytes], int | None]:
     """A valid request with bytes flipped, cut or appended; a reply is due if the header held."""
-    request_id = draw(st.integers(0, BARRIER_ID - 1))
+    call_id = draw(st.integers(0, BARRIER_ID - 1))
     request = draw(st.sampled_from([Ping(), GetStats(), Hello("fuzz", "1", PROTOCOL_VERSION)]))
-    frames = [bytearray(f) for f in encode_request(request_id, request)]
+    frames = [bytearray(f) for f in encode_request(call_id, request)]
     index = draw(st.integers(0, len(frames) - 1))
     target = frames[index]
     for _ in range(draw(st.integers(1, 4))):
@@ -83,7 +83,7 @@ def mutated(draw: st.DrawFn) -> tuple[list[bytes], int | None]:
         else:
             target.extend(draw(st.binary(min_size=1, max_size=8)))
     result = [bytes(f) for f in frames]
-    due = request_id if index == 1 else None  # a mangled header may or may not stay readable
+    due = call_id if index == 1 else None  # a mangled header may or may not stay readable
     return result, due
 
 
@@ -112,9 +112,9 @@ def exchange(sock: zmq.Socket[bytes], frames: list[bytes]) -> list[tuple[int, st
     while True:
         header_frame, body = sock.recv_multipart()
         header = decode_reply_header(header_frame)
-        if header.request_id == BARRIER_ID:
+        if header.call_id == BARRIER_ID:
             return replies
-        replies.append((header.request_id, header.kind, msgpack.unpackb(body)))
+        replies.append((header.call_id, header.kind, msgpack.unpackb(body)))
 
 
 @settings(
@@ -141,10 +141,10 @@ def test_every_field_at_and_beyond_its_declared_bounds(fuzz_socket: zmq.Socket[b
     """Each client-sent field at min-1, min, max, max+1 and a huge value (issue 32: a
     ``num_readers`` of -3 was a hit that unpinned other engines' chunks)."""
     refused = 0
-    for request_id, (label, op, body, ok) in enumerate(boundary_cases(), start=1):
-        header = msgpack.packb([PROTOCOL_VERSION, request_id, op])
+    for call_id, (label, op, body, ok) in enumerate(boundary_cases(), start=1):
+        header = msgpack.packb([PROTOCOL_VERSION, call_id, op])
         replies = exchange(fuzz_socket, [header, body])
-        assert [r[0] for r in replies] == [request_id], label
+        assert [r[0] for r in replies] == [call_id], label
         _, kind, reply = replies[0]
         if kind == "error":
             assert isinstance(reply, dict)

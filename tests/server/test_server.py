@@ -78,7 +78,7 @@ async def test_hello_with_another_protocol_version_is_refused(client: AsyncClien
 
 
 async def exchange(raw: Socket, messages: list[list[bytes]]) -> dict[int, list[tuple[str, dict]]]:
-    """Send ``messages`` then a ping; collect replies by request id until the ping's arrives."""
+    """Send ``messages`` then a ping; collect replies by call id until the ping's arrives."""
     for frames in messages:
         await raw.send_multipart(frames)
     await raw.send_multipart(encode_request(999_999, Ping()))
@@ -87,13 +87,13 @@ async def exchange(raw: Socket, messages: list[list[bytes]]) -> dict[int, list[t
         while True:
             header_frame, body = await raw.recv_multipart()
             header = decode_reply_header(header_frame)
-            replies.setdefault(header.request_id, []).append((header.kind, msgpack.unpackb(body)))
-            if header.request_id == 999_999:
+            replies.setdefault(header.call_id, []).append((header.kind, msgpack.unpackb(body)))
+            if header.call_id == 999_999:
                 return replies
 
 
-def header(request_id: int, op: str, version: int = PROTOCOL_VERSION) -> bytes:
-    return msgpack.packb([version, request_id, op])
+def header(call_id: int, op: str, version: int = PROTOCOL_VERSION) -> bytes:
+    return msgpack.packb([version, call_id, op])
 
 
 BAD_INPUT = {
@@ -122,11 +122,11 @@ async def test_every_bad_request_gets_exactly_one_error_reply(
 ) -> None:
     messages = [frames for frames, _ in BAD_INPUT.values()] + UNRECOVERABLE
     replies = await exchange(raw, messages)
-    for request_id, (_, code) in BAD_INPUT.items():
-        assert len(replies[request_id]) == 1, request_id
-        kind, body = replies[request_id][0]
+    for call_id, (_, code) in BAD_INPUT.items():
+        assert len(replies[call_id]) == 1, call_id
+        kind, body = replies[call_id][0]
         assert kind == "error"
-        assert body["code"] == code, (request_id, body)
+        assert body["code"] == code, (call_id, body)
         assert body["message"]
     assert set(replies) == {*BAD_INPUT, 999_999}
     counters = (await stats(client)).counters
@@ -194,7 +194,7 @@ async def _replies_in_order(raw: Socket, count: int) -> list[tuple[int, str]]:
         while len(received) < count:
             header_frame, _ = await raw.recv_multipart()
             h = decode_reply_header(header_frame)
-            received.append((h.request_id, h.kind))
+            received.append((h.call_id, h.kind))
     return received
 
 
@@ -269,9 +269,9 @@ async def test_requests_of_an_idle_session_never_wake_its_task(
     counter = SessionSteps()
     trio.lowlevel.add_instrument(counter)
     try:
-        for request_id in range(1, 101):
-            await raw.send_multipart(encode_request(request_id, Ping()))
-            assert await _replies_in_order(raw, 1) == [(request_id, "ping")]
+        for call_id in range(1, 101):
+            await raw.send_multipart(encode_request(call_id, Ping()))
+            assert await _replies_in_order(raw, 1) == [(call_id, "ping")]
     finally:
         trio.lowlevel.remove_instrument(counter)
     assert counter.steps == 0
@@ -281,8 +281,8 @@ async def test_requests_of_an_idle_session_never_wake_its_task(
 async def test_a_full_session_queue_answers_busy(server: ServerHandle, raw: Socket) -> None:
     gate = Gate()
     server.state.register(GetChunkSize, gate)
-    for request_id in range(1, 6):
-        await raw.send_multipart(encode_request(request_id, GetChunkSize()))
+    for call_id in range(1, 6):
+        await raw.send_multipart(encode_request(call_id, GetChunkSize()))
     await await_condition(lambda: gate.entered == 1, what="the first request to start")
     replies: dict[int, tuple[str, object]] = {}
 
@@ -290,8 +290,8 @@ async def test_a_full_session_queue_answers_busy(server: ServerHandle, raw: Sock
         while len(replies) < count:
             header_frame, body = await raw.recv_multipart()
             h = decode_reply_header(header_frame)
-            assert h.request_id not in replies
-            replies[h.request_id] = (h.kind, msgpack.unpackb(body))
+            assert h.call_id not in replies
+            replies[h.call_id] = (h.kind, msgpack.unpackb(body))
 
     with trio.fail_after(5):
         await collect(2)  # at most 1 in the handler + 2 queued: the rest is refused at once
@@ -339,7 +339,7 @@ async def test_requests_of_an_expired_session_still_get_one_reply(
     with trio.fail_after(5):
         while len(replies) < 2:
             header_frame, body = await raw.recv_multipart()
-            replies[decode_reply_header(header_frame).request_id] = msgpack.unpackb(body)
+            replies[decode_reply_header(header_frame).call_id] = msgpack.unpackb(body)
     assert {r["code"] for r in replies.values()} == {"session_ended"}
     assert "heartbeat timeout" in replies[1]["message"]
     # The client is alive after all: its next request starts a new session.

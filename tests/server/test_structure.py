@@ -3,7 +3,8 @@
 (Module lengths are a report, not a rule: ``tests/test_layers.py``.)
 
 - ``server/l2tier`` imports nothing else of the server; ``server/cache`` imports only the
-  request path's seams (``_state``, ``_session``), the tenants' arenas and the L2 tier;
+  request path's seams (``_state``, ``_session``), the tenants' arenas, the L2 tier and the
+  packages' lazy exports (``_lazy``);
 - the rest of the server uses the cache through its package, never its private modules;
 - the cache operations (lookups, writes, reads) do not know which copy path they serve: the
   host/CUDA choice is made once, at registration;
@@ -65,6 +66,7 @@ def test_the_cache_imports_only_the_seams_of_the_request_path() -> None:
         "kvtrio.server._session",
         "kvtrio.server._tenants",
         "kvtrio.server.l2tier",
+        "kvtrio.server._lazy",
     }
     for path in modules(SERVER / "cache"):
         outside = {t for t in server_imports(path) if not t.startswith("kvtrio.server.cache")}

@@ -11,8 +11,9 @@ are loaded on first use (importing the core loads no I/O library).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from ._cuda import CudaTransfers, RuntimeFactory
@@ -23,11 +24,4 @@ __all__ = ["CacheService", "CudaTransfers", "RuntimeFactory"]
 _WHERE = {"CacheService": "._service", "CudaTransfers": "._cuda", "RuntimeFactory": "._cuda"}
 
 
-def __getattr__(name: str) -> Any:
-    """Load a public name from its module the first time it is asked for."""
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(where, __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _WHERE)

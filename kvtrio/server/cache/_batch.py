@@ -33,7 +33,7 @@ Turn = Callable[[], Awaitable[None]]
 checkpoint: Turn = trio.lowlevel.checkpoint
 
 L2_PARTS = 8
-"""L2 parts of one batch's lookups running at once (each probes the backends for its ranks):
+"""L2 parts of one batch's lookups running at once (each asks the backends for its ranks' chunks):
 a batch of 1,024 lookups does not make 1,024 runnable tasks at once."""
 
 
@@ -47,13 +47,13 @@ def register_lookup_batch(
     ``budget``: the keys in flight of each session, checked for the whole batch first;
     ``turn``: awaited between the slices of a big batch."""
 
-    def lookup_batch(session: Session, request: LookupBatch) -> LookupBatchReply | Later:
+    def lookup_batch(session: Session, message: LookupBatch) -> LookupBatchReply | Later:
         try:
-            lookups = request.lookups()
+            lookups = message.lookups()
         except ValueError as exc:
             raise ProtocolError(f"invalid 'lookup_batch' request: {exc}") from None
-        hashes = sum(len(h) for h in request.chunk_hashes if type(h) is tuple)
-        keys = check_lookup_keys(request.world_size, hashes)  # the batch's, before any work
+        hashes = sum(len(h) for h in message.chunk_hashes if type(h) is tuple)
+        keys = check_lookup_keys(message.world_size, hashes)  # the batch's, before any work
         if budget is not None:
             budget.check(session.id, session.principal.user_id, keys)
         batch = _Batch(lookup, session, len(lookups), turn)

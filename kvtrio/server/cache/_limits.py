@@ -53,11 +53,11 @@ _SHAPE_LIMITS = {
 """Sane upper bounds of a registration's counts (far beyond any model, far below overflow)."""
 
 
-def check_registration(request: Register, chunk_size: int, arena_size: int) -> None:
+def check_registration(register: Register, chunk_size: int, arena_size: int) -> None:
     """Refuse (``bad_request``, one line) a registration the server could not serve."""
-    spec = request.layout
+    spec = register.layout
     counts = {
-        "world_size": request.world_size,
+        "world_size": register.world_size,
         **{name: getattr(spec, name) for name in _SHAPE_LIMITS if name != "world_size"},
     }
     for name, value in counts.items():

@@ -1,4 +1,4 @@
-"""Lookup, and the ends of a request's lookup (``free_lookup_locks``, ``end_session``).
+"""Lookup, and the ends of an engine request's lookup (``free_lookup_locks``, ``end_session``).
 
 A lookup pins the L1 prefix of the request's chunks at once, inline, for every namespace of
 the model (each rank's, or the one all ranks share). If L2 is on and the prefix stops short,
@@ -163,9 +163,10 @@ class Lookups:
         request = request_key(free.engine, free.model, free.tenant, free.request)
         return Released(self.io.end_lookup(request))
 
-    def end_session(self, session: Session, end: EndSession) -> Released:
-        """The request is over: release its lookup pins and cancel its loads. (The operation's
-        name is the wire's: it ends a *request*, not this connection's session.)"""
+    def end_request(self, session: Session, end: EndSession) -> Released:
+        """The engine request is over (the wire's ``end_session``, a name kept from before:
+        it ends an engine request, not a session): release its lookup pins and cancel its
+        loads."""
         # A worker's store or retrieve may still be under way (engines save asynchronously):
         # its reservations and read pins are its own leases, ended by its commit/release.
         request = request_key(end.engine, end.model, end.tenant, end.request)

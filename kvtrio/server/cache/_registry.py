@@ -97,18 +97,18 @@ class Registry:
 
     # ----------------------------------------------------------------- registrations
 
-    def check(self, request: Register) -> tuple[KVLayout, ModelProfile, int]:
+    def check(self, register: Register) -> tuple[KVLayout, ModelProfile, int]:
         """Validate a registration without recording it: its layout, profile and chunk bytes.
         Raises :class:`RequestError` (``bad_request`` or ``incompatible``) with a message that
         says what is wrong (:meth:`register` checks the same again)."""
-        layout = layout_of(request.layout)
-        if request.device not in ("cpu", "cuda"):
+        layout = layout_of(register.layout)
+        if register.device not in ("cpu", "cuda"):
             raise RequestError(
                 ErrorCode.BAD_REQUEST,
-                f"device {request.device!r}: expected 'cpu' (the worker copies through the L1 "
+                f"device {register.device!r}: expected 'cpu' (the worker copies through the L1 "
                 "arena) or 'cuda' (the server copies through CUDA IPC)",
             )
-        if request.device == "cpu" and request.cuda is not None:
+        if register.device == "cpu" and register.cuda is not None:
             raise RequestError(ErrorCode.BAD_REQUEST, "the 'cuda' field needs device 'cuda'")
         if self.chunk_size % layout.block_size:
             raise RequestError(
@@ -117,20 +117,20 @@ class Registry:
                 f"size {self.chunk_size}: use a block size that does, or start kvtrio with "
                 "--chunk-size a multiple of it",
             )
-        if not 0 <= request.rank < request.world_size:
+        if not 0 <= register.rank < register.world_size:
             raise RequestError(
                 ErrorCode.BAD_REQUEST,
-                f"rank {request.rank} is outside world size {request.world_size}",
+                f"rank {register.rank} is outside world size {register.world_size}",
             )
-        hash_mode = request.hash_scheme != HASH_SCHEME_TOKENS
-        if hash_mode and not request.hash_scheme.startswith("blocks/"):
+        hash_mode = register.hash_scheme != HASH_SCHEME_TOKENS
+        if hash_mode and not register.hash_scheme.startswith("blocks/"):
             raise RequestError(
                 ErrorCode.BAD_REQUEST,
-                f"unknown hash scheme {request.hash_scheme!r}: use {HASH_SCHEME_TOKENS!r} or "
+                f"unknown hash scheme {register.hash_scheme!r}: use {HASH_SCHEME_TOKENS!r} or "
                 "'blocks/<engine hash>/v1'",
             )
         profile = ModelProfile(
-            hash_scheme=request.hash_scheme,
+            hash_scheme=register.hash_scheme,
             block_size=layout.block_size if hash_mode else 0,
             num_layers=layout.num_layers,
             kv=layout.kv,
@@ -139,40 +139,40 @@ class Registry:
             shared_across_ranks=layout.kind == "mla",
         )
         if hash_mode:
-            self._check_hash_agreement(request)
-        self._check_engine_agreement(request, profile)
+            self._check_hash_agreement(register)
+        self._check_engine_agreement(register, profile)
         return layout, profile, layout.chunk_nbytes(self.chunk_size)
 
-    def register(self, session_id: str, request: Register, copy: CopyPath) -> Registration:
+    def register(self, session_id: str, register: Register, copy: CopyPath) -> Registration:
         """Validate (:meth:`check`) and record a registration with its copy path (the caller
         removed the session's previous one)."""
-        layout, profile, chunk_bytes = self.check(request)
-        entry = self._model_for(request, profile, chunk_bytes)
-        rank_space = entry.spaces[0] if profile.shared_across_ranks else entry.spaces[request.rank]
+        layout, profile, chunk_bytes = self.check(register)
+        entry = self._model_for(register, profile, chunk_bytes)
+        rank_space = entry.spaces[0] if profile.shared_across_ranks else entry.spaces[register.rank]
         registration = Registration(
             session_id=session_id,
-            engine=request.engine,
-            model=request.model,
-            tenant=request.tenant,
-            world_size=request.world_size,
-            rank=request.rank,
+            engine=register.engine,
+            model=register.model,
+            tenant=register.tenant,
+            world_size=register.world_size,
+            rank=register.rank,
             layout=layout,
             profile=profile,
             fingerprint=entry.fingerprint,
             space=rank_space,
             chunk_bytes=chunk_bytes,
             copy=copy,
-            device=request.device,
+            device=register.device,
         )
         engine = self.engines.setdefault(
-            (request.engine, request.model, request.tenant), EngineEntry(entry)
+            (register.engine, register.model, register.tenant), EngineEntry(entry)
         )
         engine.workers += 1
         entry.workers += 1
         self.by_session[session_id] = registration
         return registration
 
-    def _check_hash_agreement(self, request: Register) -> None:
+    def _check_hash_agreement(self, register: Register) -> None:
         """Refuse a hash-mode registration whose block hash algorithm or root (its fingerprint)
         differs from those of the engines registered for the same model and tenant: their
         block hashes would never match, so they would share nothing, silently. (Token-mode
@@ -180,64 +180,64 @@ class Registry:
         by design, as other clients do.)"""
         for entry in self.models.values():
             scheme = entry.profile.hash_scheme
-            if (entry.model, entry.tenant) != (request.model, request.tenant) or not (
+            if (entry.model, entry.tenant) != (register.model, register.tenant) or not (
                 scheme.startswith("blocks/")
             ):
                 continue
-            if scheme != request.hash_scheme:
-                differs = f"hash scheme {scheme!r}, not {request.hash_scheme!r}"
-            elif entry.hash_seed != request.hash_seed:
+            if scheme != register.hash_scheme:
+                differs = f"hash scheme {scheme!r}, not {register.hash_scheme!r}"
+            elif entry.hash_seed != register.hash_seed:
                 differs = "another root hash (seed)"
             else:
                 continue
             raise RequestError(
                 ErrorCode.INCOMPATIBLE,
-                f"other engines of model {request.model!r} (tenant {request.tenant!r}) use "
+                f"other engines of model {register.model!r} (tenant {register.tenant!r}) use "
                 f"{differs}: their block hashes would never match; give every engine the same "
                 "PYTHONHASHSEED and prefix_caching_hash_algo",
             )
 
-    def _check_engine_agreement(self, request: Register, profile: ModelProfile) -> None:
+    def _check_engine_agreement(self, register: Register, profile: ModelProfile) -> None:
         """Refuse a worker that disagrees with the other workers of its own engine (and say
         only what differs, never another engine's settings)."""
-        mine = self.engines.get((request.engine, request.model, request.tenant))
+        mine = self.engines.get((register.engine, register.model, register.tenant))
         if mine is None:
             return
         problems = [d.split(":")[0] for d in mine.model.profile.differences(profile)]
-        if mine.model.world_size != request.world_size:
+        if mine.model.world_size != register.world_size:
             problems.append("world_size")
         if problems:
             raise RequestError(
                 ErrorCode.INCOMPATIBLE,
-                f"the other workers of engine {request.engine!r} registered model "
-                f"{request.model!r} with another {', '.join(problems)}; all workers of one "
+                f"the other workers of engine {register.engine!r} registered model "
+                f"{register.model!r} with another {', '.join(problems)}; all workers of one "
                 "engine must agree",
             )
 
-    def _model_for(self, request: Register, profile: ModelProfile, chunk_bytes: int) -> ModelEntry:
+    def _model_for(self, register: Register, profile: ModelProfile, chunk_bytes: int) -> ModelEntry:
         """The model entry of this profile (:meth:`check` found the worker agrees with the
         other workers of its own engine)."""
-        mine = self.engines.get((request.engine, request.model, request.tenant))
+        mine = self.engines.get((register.engine, register.model, register.tenant))
         if mine is not None:
             return mine.model
         fingerprint = profile.digest()
-        key = (request.model, request.tenant, fingerprint, request.world_size)
+        key = (register.model, register.tenant, fingerprint, register.world_size)
         entry = self.models.get(key)
         if entry is None:
-            ranks = 1 if profile.shared_across_ranks else request.world_size
+            ranks = 1 if profile.shared_across_ranks else register.world_size
             spaces = tuple(
-                namespace(request.model, request.tenant, profile, request.world_size, rank)
+                namespace(register.model, register.tenant, profile, register.world_size, rank)
                 for rank in range(ranks)
             )
             entry = ModelEntry(
-                request.model,
-                request.tenant,
+                register.model,
+                register.tenant,
                 profile,
-                request.world_size,
+                register.world_size,
                 fingerprint,
                 spaces,
                 chunk_bytes,
-                hash_seed=request.hash_seed,
+                hash_seed=register.hash_seed,
             )
             self.models[key] = entry
         return entry

@@ -80,7 +80,7 @@ class CacheService:
         state.register_inline(Retrieve, self.reads.retrieve)  # (waiting for L2 loads: a Later)
         state.register_inline(Release, self.reads.release)
         state.register_inline(FreeLookupLocks, self.lookups.free_lookup_locks)
-        state.register_inline(EndSession, self.lookups.end_session)
+        state.register_inline(EndSession, self.lookups.end_request)
 
     # ----------------------------------------------------------------- the reaper
 

@@ -6,10 +6,10 @@ read it, and the null block is never written)."""
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -18,9 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 from kvtrio.integration.vllm import KvtrioConnector
 from kvtrio.launch import ServerProcess
 
-from ..._support.server_cache import assert_no_pins, cache, wait_chunks
-from ..._support.waiting import wait_for
-from ..tiny_model import write_tiny_model
+from ..._support.server_cache import assert_no_pins, wait_chunks
 from .harness import BLOCK, make_config
 from .hybrid import WINDOW, HybridEngine
 
@@ -39,34 +37,17 @@ PATTERNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("model"))
-
-
 @pytest.fixture
 def kvtrio(server_process: Callable[..., ServerProcess]) -> ServerProcess:
     return server_process(*SERVER_ARGS)
 
 
 @pytest.fixture
-def engines(model_dir: Path, kvtrio: ServerProcess) -> Iterator[Callable[..., HybridEngine]]:
-    """``engines(pattern, **options)``: a new vLLM scheduler with its hybrid manager on and
-    kvtrio as its connector (the previous one is shut down first)."""
-    made: list[HybridEngine] = []
-
-    def make(pattern: str, *, prefix_caching: bool = False, **options: Any) -> HybridEngine:
-        for engine in made:
-            engine.close()
-        config = make_config(model_dir, kvtrio.endpoint, prefix_caching=prefix_caching, **options)
-        engine = HybridEngine(config, pattern)
-        made.append(engine)
-        wait_for(lambda: cache(kvtrio).registrations >= 1, what="the worker to register")
-        return engine
-
-    yield make
-    for engine in made:
-        engine.close()
+def engines(
+    hybrid_engines: Callable[..., HybridEngine], kvtrio: ServerProcess
+) -> Callable[..., HybridEngine]:
+    """``engines(pattern, **options)``: ``hybrid_engines`` on this module's server."""
+    return functools.partial(hybrid_engines, kvtrio)
 
 
 def test_vllm_keeps_its_hybrid_manager_for_kvtrio(model_dir: Path) -> None:

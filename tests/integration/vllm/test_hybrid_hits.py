@@ -7,11 +7,11 @@ engine loads it, and the stand-in model checks the state it starts from."""
 
 from __future__ import annotations
 
+import functools
 import random
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -19,8 +19,6 @@ from kvtrio.launch import ServerProcess
 
 from ..._support.server_cache import assert_no_pins, cache, wait_chunks, wait_l2_stored
 from ..._support.waiting import wait_for
-from ..tiny_model import write_tiny_model
-from .harness import make_config
 from .hybrid import HybridEngine
 
 CHUNK = 64
@@ -30,33 +28,12 @@ PROMPT = [_random.randrange(3, 1000) for _ in range(5 * CHUNK + 10)]
 HIT = 5 * CHUNK  # the prompt's whole blocks before its last token
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("model"))
-
-
 @pytest.fixture
-def engines(model_dir: Path) -> Iterator[Callable[..., HybridEngine]]:
-    """``engines(server, pattern, **options)``: a new vLLM scheduler with its hybrid manager
-    on and kvtrio at ``server`` (the previous one is shut down first)."""
-    made: list[HybridEngine] = []
-
-    def make(server: ServerProcess, pattern: str, **options: Any) -> HybridEngine:
-        for engine in made:
-            engine.close()
-        # Every hit loads, and a slow answer under load is not a miss (kvtrio.timeout): what
-        # is checked here is the hit, not the load policy's choice nor the fail-fast timeout.
-        config = make_config(
-            model_dir, server.endpoint, load_policy="always", timeout=10.0, **options
-        )
-        engine = HybridEngine(config, pattern)
-        made.append(engine)
-        wait_for(lambda: cache(server).registrations >= 1, what="the worker to register")
-        return engine
-
-    yield make
-    for engine in made:
-        engine.close()
+def engines(hybrid_engines: Callable[..., HybridEngine]) -> Callable[..., HybridEngine]:
+    """``engines(server, pattern, **options)``: ``hybrid_engines`` where every hit loads, and a
+    slow answer under load is not a miss (``kvtrio.timeout``): what is checked here is the
+    hit, not the load policy's choice nor the fail-fast timeout."""
+    return functools.partial(hybrid_engines, load_policy="always", timeout=10.0)
 
 
 def computed(engine: HybridEngine, request_id: str) -> int:

@@ -31,18 +31,13 @@ from kvtrio.protocol import LayoutSpec, Register
 
 from ..._support.server_cache import assert_no_pins, cache, wait_chunks
 from ..._support.waiting import wait_for
-from ..tiny_model import CONFIG, write_tiny_model
+from ..tiny_model import CONFIG
 from .harness import BLOCK, HEAD_DIM, HEADS, LAYERS, Engine, make_config
 
 CHUNK = 64
 SERVER_ARGS = ("--chunk-size", str(CHUNK), "--l1-size", "64MiB", "--heartbeat-timeout", "3")
 PROMPT = [(i * 7919) % 997 + 3 for i in range(5 * CHUNK + 10)]  # 5 whole chunks
 IMAGE_AT = 2 * CHUNK + 5  # chunks 0 and 1 come before the image
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ from kvtrio.launch import ServerProcess
 
 from ..._support.server_cache import assert_no_pins, cache, wait_chunks
 from ..._support.waiting import wait_for
-from ..tiny_model import write_tiny_model
 from .harness import Engine, make_config
 
 CHUNK = 64
@@ -29,11 +28,6 @@ PROMPT = [_random.randrange(3, 1000) for _ in range(5 * CHUNK + 10)]  # 5 whole 
 OTHER = [_random.randrange(3, 1000) for _ in range(3 * CHUNK + 10)]
 # Shares 4 chunks and a bit with PROMPT, then differs.
 SHARED = [*PROMPT[: 4 * CHUNK + 20], 7, 8, 9]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture

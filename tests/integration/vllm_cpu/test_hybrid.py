@@ -22,23 +22,18 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvtrio.client import Client
 from kvtrio.launch import ServerProcess
-from kvtrio.protocol import CacheStats, GetStats, StatsReply
 
-from ..._support.vllm_cpu import CONTROL, PREFIX, run_engine
-from ..._support.web import free_port
+from ..._support.server_cache import cache
+from ..._support.vllm_cpu import CHUNK, CONTROL, ENGINE, PREFIX, run_engine
 from ..tiny_model import write_tiny_model
 from .engine import ENV
 
-ENGINE = Path(__file__).with_name("engine.py")
-CHUNK = 128  # kvtrio's chunk size: 4 of vLLM's 32-token blocks
 PROMPTS = {
     "A": PREFIX,  # 4 full chunks and a partial one (2 blocks)
     "B": [*PREFIX[:540], 11, 12, 13],
@@ -53,28 +48,6 @@ MODELS = {
     "gpt-oss": ((S, F, S, F), 128),
 }
 CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm-cpu-hybrid")
-
-
-@pytest.fixture(scope="module")
-def kvtrio(workdir: Path) -> Iterator[ServerProcess]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVTRIO_L2": "none", "KVTRIO_DRAIN_TIMEOUT": "1"}
-    args = ["--chunk-size", str(CHUNK), "--l1-size", "128MiB"]
-    server = ServerProcess(f"tcp://127.0.0.1:{free_port()}", args, env, log_path=workdir / "kv.log")
-    server.start()
-    yield server
-    server.stop()
-
-
-def cache(server: ServerProcess) -> CacheStats:
-    with Client(server.endpoint, heartbeat=False, timeout=2.0) as client:
-        stats = client.call(GetStats(), StatsReply).cache
-    assert stats is not None
-    return stats
 
 
 def run(model: Path, workdir: Path, name: str, url: str | None, *prompts: dict[str, Any]) -> Any:

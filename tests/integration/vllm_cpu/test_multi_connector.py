@@ -10,7 +10,6 @@ replaced by the ``MultiConnector`` of both).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,33 +18,17 @@ import pytest
 from kvtrio.launch import ServerProcess
 
 from ..._support.server_cache import assert_no_pins, cache
-from ..._support.vllm_cpu import CONTROL, PREFIX, run_engine
-from ..._support.web import free_port
+from ..._support.vllm_cpu import (
+    CHUNK,
+    CONTROL,
+    ENGINE,
+    PREFIX,
+    PREFIX_CHUNKS,
+    PREFIX_HIT,
+    run_engine,
+)
 from ..tiny_model import write_tiny_model
 from .engine import ENV
-
-ENGINE = Path(__file__).with_name("engine.py")
-CHUNK = 128  # 4 of vLLM's 32-token blocks
-CHUNKS = 5  # PREFIX (600 tokens): 4 full chunks and a partial one (2 blocks)
-HIT = 576  # its whole blocks but the last token's: (600 - 1) // 32 * 32
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm-cpu-multi")
-
-
-@pytest.fixture(scope="module")
-def kvtrio(workdir: Path) -> Iterator[ServerProcess]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVTRIO_L2": "none", "KVTRIO_DRAIN_TIMEOUT": "1"}
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    server = ServerProcess(
-        endpoint, ["--chunk-size", str(CHUNK), "--l1-size", "128MiB"], env,
-        log_path=workdir / "kv.log",
-    )  # fmt: skip
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +58,7 @@ def results(workdir: Path, kvtrio: ServerProcess) -> dict[str, Any]:
         "llm": {"kv_transfer_config": multi},
         "prompts": [
             {"id": "first", "tokens": PREFIX, "max_tokens": 8},
-            {"id": "again", "tokens": PREFIX, "max_tokens": 8, "wait_ready": CHUNKS},
+            {"id": "again", "tokens": PREFIX, "max_tokens": 8, "wait_ready": PREFIX_CHUNKS},
             {"id": "other", "tokens": CONTROL, "max_tokens": 8},
         ],
     }
@@ -86,14 +69,14 @@ def test_kvtrio_in_multi_connector_hits_and_stores_as_alone(
     results: dict[str, Any], kvtrio: ServerProcess, workdir: Path
 ) -> None:
     cached = {name: result["num_cached_tokens"] for name, result in results.items()}
-    assert cached == {"first": 0, "again": HIT, "other": 0}
+    assert cached == {"first": 0, "again": PREFIX_HIT, "other": 0}
     # Greedy: the KV kvtrio loaded gives the tokens the first run computed.
     assert results["again"]["token_ids"] == results["first"]["token_ids"]
     # kvtrio returns no kv_transfer_params of its own, ExampleConnector none either.
     assert all(not result["kv_transfer_params"] for result in results.values())
     stats = cache(kvtrio)
-    assert stats.l1_ready >= CHUNKS + len(CONTROL) // CHUNK  # both prompts' chunks stored
-    assert stats.lookup_hit_chunks >= CHUNKS
+    assert stats.l1_ready >= PREFIX_CHUNKS + len(CONTROL) // CHUNK  # both prompts' chunks stored
+    assert stats.lookup_hit_chunks >= PREFIX_CHUNKS
     # request_finished reached kvtrio through MultiConnector: nothing left pinned or leased.
     assert_no_pins(kvtrio)
     # The second connector stored too (its own files, one folder a prompt).

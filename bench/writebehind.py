@@ -13,6 +13,11 @@ model). Two measurements per variant, interleaved over ``--repeats`` rounds, med
 
 The baseline is the same code with batches of one chunk (``_BATCH_CHUNKS = 1``): one frame
 header hop and one ``store([key])`` per chunk, as before batching.
+
+``--names``: the tier's listener names every chunk as the KV events' announcer does (16 engine
+block hashes, 256 tokens, a parent, issue 35), so a version that keeps names beside the objects
+in the disk L2 encodes and writes them with each chunk (a version without ignores them: run it
+with ``PYTHONPATH`` at each version for the cost of the names).
 """
 
 from __future__ import annotations
@@ -57,19 +62,54 @@ async def until(condition: Callable[[], bool]) -> None:
         await trio.sleep(0.0005)
 
 
+class Names:
+    """A tier listener that names every chunk (``--names``): what the announcer would give."""
+
+    def __init__(self) -> None:
+        try:
+            from kvtrio.protocol import PackedTokens, msgpack_uint32s, pack_tokens
+            from kvtrio.server._chunknames import NamesRecord, StoreNames
+        except ImportError:  # (a version without names: never asked)
+            self.record = None
+            return
+        tokens = PackedTokens.of(msgpack_uint32s(pack_tokens(range(1000, 1256))))
+        hashes = tuple(range(1 << 40, (1 << 40) + 16))
+        self.record = NamesRecord(hashes, 16, 1 << 41, tokens, None, StoreNames())
+
+    def names_of(self, key: bytes) -> object:
+        return self.record
+
+    def stored(self, *args: object) -> None: ...
+    def removed(self, *args: object) -> None: ...
+    def seen(self, *args: object) -> None: ...
+    def recovered(self, *args: object) -> None: ...
+
+
 def stored(tier: L2Tier) -> int:
     return int(tier.stats()[0].counters.get("stores", 0))
 
 
 async def run(
-    arena: SharedArena, l1: L1Cache, keys: list[bytes], batch: int, rate: int, where: str | None
+    arena: SharedArena,
+    l1: L1Cache,
+    keys: list[bytes],
+    batch: int,
+    rate: int,
+    where: str | None,
+    names: bool = False,
 ) -> tuple[float, int, int]:
     """(drain chunks/s, skipped, offered) for one variant in a fresh disk directory."""
     l2_module._BATCH_CHUNKS = batch  # type: ignore[attr-defined,unused-ignore]
     with tempfile.TemporaryDirectory(prefix="kvtrio-wb-", dir=where) as directory:
         disk = DiskBackend(DiskOptions(path=str(Path(directory) / "l2")))
         async with open_l2_tier(
-            [("disk", disk)], l1, arena, queue_size=QUEUE, flushers=2, loaders=4
+            [("disk", disk)],
+            l1,
+            arena,
+            queue_size=QUEUE,
+            flushers=2,
+            loaders=4,
+            **({"listener": Names()} if names else {}),
         ) as tier:
             await tier.start()
             await disk.lookup_and_lock([])  # (the directory scan is not measured)
@@ -109,6 +149,7 @@ def main() -> None:
     parser.add_argument("--chunk-kib", type=int, default=32)
     parser.add_argument("--rate", type=int, default=2000, help="offered chunks/s")
     parser.add_argument("--dir", default=None, help="where the disk backend writes (a tmp dir)")
+    parser.add_argument("--names", action="store_true", help="name every chunk (see above)")
     args = parser.parse_args()
     batched = getattr(l2_module, "_BATCH_CHUNKS", 1)  # (1: code from before batching)
     variants = {"batch=1 (baseline)": 1, f"batch≤{batched}": batched}
@@ -117,12 +158,14 @@ def main() -> None:
     try:
         for _ in range(args.repeats):
             for name, batch in variants.items():
-                results[name].append(trio.run(run, arena, l1, keys, batch, args.rate, args.dir))
+                result = trio.run(run, arena, l1, keys, batch, args.rate, args.dir, args.names)
+                results[name].append(result)
     finally:
         arena.close()
     print(
         f"{args.chunks} chunks of {args.chunk_kib} KiB, disk backend in {args.dir or 'tmp'}, "
         f"queue {QUEUE}, 2 flushers, medians of {args.repeats}"
+        + (", every chunk named" if args.names else "")
     )
     print(f"{'variant':<20} {'drain chunks/s':>15} {'skipped at ' + str(args.rate) + '/s':>22}")
     medians = {}

@@ -2,12 +2,14 @@
 
 from ._framing import FORMAT_VERSION, HEADER_SIZE, Corrupt, check, header
 from ._interface import (
+    MAX_NAMES,
     Backend,
     BackendError,
     BackendMisconfigured,
     BackendUnavailable,
     Buffers,
     Capabilities,
+    Naming,
     Touching,
     UnreadableObjects,
     capabilities,
@@ -27,6 +29,7 @@ __all__ = [
     "FORMAT_VERSION",
     "GROUP",
     "HEADER_SIZE",
+    "MAX_NAMES",
     "Backend",
     "BackendError",
     "BackendInfo",
@@ -36,6 +39,7 @@ __all__ = [
     "Capabilities",
     "Corrupt",
     "LocalLocks",
+    "Naming",
     "Touching",
     "UnreadableObjects",
     "capabilities",

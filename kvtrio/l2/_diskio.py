@@ -1,20 +1,8 @@
 """The disk backend's blocking file work: run in worker threads only (never on the event loop).
 
 Objects live in **segment files** (``segments/<16 hex digits>.seg``), appended to in order. A
-segment is a sequence of records, each aligned to :data:`ALIGN` bytes::
-
-    record header (128 B): magic "KVS2" | version u16 | key length u16 | key (32 B, zero-padded)
-                           | length u64 | owner (16 B) | MAC (16 B) | key id (8 B) | 40 zeros
-    the object (length bytes), then zeros up to the next multiple of ALIGN
-
-The MAC is BLAKE2b-128 of the first 64 bytes keyed with the L2's **secret** (32 random bytes in
-``<root>/secret``, mode 0600, made by the first scan): only this server can write a header that
-checks out. A record's object holds bytes a client chose (a chunk); without the key, no chunk can
-carry a header the scan would accept, so stepping over damage never turns a client's bytes into
-an object (issue 22: a planted record for another tenant's key). ``owner`` is the tenant tag the
-object was stored for (its share of the capacity; zeros when unknown). The **key id** (zeros in
-older records) names the secret that signed it, outside the MAC: never trusted, it only lets the
-scan say that records were signed with another secret (a replaced secret file), not damaged.
+segment is a sequence of records (:mod:`._diskrecord`: an authenticated header, the object, the
+names kept with it, zeros up to the next multiple of :data:`ALIGN`).
 
 A removed record's blocks are given back to the filesystem by punching a hole over it (it then
 reads as zeros: no longer a record); a segment whose records are all gone is unlinked. The scan
@@ -28,20 +16,32 @@ import contextlib
 import ctypes
 import errno
 import functools
-import hashlib
-import hmac
 import os
-import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from ._diskrecord import (
+    ALIGN,
+    OWNER_SIZE,
+    RECORD_HEADER,
+    key_id,
+    key_id_of,
+    names_digest,
+    names_room,
+    parse_record_header,
+    record_header,
+    record_size,
+    tombstone,
+)
 from ._interface import Buffers
+from ._segments import Location
 
 __all__ = [
     "ALIGN",
+    "OWNER_SIZE",
     "RECORD_HEADER",
     "Freed",
     "Written",
@@ -50,7 +50,9 @@ __all__ = [
     "fsync_directory",
     "key_id",
     "key_id_of",
+    "names_room",
     "parse_record_header",
+    "read_names",
     "read_records",
     "reason",
     "record_header",
@@ -60,64 +62,9 @@ __all__ = [
     "write_records",
 ]
 
-ALIGN = 4096
-"""Records start on multiples of this (a filesystem block): a punched record frees whole
-blocks, and the scan can step from block to block over damage."""
-_MAGIC = b"KVS2"
-_VERSION = 2
-_FIELDS = struct.Struct("<4sHH32sQ16s")
-_HEAD = struct.Struct("<64s16s8s40x")
-_KEY_ID = slice(80, 88)  # (in _HEAD)
-RECORD_HEADER = _HEAD.size
-OWNER_SIZE = 16
 _IOV_MAX = 1024
 _ZEROS = memoryview(bytes(ALIGN))
 _PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE (linux/falloc.h)
-
-
-def record_size(length: int) -> int:
-    """Bytes a record of an object of ``length`` bytes takes in its segment (aligned)."""
-    return -(-(RECORD_HEADER + length) // ALIGN) * ALIGN
-
-
-def _mac(secret: bytes, fields: bytes) -> bytes:
-    return hashlib.blake2b(fields, digest_size=16, key=secret).digest()
-
-
-@functools.lru_cache(maxsize=8)
-def key_id(secret: bytes) -> bytes:
-    """8 bytes that name ``secret`` without telling anything of it (keyed BLAKE2b)."""
-    return hashlib.blake2b(b"kvtrio L2 key id", digest_size=8, key=secret).digest()
-
-
-def key_id_of(raw: bytes | bytearray) -> bytes | None:
-    """The key id in what looks like a header of this format, or None (unauthenticated)."""
-    identity = bytes(raw[_KEY_ID])
-    if len(raw) < RECORD_HEADER or bytes(raw[:6]) != _MAGIC + _VERSION.to_bytes(2, "little"):
-        return None
-    return identity if any(identity) else None
-
-
-def record_header(key: bytes, length: int, owner: bytes, secret: bytes) -> bytes:
-    """The header of a record of ``key`` (at most 32 bytes: its length is in the header) for
-    ``owner`` (at most 16 bytes), authenticated with the L2's ``secret`` (and naming it by its
-    :func:`key_id`)."""
-    fields = _FIELDS.pack(_MAGIC, _VERSION, len(key), key, length, owner)
-    return _HEAD.pack(fields, _mac(secret, fields), key_id(secret))
-
-
-def parse_record_header(raw: bytes | bytearray, secret: bytes) -> tuple[bytes, int, bytes] | None:
-    """(key, length, owner) of a record header this L2 wrote, or None if it is not one (damage,
-    zeros, another format, or bytes that merely look like a header without the secret's MAC)."""
-    if len(raw) < RECORD_HEADER:
-        return None
-    fields, mac, _ = _HEAD.unpack_from(raw)
-    if not hmac.compare_digest(mac, _mac(secret, fields)):
-        return None
-    magic, version, key_length, key, length, owner = _FIELDS.unpack(fields)
-    if magic != _MAGIC or version != _VERSION or key_length > len(key):
-        return None
-    return key[:key_length], length, owner.rstrip(b"\0")
 
 
 def segment_name(seq: int) -> str:
@@ -139,8 +86,9 @@ class Written:
 
 Record = tuple[str, int, bytes, Buffers]
 """(segment path, offset, key, the object's parts): where a record is read from."""
-NewRecord = tuple[str, int, bytes, bytes, Buffers]
-"""(segment path, offset, key, owner, the object's parts): where a record goes."""
+NewRecord = tuple[str, int, bytes, bytes, Buffers, bytes | None]
+"""(segment path, offset, key, owner, the object's parts, its names or None): where a record
+goes (names longer than the record's :func:`names_room` are left out)."""
 
 
 def write_records(records: Sequence[NewRecord], fsync: bool, secret: bytes) -> Written:
@@ -166,7 +114,7 @@ def _runs(records: Sequence[NewRecord]) -> list[tuple[str, int, list[NewRecord]]
     runs: list[tuple[str, int, list[NewRecord]]] = []
     end = -1
     for record in records:
-        path, offset, _, _, parts = record
+        path, offset, _, _, parts, _ = record
         if runs and runs[-1][0] == path and offset == end:
             runs[-1][2].append(record)
         else:
@@ -182,13 +130,18 @@ def _write_run(
     iov: list[memoryview] = []
     ends: list[int] = []  # each record's end, relative to start
     position = 0
-    for _, _, key, owner, parts in run:
+    for _, _, key, owner, parts, names in run:
         length = sum(len(p) for p in parts)
         size = record_size(length)
-        iov.append(memoryview(record_header(key, length, owner, secret)))
+        kept = names if names and len(names) <= size - RECORD_HEADER - length else None
+        iov.append(memoryview(record_header(key, length, owner, secret, kept)))
         iov += [memoryview(p).cast("B") for p in parts if len(p)]
-        if size - RECORD_HEADER - length:
-            iov.append(_ZEROS[: size - RECORD_HEADER - length])
+        padding = size - RECORD_HEADER - length
+        if kept:
+            iov.append(memoryview(kept))
+            padding -= len(kept)
+        if padding:
+            iov.append(_ZEROS[:padding])
         position += size
         ends.append(position)
     offset = start
@@ -324,6 +277,51 @@ def _read_run(
         results[i] = offset - start >= end and whole
 
 
+def read_names(
+    keys: Sequence[bytes],
+    index: Mapping[bytes, Location],
+    prefix: bytes,
+    limit: int,
+    path: Callable[[int], str],
+    secret: bytes,
+) -> list[tuple[bytes, Location, bytes]]:
+    """The names kept with the records of ``keys`` that start with ``prefix`` (where ``index``,
+    the backend's, still has them), the last key first, at most ``limit`` bytes of names: per
+    record its header (checked: MAC, key, length) and its names (checked: the header's digest),
+    two reads. A record gone meanwhile (a removed segment, a punched or replaced record) is
+    left out. ``index`` is read as the loop changes it (single ``get`` calls only). Raises an
+    ``OSError`` other than a missing file."""
+    found: list[tuple[bytes, Location, bytes]] = []
+    opened, fd = -1, -1  # (one file open at a time: keys come segment by segment)
+    try:
+        for key in reversed(keys):
+            location = index.get(key) if key.startswith(prefix) else None
+            if location is None:
+                continue
+            segment, offset, length = location
+            if segment != opened:
+                if fd >= 0:
+                    os.close(fd)
+                opened, fd = segment, -1
+                with contextlib.suppress(FileNotFoundError):
+                    fd = os.open(path(segment), os.O_RDONLY)
+            if fd < 0:
+                continue
+            parsed = parse_record_header(os.pread(fd, RECORD_HEADER, offset), secret)
+            if parsed is None or parsed[:2] != (key, length) or not parsed[3]:
+                continue
+            if parsed[3] > limit:
+                break
+            names = os.pread(fd, parsed[3], offset + RECORD_HEADER + length)
+            if names_digest(names) == parsed[4]:
+                found.append((key, location, names))
+                limit -= len(names)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return found
+
+
 # --------------------------------------------------------------------------- freeing
 
 
@@ -370,13 +368,6 @@ def _preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
         return os.preadv(fd, buffers, offset)
     os.lseek(fd, offset, os.SEEK_SET)
     return os.readv(fd, buffers)
-
-
-def tombstone(size: int, secret: bytes) -> bytes:
-    """The header that unmakes a record of ``size`` bytes (its whole aligned range) where no
-    hole can be punched: authenticated, with no key (so never an object), and the range's
-    length, so the scan steps over the dead record's bytes instead of reading them as damage."""
-    return record_header(b"", size - RECORD_HEADER, b"", secret)
 
 
 def free_ranges(

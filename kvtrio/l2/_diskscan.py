@@ -1,12 +1,14 @@
 """The disk backend's scan at start-up: its segments and their records (worker thread only).
 
-A record counts if its header checks out under the L2's secret (:mod:`._diskio`: no client can
-forge one) and its object fits in the file; tombstones (records unmade where holes cannot be
-punched) are stepped over; zeros (holes, punched records) are skipped with ``SEEK_DATA``;
-anything else is damage (a torn write, a flipped bit), stepped over block by block (records are
-aligned) and counted, so the records after it are still found. Damage that starts with a header
-of the right format carrying another secret's key id (:func:`~._diskio.key_id_of`) is counted
-apart: the log then says the secret changed, not that the disk tore.
+A record counts if its header checks out under the L2's secret (:mod:`._diskrecord`: no client
+can forge one) and its object fits in the file (the names kept with it are not read here: the
+backend's ``names`` reads them when the server asks); tombstones (records unmade where holes
+cannot be punched) are stepped over; zeros (holes, punched records) are skipped with
+``SEEK_DATA``; anything else is damage (a torn write, a flipped bit), stepped over block by
+block (records are aligned) and counted, so the records after it are still found. Damage that
+starts with a header of the right format carrying another secret's key id
+(:func:`~._diskrecord.key_id_of`) is counted apart: the log then says the secret changed, not
+that the disk tore.
 """
 
 from __future__ import annotations
@@ -22,16 +24,9 @@ from pathlib import Path
 
 import attrs
 
-from ._diskio import (
-    ALIGN,
-    RECORD_HEADER,
-    fsync_directory,
-    key_id,
-    key_id_of,
-    parse_record_header,
-    record_size,
-)
+from ._diskio import fsync_directory
 from ._disklock import DirectoryLock, Unusable, not_a_regular_file
+from ._diskrecord import ALIGN, RECORD_HEADER, key_id, key_id_of, parse_record_header, record_size
 from ._interface import BackendError, BackendMisconfigured
 
 __all__ = ["Scan", "load_secret", "open_tree", "report_scan", "scan_tree"]
@@ -197,7 +192,7 @@ def _scan_segment(path: str, secret: bytes) -> tuple[list[ScannedRecord], int, i
             raw = os.pread(fd, RECORD_HEADER, offset)
             parsed = parse_record_header(raw, secret)
             if parsed is not None and offset + RECORD_HEADER + parsed[1] <= size:
-                key, length, owner = parsed
+                key, length, owner, _, _ = parsed
                 if key:  # (no key: a tombstone, a record unmade without a hole)
                     records.append((key, offset, length, owner))
                 offset += record_size(length)

@@ -25,6 +25,15 @@ capability keep working unchanged. :func:`capabilities` reads them; nothing else
   ``lookup_and_lock``), last given last used, to refresh them in its eviction policy as a
   lookup hit would. Unknown keys are ignored; it changes nothing visible (no lock, no load).
   The server calls it in batches, from a task, never once per hit.
+- ``accepts_names`` (:class:`Naming`): ``store(keys, buffers, names=…)``, ``names``
+  index-aligned with ``keys``: each object's names (opaque bytes, at most :data:`MAX_NAMES`,
+  or ``None``: what the server's KV events call the chunk), kept with the object and
+  authenticated as the object's own record is (a backend may leave out names it has no room
+  for: the store still succeeds); and ``async def names(prefix, limit)``: the ``(key, names)``
+  of its objects whose keys start with ``prefix`` and that were stored with names, the newest
+  first, at most ``limit`` bytes of names, so that a restarted server announces them before
+  any lookup finds them. Only a backend that is this server's own declares it (the disk L2):
+  listing a store that a fleet shares would list other servers' chunks, at every start.
 
 One more class attribute is a property rather than a call: ``shared_store`` (``True`` for the
 ``redis`` and ``s3`` backends): the objects are in a store that other kvtrio servers may use
@@ -42,16 +51,21 @@ import attrs
 from ..errors import KvtrioError
 
 __all__ = [
+    "MAX_NAMES",
     "Backend",
     "BackendError",
     "BackendMisconfigured",
     "BackendUnavailable",
     "Buffers",
     "Capabilities",
+    "Naming",
     "Touching",
     "UnreadableObjects",
     "capabilities",
 ]
+
+MAX_NAMES = 4096
+"""The most bytes of names the server gives ``store`` for one object (``accepts_names``)."""
 
 Buffers = Sequence[memoryview]
 """An object's bytes as consecutive parts: the concatenation of the parts is the object."""
@@ -156,6 +170,15 @@ class Touching(Protocol):
         ...
 
 
+class Naming(Protocol):
+    """What a backend that declares ``accepts_names`` has besides :class:`Backend`'s calls."""
+
+    async def names(self, prefix: bytes, limit: int) -> Sequence[tuple[bytes, bytes]]:
+        """``(key, names)`` of the objects under ``prefix`` stored with names, the newest first,
+        at most ``limit`` bytes of names (see the module docstring)."""
+        ...
+
+
 @attrs.frozen
 class Capabilities:
     """The optional capabilities a backend's class declares (see the module docstring)."""
@@ -168,14 +191,18 @@ class Capabilities:
     """``accepts_touches``: it has ``touch`` (:class:`Touching`)."""
     shared: bool = False
     """``shared_store``: other servers may use the same store (see the module docstring)."""
+    names: bool = False
+    """``accepts_names``: ``store`` takes ``names=`` and it has ``names`` (:class:`Naming`)."""
 
 
 def capabilities(backend: Backend) -> Capabilities:
     """The optional capabilities ``backend`` declares (its class attributes
-    ``accepts_parents``, ``accepts_owners``, ``accepts_touches``; absent ones are False)."""
+    ``accepts_parents``, ``accepts_owners``, ``accepts_touches``, ``shared_store``,
+    ``accepts_names``; absent ones are False)."""
     return Capabilities(
         parents=bool(getattr(backend, "accepts_parents", False)),
         owners=bool(getattr(backend, "accepts_owners", False)),
         touches=bool(getattr(backend, "accepts_touches", False)),
         shared=bool(getattr(backend, "shared_store", False)),
+        names=bool(getattr(backend, "accepts_names", False)),
     )

@@ -10,7 +10,7 @@ import collections
 
 import attrs
 
-from ._diskio import record_size
+from ._diskrecord import record_size
 
 __all__ = ["Frees", "Location", "Segments"]
 

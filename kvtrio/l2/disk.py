@@ -37,16 +37,15 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import attrs
 import trio
 
-from ..options import ByteSize
-from ..storage import DEFAULT_EVICTION, EVICTION_POLICIES, make_policy
+from ..storage import make_policy
 from ._diskio import (
     OWNER_SIZE,
     Written,
     filesystem_space,
     free_ranges,
+    read_names,
     read_records,
     reason,
     record_size,
@@ -54,42 +53,16 @@ from ._diskio import (
     write_records,
 )
 from ._disklock import DirectoryLock
+from ._diskoptions import DiskOptions
 from ._diskscan import open_tree, report_scan
 from ._diskspace import PolicyFactory, Room
 from ._interface import BackendError, Buffers, UnreadableObjects
 from ._locks import LocalLocks
 from ._segments import Location, Segments
 
-__all__ = ["DiskBackend"]
+__all__ = ["DiskBackend", "DiskOptions"]
 
 log = logging.getLogger("kvtrio.l2.disk")
-
-
-@attrs.frozen
-class DiskOptions:
-    path: str = attrs.field(
-        default="~/.cache/kvtrio/l2",
-        metadata={"help": "Directory of the objects (created if missing)."},
-    )
-    capacity: ByteSize = attrs.field(
-        default=ByteSize(32 << 30), metadata={"help": "Bytes kept before evicting (unlocked)."}
-    )
-    eviction: str = attrs.field(
-        default=DEFAULT_EVICTION,
-        metadata={"help": f"Eviction policy: {', '.join(sorted(EVICTION_POLICIES))}."},
-    )
-    fsync: bool = attrs.field(
-        default=False, metadata={"help": "fdatasync every batch before it becomes visible."}
-    )
-    threads: int = attrs.field(default=4, metadata={"help": "Concurrent file operations."})
-    segment_size: ByteSize = attrs.field(
-        default=ByteSize(64 << 20),
-        metadata={"help": "Bytes appended to a segment file before the next one is started."},
-    )
-    tenant_share: float = attrs.field(
-        default=1.0,
-        metadata={"help": "Fraction of capacity one tenant may hold (others: evicted fairly)."},
-    )
 
 
 class DiskBackend:
@@ -101,6 +74,8 @@ class DiskBackend:
     """``store`` takes ``owners=``: tenant tags, for the tenants' shares of the capacity."""
     accepts_touches = True
     """``touch``: hits served from the server's L1 refresh the eviction policy."""
+    accepts_names = True
+    """``store`` takes ``names=``, kept in each record's padding; ``names`` reads them back."""
 
     def __init__(
         self, options: DiskOptions | None = None, *, policies: PolicyFactory | None = None
@@ -272,6 +247,7 @@ class DiskBackend:
         *,
         parents: Sequence[bytes | None] | None = None,
         owners: Sequence[bytes] | None = None,
+        names: Sequence[bytes | None] | None = None,
     ) -> list[bool]:
         """Reserve room for each object in order, then append the batch to the active segment
         in one worker-thread call.
@@ -280,7 +256,8 @@ class DiskBackend:
         for the eviction policy: a prompt leaves tail first, and objects after an evicted one
         (unreachable by a prefix lookup) go first. ``owners`` (optional, index-aligned, at most
         16 bytes each) names each object's tenant: room is made by evicting from the tenant that
-        holds the most (see :mod:`._diskspace`).
+        holds the most (see :mod:`._diskspace`). ``names`` (optional, index-aligned): what each
+        object is named by, kept in its record's padding where they fit (:mod:`._diskrecord`).
 
         Objects written before a failing one are stored (and visible); the failing one and the
         rest are not (their ranges are punched out). A full filesystem lowers the capacity and
@@ -296,6 +273,7 @@ class DiskBackend:
             raise ValueError(f"disk: owners are at most {OWNER_SIZE} bytes")
         results = [False] * len(keys)
         todo: list[tuple[int, bytes, bytes, Buffers, Location]] = []  # index, key, owner, …
+        named = names or [None] * len(keys)
         outcome = Written(0, None, None)
         try:
             # Room and ranges for the whole batch with no checkpoint in between (so the batch
@@ -314,7 +292,7 @@ class DiskBackend:
                 return results
             outcome = await trio.to_thread.run_sync(
                 write_records,
-                [(self._path(s), o, key, owner, parts) for _, key, owner, parts, (s, o, _) in todo],
+                [(self._path(s), o, k, w, p, named[i]) for i, k, w, p, (s, o, _) in todo],
                 self.options.fsync,
                 self._secret,
                 limiter=self._io,
@@ -356,6 +334,23 @@ class DiskBackend:
             self.counters["errors"] += 1
             raise BackendError(f"disk: writing an object failed: {reason(error)}")
         return results
+
+    async def names(self, prefix: bytes, limit: int) -> list[tuple[bytes, bytes]]:
+        """``(key, names)`` of the objects under ``prefix`` stored with names, the newest first,
+        at most ``limit`` bytes of names (:func:`._diskio.read_names`, a worker thread: two
+        reads an object); an object replaced or removed meanwhile is left out. Raises
+        BackendError. Cancellation: the thread runs to its end, unused."""
+        await self._ensure_index()
+        keys = list(self._index)  # (a copy in C; filtered in the thread)
+        try:
+            found = await trio.to_thread.run_sync(
+                read_names, keys, self._index, prefix, limit, self._path, self._secret,
+                limiter=self._io,
+            )  # fmt: skip
+        except OSError as exc:
+            self.counters["errors"] += 1
+            raise BackendError(f"disk: reading names failed: {reason(exc)}") from None
+        return [(key, names) for key, at, names in found if self._index.get(key) == at]
 
     async def delete(self, keys: Sequence[bytes]) -> None:
         await self._ensure_index()

@@ -59,6 +59,7 @@ from ._codec import (
 )
 from ._events import (
     END_SEQ,
+    MAX_BLOCK_HASH_BYTES,
     MAX_EXTRA_KEY_LENGTH,
     MAX_EXTRA_KEYS,
     SNAPSHOT_SEQ,
@@ -131,6 +132,7 @@ __all__ = [
     "ERROR_KIND",
     "FIELD_BOUNDS",
     "HASH_SCHEME_TOKENS",
+    "MAX_BLOCK_HASH_BYTES",
     "MAX_BLOCK_IDS",
     "MAX_EVENT_HASHES",
     "MAX_EVENT_TOKENS",

@@ -22,9 +22,13 @@ here while any tier holds the chunk), else by its kvtrio chunk hash as one block
 ``chunk_size`` tokens. ``parent_block_hash`` is the last block hash of the chunk before it when
 that is known. The store's ``token_ids`` (4 bytes a token here), ``extra_keys``, ``lora_name``
 and group fields are kept with the names, so that a router that keys blocks itself (llm-d)
-can; a chunk first announced without them (found in L2 after a restart) is announced again,
-removed then stored under its new names, when a store carries them. The table is what tiers
-hold: its size follows L1 and what L2 is known to hold, within two bounds per tenant:
+can. An L2 backend that keeps names (the disk L2) is given them with each chunk it writes
+(:meth:`Announcer.names_of`); after a restart the L2 tier reads them back when a namespace's
+rank 0 registers or its tenant's topic gets a first subscriber (:attr:`Announcer.recall`) and
+the chunks are announced under them (:meth:`Announcer.recovered`) before any lookup. A chunk
+first announced without them (found in L2 by a lookup) is announced again, removed then stored
+under its new names, when a store, a retrieve or the L2's names carry them. The table is what
+tiers hold: its size follows L1 and what L2 is known to hold, within two bounds per tenant:
 
 * **bytes**: a tenant's names take at most :data:`NAMES_BYTES` (an estimate of what Python
   holds for them: 64-byte hashes at ``block_size`` 1 are ~28 KiB a chunk). Beyond, the names
@@ -43,19 +47,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from attrs import frozen
-
 from ..protocol import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    ExtraKeys,
     KVEvent,
     PackedTokens,
     Retrieve,
     Store,
     msgpack_uint32s,
 )
+from ._chunknames import ChunkNames, NamesRecord, StoreNames, decode_names, kept_names
 from ._tiers import MEDIUM_L1, MEDIUM_STORAGE, Tier, l2_tiers
 
 __all__ = ["MEDIUM_L1", "NAMES_BYTES", "Announcer", "ChunkNames", "StoreNames", "Tier", "l2_tiers"]
@@ -73,94 +75,19 @@ abandoned store's names are never needed)."""
 NAMES_BYTES = 64 << 20
 """The most bytes of names a tenant's announced and pending chunks keep (an estimate)."""
 
-_ENTRY_BYTES = 512
-"""What a chunk's entry costs besides its hashes: its key, its ``ChunkNames``, tuple, set and
-table slots (CPython 3.11, measured with ``sys.getsizeof``, rounded up)."""
-
 Publish = Callable[[str, KVEvent], None]
 """``publish(tenant, event)``: queue an event for ``tenant``'s subscribers (never waits)."""
 
 Subscribed = Callable[[str], bool]
 """``subscribed(tenant)``: whether anyone may want ``tenant``'s events now."""
 
+Recall = Callable[[bytes, int], None]
+"""``recall(space, limit)``: read the names the L2 keeps of namespace ``space``'s chunks (at
+most ``limit`` bytes) and hand them to :meth:`Announcer.recovered` (the L2 tier's; never waits)."""
+
 
 def _always(_tenant: str) -> bool:
     return True
-
-
-@frozen
-class StoreNames:
-    """What a store said of all its blocks (``Store``'s fields; one for many chunks)."""
-
-    lora_name: str = ""
-    group_idx: int = -1
-    spec_kind: str = ""
-    sliding_window: int = 0
-
-
-_NO_NAMES = StoreNames()
-
-
-def _kept(store: Store | Retrieve | None) -> tuple[bytes, ExtraKeys, StoreNames]:
-    """A store's tokens, extra keys and the rest of what is kept of it."""
-    if store is None:
-        return b"", (), _NO_NAMES
-    if isinstance(store, Retrieve):
-        names = StoreNames(store.lora_name)
-    else:
-        names = StoreNames(
-            store.lora_name,
-            store.group_idx,
-            store.kv_cache_spec_kind,
-            store.kv_cache_spec_sliding_window,
-        )
-    return store.token_ids, store.extra_keys, _NO_NAMES if names == _NO_NAMES else names
-
-
-class ChunkNames:
-    """How one chunk is named in events, and the tiers that announced it."""
-
-    __slots__ = (
-        "block_size", "cost", "extra", "hashes", "named", "parent", "parent_hash", "store",
-        "tenant", "tiers", "tokens",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        tenant: str,
-        hashes: tuple[int | bytes, ...],
-        block_size: int,
-        parent: bytes | None,
-        tokens: PackedTokens | None = None,
-        extra: ExtraKeys | None = None,
-        store: StoreNames = _NO_NAMES,
-        *,
-        named: bool = True,
-    ) -> None:
-        self.tenant = tenant
-        self.named = named
-        """Whether a store named it (else a tier found it by its chunk hash alone)."""
-        self.hashes = hashes
-        self.block_size = block_size
-        self.parent = parent
-        """The object key of the chunk before this one, if known."""
-        self.parent_hash: int | bytes | None = None
-        """The last block hash of the chunk before, once announced with one (kept: the chunk
-        before may be forgotten first, and a router keys this chunk's blocks from it)."""
-        self.tiers: set[str] = set()
-        """The labels of the tiers that hold it (``CPU`` for L1, an L2 backend's)."""
-        self.store = store
-        """The store's LoRA and group fields (its tokens and extra keys are this chunk's)."""
-        self.extra = extra
-        self.tokens = tokens
-        """Its tokens as a batch sends them (one ``PackedTokens`` for every event), or None."""
-        self.cost = (
-            _ENTRY_BYTES
-            + len(hashes) * (48 + len(hashes[0]) if hashes and type(hashes[0]) is bytes else 44)
-            + (0 if tokens is None else 56 + len(tokens.packed))
-            + (0 if extra is None else 64 + 72 * len(extra))
-        )
-        """Bytes these names hold (an estimate)."""
 
 
 class _TenantNames:
@@ -196,6 +123,10 @@ class Announcer:
         self._spaces: dict[bytes, str] = {}
         """Namespaces whose chunks are announced (rank 0's of each model) → their tenant."""
         self._tenants: dict[str, _TenantNames] = {}
+        self.recall: Recall | None = None
+        """The L2 tier's :data:`Recall` (set once the tier is made: it is told of this)."""
+        self._recalled: set[bytes] = set()
+        """Namespaces recalled while their tenant's names are kept."""
 
     def __len__(self) -> int:
         return sum(len(t.known) for t in self._tenants.values())
@@ -206,8 +137,62 @@ class Announcer:
         return 0 if names is None else names.size
 
     def announce_space(self, space: bytes, tenant: str) -> None:
-        """Announce the chunks of namespace ``space`` (a rank 0 registered it) to ``tenant``."""
+        """Announce the chunks of namespace ``space`` (a rank 0 registered it) to ``tenant``,
+        those the L2 kept names of too (:meth:`_recall`)."""
         self._spaces[space] = tenant
+        self._recall(space, tenant)
+
+    def subscriber(self, tenant: str | None) -> None:
+        """A first subscriber came for ``tenant``'s topic (None: for every tenant's, over
+        ipc): recall what the L2 keeps of the tenant's namespaces, if not done yet."""
+        for space, owner in list(self._spaces.items()):
+            if tenant is None or owner == tenant:
+                self._recall(space, owner)
+
+    def _recall(self, space: bytes, tenant: str) -> None:
+        """Have the L2 tier read back the names kept beside ``space``'s chunks (within the
+        tenant's bytes of names), once while the tenant's names are kept, if anyone wants them.
+        The chunks are then announced in the L2's medium before any lookup finds them."""
+        if self.recall is None or space in self._recalled or not self._subscribed(tenant):
+            return
+        self._recalled.add(space)
+        self.recall(space, max(0, self.names_bytes - self.names_size(tenant)) // 2)
+
+    def names_of(self, key: bytes) -> NamesRecord | None:
+        """The names of chunk ``key`` to keep beside it in an L2 backend (those a store gave:
+        not a chunk known by its chunk hash alone), or None."""
+        tenant = self._spaces.get(key[:SPACE_BYTES])
+        table = None if tenant is None else self._tenants.get(tenant)
+        names = None if table is None else table.known.get(key)
+        if table is None or names is None or not names.named:
+            return None
+        parent = self._parent_hash(table, names)
+        return NamesRecord(
+            names.hashes, names.block_size, parent, names.tokens, names.extra, names.store
+        )
+
+    def recovered(self, key: bytes, medium: str, record: bytes) -> None:
+        """Tier ``medium`` holds chunk ``key`` and kept its names (``record``, read back after
+        a restart): announce it under them (a record that does not decode is left out: a
+        lookup announces the chunk as before)."""
+        found = self._table(key)
+        if found is None:
+            return
+        tenant, table = found
+        known = table.known.get(key)
+        names = None if known and known.named else decode_names(record, tenant, self.chunk_size)
+        if names is None:
+            if known is not None:
+                self.stored(key, medium)
+            return
+        if known is not None:  # (found by a lookup first: renamed, as a retrieve would)
+            self._rename(table, key, known, names)
+        else:
+            table.known[key] = names
+            table.size += names.cost
+        if medium not in names.tiers:
+            self._announce(table, names, medium)
+        self._trim(table)
 
     def _table(self, key: bytes) -> tuple[str, _TenantNames] | None:
         """The tenant of ``key`` and its names, if anyone wants its events (forgetting the
@@ -219,6 +204,7 @@ class Announcer:
         if not self._subscribed(tenant):
             if table is not None:
                 del self._tenants[tenant]
+                self._recalled -= {s for s, t in self._spaces.items() if t == tenant}
                 if table.known:
                     self._publish(tenant, AllBlocksCleared())
             return None
@@ -263,7 +249,7 @@ class Announcer:
             per, size, blocks = self.chunk_size // block_size, block_size, len(block_hashes)
         else:
             per, size, blocks = 1, self.chunk_size, len(keys)
-        tokens, extra, kept = _kept(store)
+        tokens, extra, kept = kept_names(store)
         count = len(tokens) // 4
         if tokens and not (count == blocks * size if block_hashes else count <= blocks * size):
             tokens = b""

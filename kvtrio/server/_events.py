@@ -37,7 +37,7 @@ a ZeroMQ XPUB socket, one topic per tenant, and a replay ROUTER socket.
 - **Replay**: a request ``[b"", start_seq]`` (vLLM's) or ``[b"", start_seq, topic]`` is answered
   with the topic's buffered batches from ``start_seq`` on, then the end marker; the topic
   defaults to the key's only tenant. The last ``events_buffer`` batches of each topic are kept,
-  at most :data:`BUFFER_BYTES` of them.
+  at most :data:`~._replaybuffer.BUFFER_BYTES` of them (``_replaybuffer``).
 - **Snapshot** (``_snapshot``): ``[b"", SNAPSHOT_SEQ, topic]`` is answered with the topic's
   current blocks, then the sequence number the live stream goes on from; authorized and rate
   limited as a replay.
@@ -72,6 +72,7 @@ from ..transport import Socket, open_socket
 from ._announce import Announcer, Publish, Subscribed
 from ._auth import EVENTS_ZAP_DOMAIN, Principal, ServerAuth
 from ._event_limits import RateLog, Rates
+from ._replaybuffer import ReplayBuffers
 from ._snapshot import Snapshots, send_snapshot
 
 __all__ = ["EventPublisher"]
@@ -80,16 +81,13 @@ log = logging.getLogger("kvtrio.events")
 
 _HWM = 100_000
 BATCH = 64
-"""Messages an events socket takes per wake-up (as the request router), and batches a replay
-sends per turn."""
+"""Messages an events socket takes per wake-up (as the request router); a replay sends as many
+batches per turn (``_replaybuffer``)."""
 SUBSCRIBE_RATE, SUBSCRIBE_BURST = 200.0, 1000.0
 REPLAY_RATE, REPLAY_BURST = 20.0, 50.0
 BAN_SECONDS = 60.0
 """How long the events sockets refuse a key that sent them a message that is not a
 subscription."""
-BUFFER_BYTES = 64 << 20
-"""The most bytes of batches a topic's replay buffer keeps (besides ``events_buffer``
-batches): a batch of stores carrying 64-byte block hashes is about a megabyte."""
 GRACE = 60.0
 """Seconds a tenant's events are still announced (and names kept) after its last subscriber
 left: a subscriber that reconnects, or comes late, replays what it missed."""
@@ -126,9 +124,8 @@ class EventPublisher:
         self.interval = interval
         self._ipc_group = ipc_group
         self._queue: list[tuple[str, KVEvent]] = []
-        self._seq: dict[bytes, int] = {}
-        self._buffers: dict[bytes, collections.deque[tuple[int, bytes]]] = {}
-        self._buffer_bytes: collections.Counter[bytes] = collections.Counter()
+        self._topics = ReplayBuffers(buffer)
+        """Each topic's sequence numbers and replay buffer."""
         self.counters: collections.Counter[str] = collections.Counter()
         """``published`` events, ``batches`` sent, ``dropped`` (queue full), ``replays``
         answered (``replays_refused`` beyond the rate), ``subscriptions`` applied,
@@ -272,16 +269,7 @@ class EventPublisher:
             self.counters["published"] += len(events)
 
     def _send(self, pub: Socket, topic: bytes, payload: bytes) -> None:
-        seq = self._seq.get(topic, 0)
-        self._seq[topic] = seq + 1
-        buffer = self._buffers.get(topic)
-        if buffer is None:
-            buffer = self._buffers[topic] = collections.deque()
-        buffer.append((seq, payload))
-        size = self._buffer_bytes[topic] = self._buffer_bytes[topic] + len(payload)
-        while len(buffer) > self._buffer_size or (size > BUFFER_BYTES and len(buffer) > 1):
-            size -= len(buffer.popleft()[1])
-        self._buffer_bytes[topic] = size
+        seq = self._topics.add(topic, payload)
         self.counters["batches"] += 1
         if not pub.try_send_multipart((topic, encode_seq(seq), payload)):
             self.counters["send_refused"] += 1  # (PUB drops, never refuses; be safe)
@@ -374,7 +362,11 @@ class EventPublisher:
         if self._subscribers[topic] == 1:
             self._left.pop(topic, None)
             self._wanted.clear()
-        if topic and topic not in self._seq:
+            if self.announcer is not None:  # (the L2's chunks, announced under their names)
+                whole = topic.startswith(_PREFIX) and topic.endswith(b"/") and len(topic) > 7
+                tenant = topic[len(_PREFIX) : -1].decode("ascii", "replace")
+                self.announcer.subscriber(tenant if whole else None)
+        if topic and topic not in self._topics:
             # A new stream (this server's first batch on the topic): whatever a subscriber
             # knew of the topic before is gone.
             self._send(pub, topic, encode_batch(time.time(), [AllBlocksCleared()]))
@@ -414,7 +406,7 @@ class EventPublisher:
                 if frames[2] == SNAPSHOT_SEQ:
                     await self._snapshot(router, peer, topic)
                     return
-                answered = await self._send_replay(router, peer, topic, start)
+                answered = await self._topics.replay(router, peer, topic, start)
         router.try_send_multipart((peer, b"", b"", END_SEQ, b""))
         self.counters["replays"] += 1
         self.counters["replayed_batches"] += answered
@@ -424,33 +416,15 @@ class EventPublisher:
         proper = topic.startswith(_PREFIX) and topic.endswith(b"/") and len(topic) > 7
         snapshots = self.snapshots if proper else None  # (over ipc any topic may be asked)
         events = iter(()) if snapshots is None else snapshots(tenant)
-        batches = await send_snapshot(router, peer, topic, events, self._seq.get(topic, 0))
+        batches = await send_snapshot(router, peer, topic, events, self._topics.next_seq(topic))
         self.counters["snapshots"] += 1
         self.counters["snapshot_batches"] += batches
-
-    async def _send_replay(self, router: Socket, peer: bytes, topic: bytes, start: int) -> int:
-        """Send ``topic``'s buffered batches from ``start`` on, :data:`BATCH` per turn (the
-        buffer may move between turns: batches that left it are skipped)."""
-        answered = 0
-        buffer = self._buffers.get(topic)
-        while buffer:
-            first = buffer[0][0]
-            index = max(start, first) - first
-            if index >= len(buffer):
-                break
-            for i in range(index, min(index + BATCH, len(buffer))):
-                seq, payload = buffer[i]
-                router.try_send_multipart((peer, b"", topic, encode_seq(seq), payload))
-                answered += 1
-                start = seq + 1
-            await trio.lowlevel.checkpoint()
-        return answered
 
     def _only_topic(self, principal: Principal | None) -> bytes | None:
         """The topic of a replay request that names none: the principal's one tenant."""
         if principal is None:
             return None
-        if self.auth.mode == "ipc" and len(self._buffers) == 1:
-            return next(iter(self._buffers))
+        if self.auth.mode == "ipc" and self._topics.only_topic() is not None:
+            return self._topics.only_topic()
         tenants = [t for t in principal.tenants if t != "*"]
         return events_topic(tenants[0]) if len(tenants) == 1 else None

@@ -205,6 +205,8 @@ async def open_server(
                             write_through=config.l2_write_through > 0,
                             admission=config.l2_admission,
                         ) as l2:
+                            if announcer is not None:
+                                announcer.recall = l2.recall  # (the tier is made after it)
                             cache = CacheService(
                                 config, arenas, l2, CudaTransfers(cuda_runtime), announcer
                             )

@@ -36,7 +36,17 @@ from typing import Any, ClassVar, cast
 import pytest
 import trio
 
-from ..l2 import HEADER_SIZE, Backend, BackendError, Corrupt, Touching, capabilities, check, header
+from ..l2 import (
+    HEADER_SIZE,
+    Backend,
+    BackendError,
+    Corrupt,
+    Naming,
+    Touching,
+    capabilities,
+    check,
+    header,
+)
 
 __all__ = ["BackendConformance"]
 
@@ -176,6 +186,34 @@ class BackendConformance:
         assert await backend.lookup_and_lock(keys[:1]) == 0
         assert await self.get(backend, keys[0]) is None
         assert self.locks(backend) == 0
+
+    async def test_names_if_the_backend_keeps_them(self, backend: Backend) -> None:
+        """``accepts_names`` (optional): ``store(..., names=)`` stores like a plain store, and
+        ``names(prefix, limit)`` gives back names as they were given (a backend may leave out
+        names it has no room for), of the prefix's objects still stored, the newest first,
+        within ``limit`` bytes; never another prefix's, a deleted object's, or one stored
+        without names."""
+        if not capabilities(backend).names:
+            pytest.skip("the backend keeps no names (optional)")
+        prefix = os.urandom(16)
+        keys = [prefix + os.urandom(16) for _ in range(4)]
+        other = os.urandom(32)
+        given: list[bytes | None] = [b"names 0", b"names 1", None, b"names 3"]
+        objects = [_object(key, self.object_size) for key in [*keys, other]]
+        parts = [_parts(h, p) for h, p in objects]
+        extra: dict[str, Any] = {"names": [*given, b"another prefix"]}
+        assert await backend.store([*keys, other], parts, **extra) == [True] * 5
+        for key, (_, payload) in zip(keys, objects[:4], strict=True):
+            assert await self.get(backend, key) == payload
+        await backend.delete(keys[3:])
+        naming = cast(Naming, backend)
+        found = await naming.names(prefix, 1 << 20)
+        kept = {keys[0]: given[0], keys[1]: given[1]}
+        assert all(kept.get(key) == record for key, record in found), found
+        assert [key for key, _ in found] == [k for k in (keys[1], keys[0]) if k in dict(found)]
+        limited = await naming.names(prefix, 7)
+        assert sum(len(record) for _, record in limited) <= 7
+        assert await naming.names(os.urandom(16), 1 << 20) == []
 
     async def test_prefix_semantics(self, backend: Backend) -> None:
         keys = [_key(f"prefix{i}") for i in range(4)]

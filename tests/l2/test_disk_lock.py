@@ -140,4 +140,4 @@ def test_the_key_id_names_the_secret_outside_the_mac() -> None:
     assert key_id_of(bytes(len(header))) is None  # zeros: no header
     old = header[:80] + bytes(len(header) - 80)  # a record written before key ids existed
     assert key_id_of(old) is None
-    assert parse_record_header(old, secret) == (KEY, 100, b"")  # and it is still a record
+    assert parse_record_header(old, secret)[:3] == (KEY, 100, b"")  # and it is still a record

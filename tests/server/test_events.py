@@ -21,6 +21,7 @@ from kvtrio.client import AsyncClient, EventIndex, open_client, subscribe
 from kvtrio.config import ServerConfig
 from kvtrio.l2.disk import DiskBackend, DiskOptions
 from kvtrio.protocol import (
+    BlockStored,
     Commit,
     EndSession,
     LayoutSpec,
@@ -32,7 +33,9 @@ from kvtrio.protocol import (
     RetrieveReply,
     Store,
     StoreReply,
+    decode_batch,
     events_topic,
+    pack_tokens,
 )
 from kvtrio.server import ServerHandle, open_server
 from kvtrio.storage import token_chunk_hashes
@@ -170,6 +173,62 @@ async def test_store_evict_l2_load_and_restart(config: ServerConfig, tmp_path: P
         await await_condition(
             lambda: index.holds(first) == {"CPU": 8, "STORAGE": 8}, what="found after restart"
         )
+
+
+class Recorder(EventIndex):
+    """An index that keeps the last ``BlockStored`` it applied (snapshots' too) per medium and
+    first block hash."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored: dict[tuple[str, int | bytes], BlockStored] = {}
+
+    def _apply(self, topic: bytes, payload: bytes) -> None:
+        super()._apply(topic, payload)
+        for event in decode_batch(payload).events:
+            if type(event) is BlockStored:
+                self.stored[event.medium or "", event.block_hashes[0]] = event
+
+
+async def test_a_chunk_left_in_l2_is_announced_under_its_names_before_any_lookup(
+    config: ServerConfig, tmp_path: Path
+) -> None:
+    """Issue 35: a restarted server announces what the earlier one left in its disk L2 under
+    the names kept beside it (tokens, parents, extra keys, LoRA), before any lookup, as the
+    earlier server announced it."""
+    hashes, engine = prompt(1000, 3), blocks(7, 3)
+    named = Store(
+        "a", 0, 3 * CHUNK, hashes,
+        block_hashes=engine,
+        token_ids=pack_tokens(range(5, 5 + 3 * CHUNK)),
+        extra_keys=tuple(("salt",) if i == 0 else ("lora-a", i) for i in range(48)),
+        lora_name="lora-a",
+    )  # fmt: skip
+    first = Recorder()
+    async with (
+        running(config, tmp_path) as (server, worker, _),
+        subscribe(first, config.events, config.events + ".replay", TOPIC),
+    ):
+        await subscribed(server, 1)
+        reply = await worker.call(named, StoreReply)
+        await worker.request(Commit("a", written=tuple(hashes[s.chunk] for s in reply.slots)))
+        await await_condition(
+            lambda: first.holds(engine) == {"CPU": 48, "STORAGE": 48}, what="stored"
+        )
+        server.stop()
+    second = Recorder()
+    async with (
+        running(config, tmp_path) as (server, _, _),
+        subscribe(second, config.events, config.events + ".replay", TOPIC),
+    ):
+        # (no lookup, no retrieve: the names come from the disk L2 alone)
+        await await_condition(
+            lambda: second.holds(engine) == {"STORAGE": 48}, what="announced from the L2"
+        )
+        stored = [key for key in first.stored if key[0] == "STORAGE"]
+        assert len(stored) == 3
+        for key in stored:
+            assert second.stored[key] == first.stored[key]
 
 
 async def test_engine_block_hashes_name_the_chunks(config: ServerConfig, tmp_path: Path) -> None:

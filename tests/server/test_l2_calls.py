@@ -115,6 +115,7 @@ class _Recording(MemoryBackend):
             {"parents": [None], "owners": [b"o" * 16]},
         ),
         ({"accepts_parents": False, "accepts_owners": False}, {}),
+        ({"accepts_names": True}, {"names": [b"n"]}),
     ],
 )
 async def test_store_gives_a_backend_what_its_capabilities_say(
@@ -123,13 +124,18 @@ async def test_store_gives_a_backend_what_its_capabilities_say(
     backend = _Recording(**flags)
     tier_backend = TierBackend(backend, "memory")
     key, parts = b"k" * 32, [memoryview(b"object")]
-    assert await tier_backend.store([key], [parts], parents=[None], owners=[b"o" * 16]) == [True]
+    stored = await tier_backend.store(
+        [key], [parts], parents=[None], owners=[b"o" * 16], names=[b"n"]
+    )
+    assert stored == [True]
     await tier_backend.store([key], [parts])  # (nothing given: nothing passed)
     assert backend.given == [given, {}]
 
 
 def test_capabilities_are_read_from_the_class_flags() -> None:
-    assert capabilities(DiskBackend()) == Capabilities(parents=True, owners=True, touches=True)
+    assert capabilities(DiskBackend()) == Capabilities(
+        parents=True, owners=True, touches=True, names=True
+    )
     assert capabilities(MemoryBackend()) == Capabilities(touches=True)
     assert capabilities(FaultBackend(inner=MemoryBackend())) == Capabilities()
     assert TierBackend(MemoryBackend(), "memory").capabilities.touches

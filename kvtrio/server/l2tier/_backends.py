@@ -24,11 +24,14 @@ from ...l2 import (
     BackendMisconfigured,
     Buffers,
     Capabilities,
+    Naming,
     Touching,
     capabilities,
 )
 
-__all__ = ["Call", "Calls", "Observe", "TierBackend", "TierListener", "describe"]
+__all__ = [
+    "Call", "Calls", "NamesRecord", "Observe", "TierBackend", "TierListener", "describe"
+]  # fmt: skip
 
 log = logging.getLogger("kvtrio.l2")
 
@@ -56,6 +59,20 @@ class TierListener(Protocol):
     def removed(self, key: bytes, medium: str = ...) -> None: ...
 
     def seen(self, keys: Sequence[bytes], found: int, medium: str) -> None: ...
+
+    def names_of(self, key: bytes) -> NamesRecord | None:
+        """The names to keep beside chunk ``key`` in a backend that takes names, if any."""
+        ...
+
+    def recovered(self, key: bytes, medium: str, record: bytes) -> None:
+        """A backend kept chunk ``key``'s names ``record`` (read back after a restart)."""
+        ...
+
+
+class NamesRecord(Protocol):
+    """A chunk's names as a backend keeps them: encoded (in a worker thread) when written."""
+
+    def encode(self) -> bytes: ...
 
 
 @attrs.define(eq=False)
@@ -99,8 +116,9 @@ class TierBackend:
         *,
         parents: Sequence[bytes | None] | None = None,
         owners: Sequence[bytes] | None = None,
+        names: Sequence[bytes | None] | None = None,
     ) -> list[bool]:
-        """The backend's ``store``, given ``parents`` and ``owners`` where its
+        """The backend's ``store``, given ``parents``, ``owners`` and ``names`` where its
         :attr:`capabilities` say it takes them (and they are given). Cancellation: as the
         backend's ``store`` (which leaves no object behind)."""
         extra: dict[str, object] = {}
@@ -108,6 +126,8 @@ class TierBackend:
             extra["parents"] = parents
         if owners is not None and self.capabilities.owners:
             extra["owners"] = owners
+        if names is not None and self.capabilities.names:
+            extra["names"] = names
         return await self.backend.store(keys, buffers, **extra)
 
     async def touch(self, keys: Sequence[bytes]) -> None:
@@ -115,6 +135,12 @@ class TierBackend:
         touches. Cancellation: as the backend's ``touch``."""
         assert self.capabilities.touches, f"{self.name} does not take touches"
         await cast(Touching, self.backend).touch(keys)
+
+    async def names(self, prefix: bytes, limit: int) -> Sequence[tuple[bytes, bytes]]:
+        """The backend's ``names``: only for one whose :attr:`capabilities` say it keeps names.
+        Cancellation: as the backend's ``names``."""
+        assert self.capabilities.names, f"{self.name} keeps no names"
+        return await cast(Naming, self.backend).names(prefix, limit)
 
     def usable(self, now: float) -> bool:
         return now >= self.down_until

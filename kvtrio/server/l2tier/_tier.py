@@ -43,6 +43,10 @@ _PROBE_TIMEOUT = 10.0
 _REPROBE_INTERVAL = 1.0
 """Seconds between checks whether a backend with a problem is due for another probe."""
 _PROBE_OBJECT = b"kvtrio health probe"
+_RECALL_SLICE = 1000
+"""Chunks a recall of names announces at once (:meth:`L2Tier.recall`): a batch of events."""
+_RECALL_PAUSE = 0.01
+"""Seconds between two slices of a recall (more than a batch's gathering, 5 ms by default)."""
 
 
 @asynccontextmanager
@@ -126,6 +130,8 @@ class L2Tier:
         """Lookups across the cascade and L2 → L1 loads."""
         self.touches = Touches(self.backends, self._calls)
         """L1 hits on their way to the backends that take touches."""
+        self.recalls = 0
+        """Recalls of names (:meth:`recall`) that ended."""
         self.fleet = Fleet(
             self.backends, self._calls, tasks, chunk_size=chunk_size, instance=instance
         )
@@ -134,6 +140,41 @@ class L2Tier:
     @property
     def enabled(self) -> bool:
         return bool(self.backends)
+
+    # ----------------------------------------------------------------- names
+
+    def recall(self, space: bytes, limit: int) -> None:
+        """Read back the names kept beside namespace ``space``'s chunks (at most ``limit``
+        bytes from each backend that keeps names: the newest chunks') and hand them to the
+        listener (the KV events' announcer) in slices, oldest first. Never waits: a task in the
+        tier's nursery does it (:attr:`recalls` counts those that ended)."""
+        if self._calls.listener is not None and any(b.capabilities.names for b in self.backends):
+            self._tasks.start_soon(self._recall, space, limit)
+        else:
+            self.recalls += 1
+
+    async def _recall(self, space: bytes, limit: int) -> None:
+        """:meth:`recall`'s task. A backend's failure is its own (counted, backed off); the
+        slices of :data:`_RECALL_SLICE` chunks are :data:`_RECALL_PAUSE` apart, so that a
+        tenant's whole budget of names leaves in batches of bounded size. Cancellation: the
+        slices not yet handed over are dropped."""
+        listener = self._calls.listener
+        assert listener is not None
+        for tier_backend in self.backends:
+            if not tier_backend.capabilities.names:
+                continue
+            with self._calls.call(tier_backend, "names", metered=False) as call:
+                found = await tier_backend.names(space, limit)
+            if call.failed:
+                continue
+            tier_backend.count("names_recalled", len(found))
+            oldest_first = list(reversed(found))
+            for start in range(0, len(oldest_first), _RECALL_SLICE):
+                if start:
+                    await trio.sleep(_RECALL_PAUSE)
+                for key, record in oldest_first[start : start + _RECALL_SLICE]:
+                    listener.recovered(key, tier_backend.label, record)
+        self.recalls += 1
 
     # ----------------------------------------------------------------- tasks
 

@@ -37,11 +37,11 @@ from collections.abc import Callable, Iterable, Sequence
 
 import trio
 
-from ...l2 import header
+from ...l2 import MAX_NAMES, header
 from ...shm import SharedArena
 from ...storage import L1Cache
 from ._admission import Admission
-from ._backends import Calls, TierBackend
+from ._backends import Calls, NamesRecord, TierBackend
 
 __all__ = ["WriteBehind", "owner_tag"]
 
@@ -245,8 +245,9 @@ class WriteBehind:
         return 0 if entry is None else entry.nbytes
 
     async def _store_batch(self, batch: Sequence[Queued]) -> None:
-        """Frame the (pinned) chunks in one worker thread and store them with one call per
-        usable backend; count per key. Cancellation: the running store is cancelled."""
+        """Frame the (pinned) chunks in one worker thread (and encode their names' records, for
+        a backend that keeps names) and store them with one call per usable backend; count per
+        key. Cancellation: the running store is cancelled."""
         keys: list[bytes] = []
         parents: list[bytes | None] = []
         fingerprints: list[bytes] = []
@@ -265,8 +266,14 @@ class WriteBehind:
             payloads.append(self.arena.memory(entry.offset, entry.nbytes))
         if not keys:
             return
-        heads = await trio.to_thread.run_sync(
-            _headers, keys, fingerprints, payloads, limiter=self._cpu
+        listener = self._calls.listener
+        records = (
+            [listener.names_of(key) for key in keys]
+            if listener is not None and any(b.capabilities.names for b in self.backends)
+            else None
+        )
+        heads, names = await trio.to_thread.run_sync(
+            _headers, keys, fingerprints, payloads, records, limiter=self._cpu
         )
         buffers = [
             [memoryview(head), payload] for head, payload in zip(heads, payloads, strict=True)
@@ -278,11 +285,12 @@ class WriteBehind:
                 written = [False] * len(keys)
                 continue
             with self._calls.call(tier_backend, "store", "store", heals=True) as call:
-                results = await tier_backend.store(keys, buffers, parents=parents, owners=owners)
+                results = await tier_backend.store(
+                    keys, buffers, parents=parents, owners=owners, names=names
+                )
             if call.failed:
                 written = [False] * len(keys)
                 continue
-            listener = self._calls.listener
             for i, (key, ok, payload) in enumerate(zip(keys, results, payloads, strict=True)):
                 tier_backend.count("stores" if ok else "stores_refused")
                 tier_backend.count("store_bytes", payload.nbytes if ok else 0)
@@ -297,7 +305,15 @@ class WriteBehind:
 
 
 def _headers(
-    keys: Sequence[bytes], fingerprints: Sequence[bytes], payloads: Sequence[memoryview]
-) -> list[bytes]:
-    """The frame headers of a batch of chunks (in a worker thread)."""
-    return [header(k, f, p) for k, f, p in zip(keys, fingerprints, payloads, strict=True)]
+    keys: Sequence[bytes],
+    fingerprints: Sequence[bytes],
+    payloads: Sequence[memoryview],
+    records: Sequence[NamesRecord | None] | None,
+) -> tuple[list[bytes], list[bytes | None] | None]:
+    """The frame headers of a batch of chunks, and their names' records encoded where a
+    backend keeps names (in a worker thread)."""
+    heads = [header(k, f, p) for k, f, p in zip(keys, fingerprints, payloads, strict=True)]
+    if records is None:
+        return heads, None
+    names = [None if r is None else r.encode() for r in records]
+    return heads, [None if n is None or len(n) > MAX_NAMES else n for n in names]

@@ -91,3 +91,36 @@ def test_hits_loads_stores_and_finishes_as_alone(
     # request_finished: every request's pins and blocks released, none held by vLLM.
     assert all(not engine.held(r) for r in ("first", "again", "part", "nosave"))
     assert_no_pins(kvtrio)
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["alone", "in-MultiConnector"])
+def test_kvtrios_events_are_relayed_through_the_multiconnector(
+    engines: Callable[..., Engine], kvtrio: ServerProcess, short_dir: Path, multi: bool
+) -> None:
+    """``MultiConnector.take_events`` yields each connector's events in turn: kvtrio's (its
+    tiers, ``kvtrio.events``) reach vLLM's scheduler, which takes them at every step, as they
+    do with kvtrio alone: each chunk stored in kvtrio's L1 with its tokens."""
+    from vllm.distributed.kv_events import BlockStored
+
+    engine = engines(multi, events=f"ipc://{short_dir}/kv-events")
+    connector = engine.scheduler.connector
+    assert (type(connector).__name__ == "MultiConnector") == multi
+    taken: list[object] = []
+    take = connector.take_events
+
+    def recorded() -> list[object]:  # (what vLLM's scheduler is given at each step)
+        events = list(take())
+        taken.extend(events)
+        return events
+
+    connector.take_events = recorded  # type: ignore[method-assign]
+    assert run(engine, "first", PROMPT) == (0, 4)
+    wait_chunks(kvtrio, 5)
+
+    def stored() -> list[BlockStored]:
+        recorded()
+        return [e for e in taken if isinstance(e, BlockStored) and e.medium == "CPU"]
+
+    relayed = wait_for(lambda: len(stored()) >= 5 and stored(), what="kvtrio's events")
+    tokens = list(engine.requests["first"].prompt_token_ids)
+    assert [e.token_ids for e in relayed] == [tokens[i * CHUNK : (i + 1) * CHUNK] for i in range(5)]

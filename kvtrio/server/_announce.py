@@ -24,7 +24,7 @@ that is known. The store's ``token_ids`` (4 bytes a token here), ``extra_keys``,
 and group fields are kept with the names, so that a router that keys blocks itself (llm-d)
 can. An L2 backend that keeps names (the disk L2) is given them with each chunk it writes
 (:meth:`Announcer.names_of`); after a restart the L2 tier reads them back when a namespace's
-rank 0 registers or its tenant's topic gets a first subscriber (:attr:`Announcer.recall`) and
+rank 0 registers or its tenant's topic gets a first subscriber (the ``recall`` it is made with) and
 the chunks are announced under them (:meth:`Announcer.recovered`) before any lookup. A chunk
 first announced without them (found in L2 by a lookup) is announced again, removed then stored
 under its new names, when a store, a retrieve or the L2's names carry them. The table is what
@@ -81,9 +81,10 @@ Publish = Callable[[str, KVEvent], None]
 Subscribed = Callable[[str], bool]
 """``subscribed(tenant)``: whether anyone may want ``tenant``'s events now."""
 
-Recall = Callable[[bytes, int], None]
-"""``recall(space, limit)``: read the names the L2 keeps of namespace ``space``'s chunks (at
-most ``limit`` bytes) and hand them to :meth:`Announcer.recovered` (the L2 tier's; never waits)."""
+Recall = Callable[[bytes, int], bool]
+"""``recall(space, limit)``: ask for the names the L2 keeps of namespace ``space``'s chunks (at
+most ``limit`` bytes), to be handed to :meth:`Announcer.recovered`; never waits. False: the
+request could not be queued (asked again at the next occasion)."""
 
 
 def _always(_tenant: str) -> bool:
@@ -113,6 +114,7 @@ class Announcer:
         *,
         names_bytes: int = NAMES_BYTES,
         tiers: Mapping[str, Tier] | None = None,
+        recall: Recall | None = None,
     ) -> None:
         self._publish = publish
         self.chunk_size = chunk_size
@@ -123,8 +125,9 @@ class Announcer:
         self._spaces: dict[bytes, str] = {}
         """Namespaces whose chunks are announced (rank 0's of each model) → their tenant."""
         self._tenants: dict[str, _TenantNames] = {}
-        self.recall: Recall | None = None
-        """The L2 tier's :data:`Recall` (set once the tier is made: it is told of this)."""
+        self._ask_recall = recall
+        """Asks the L2 tier for the names it keeps (:data:`Recall`; the server queues the
+        requests, which the tier serves once made: it is made after this)."""
         self._recalled: set[bytes] = set()
         """Namespaces recalled while their tenant's names are kept."""
 
@@ -153,10 +156,11 @@ class Announcer:
         """Have the L2 tier read back the names kept beside ``space``'s chunks (within the
         tenant's bytes of names), once while the tenant's names are kept, if anyone wants them.
         The chunks are then announced in the L2's medium before any lookup finds them."""
-        if self.recall is None or space in self._recalled or not self._subscribed(tenant):
+        if self._ask_recall is None or space in self._recalled or not self._subscribed(tenant):
             return
-        self._recalled.add(space)
-        self.recall(space, max(0, self.names_bytes - self.names_size(tenant)) // 2)
+        limit = max(0, self.names_bytes - self.names_size(tenant)) // 2
+        if self._ask_recall(space, limit):
+            self._recalled.add(space)
 
     def names_of(self, key: bytes) -> NamesRecord | None:
         """The names of chunk ``key`` to keep beside it in an L2 backend (those a store gave:

@@ -21,7 +21,7 @@ from ..options import ByteSize, format_size
 from ..shm import SharedArena, default_shm_dir
 from ..storage import L1Cache, make_policy
 from ..transport import ensure_endpoint_free, open_socket, serve_zap
-from ._announce import Announcer, Tier, l2_tiers
+from ._announce import Announcer, Recall, Tier, l2_tiers
 from ._auth import ServerAuth, configure_auth
 from ._events import EventPublisher
 from ._http import bind_http, serve_http
@@ -35,6 +35,10 @@ from .cache import CacheService, CudaTransfers, RuntimeFactory
 from .l2tier import open_l2_tier
 
 __all__ = ["ServerHandle", "open_server", "serve"]
+
+RECALL_QUEUE = 64
+"""Requests for the names an L2 keeps (one per namespace registered or subscribed to) that may
+wait for the L2 tier to start."""
 
 log = logging.getLogger("kvtrio.server")
 
@@ -135,7 +139,18 @@ async def open_server(
         if backends is not None
         else [spec.name for spec in config.l2]
     )
-    publisher = _events(config, auth, l2_tiers(names, config.l2))
+    # The announcer asks the L2 tier, made after it, for the names its backends keep: through a
+    # bounded queue the tier serves once started (a full queue: asked again at the next occasion).
+    ask_recall, recalls = trio.open_memory_channel[tuple[bytes, int]](RECALL_QUEUE)
+
+    def recall(space: bytes, limit: int) -> bool:
+        try:
+            ask_recall.send_nowait((space, limit))
+        except trio.WouldBlock:
+            return False
+        return True
+
+    publisher = _events(config, auth, l2_tiers(names, config.l2), recall)
     announcer = publisher.announcer if publisher is not None else None
     http_socket = bind_http(config.http) if config.http else None
     try:
@@ -204,9 +219,8 @@ async def open_server(
                             instance=instance_id,
                             write_through=config.l2_write_through > 0,
                             admission=config.l2_admission,
+                            recalls=recalls,
                         ) as l2:
-                            if announcer is not None:
-                                announcer.recall = l2.recall  # (the tier is made after it)
                             cache = CacheService(
                                 config, arenas, l2, CudaTransfers(cuda_runtime), announcer
                             )
@@ -256,10 +270,10 @@ async def open_server(
 
 
 def _events(
-    config: ServerConfig, auth: ServerAuth, tiers: Mapping[str, Tier]
+    config: ServerConfig, auth: ServerAuth, tiers: Mapping[str, Tier], recall: Recall
 ) -> EventPublisher | None:
-    """The KV event publisher (``--events``) and its announcer (naming the L2 ``tiers``), or
-    none."""
+    """The KV event publisher (``--events``) and its announcer (naming the L2 ``tiers``, asking
+    the tier for the names it keeps with ``recall``), or none."""
     if not config.events:
         return None
     if config.events.startswith("tcp://") and auth.mode == "ipc":
@@ -274,7 +288,7 @@ def _events(
         interval=config.events_interval,
         ipc_group=config.ipc_group,
         announce=lambda publish, subscribed: Announcer(
-            publish, config.chunk_size, subscribed, tiers=tiers
+            publish, config.chunk_size, subscribed, tiers=tiers, recall=recall
         ),
     )
 

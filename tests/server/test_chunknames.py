@@ -27,8 +27,8 @@ def announcer(
         chunk_size=64,
         subscribed=lambda tenant: subscribed,
         tiers=l2_tiers(["disk"]),
+        recall=lambda space, limit: recalls.append((space, limit)) is None,
     )
-    a.recall = lambda space, limit: recalls.append((space, limit))
     a.announce_space(SPACE, "acme")
     return a, published, recalls
 

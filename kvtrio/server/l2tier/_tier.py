@@ -94,6 +94,7 @@ class L2Tier:
         instance: str = "",
         write_through: bool = False,
         admission: str = "all",
+        recalls: trio.MemoryReceiveChannel[tuple[bytes, int]] | None = None,
     ) -> None:
         """``observe`` is told of every backend call (the metrics'; see :data:`Observe`);
         ``tenants`` says how many tenants the server serves (their fair shares of the
@@ -101,7 +102,10 @@ class L2Tier:
         records; ``write_through``: a store's commit waits for its chunks' L2 writes;
         ``admission``: which committed chunks are written (``all``, ``reuse``, or ``auto``:
         ``reuse`` unless a backend is a shared store; see ``_admission``); ``tasks``: the
-        nursery the tier's tasks run in (loaders, fleet checks, flushers)."""
+        nursery the tier's tasks run in (loaders, fleet checks, flushers); ``recalls``: the
+        requests of :meth:`recall` (``(namespace, limit)``, from the KV events' announcer, made
+        before the tier), served once the tier has started."""
+        self._recall_requests = recalls
         names = [name for name, _ in backends]
         self.backends = [
             TierBackend(backend, name, name if names.count(name) == 1 else f"{name}#{i + 1}")
@@ -194,6 +198,13 @@ class L2Tier:
             self._tasks.start_soon(self._reprobe, tier_backend)
         self.writes.start(self._tasks)
         self._tasks.start_soon(self.touches.run)
+        if self._recall_requests is not None:
+            self._tasks.start_soon(self._serve_recalls, self._recall_requests)
+
+    async def _serve_recalls(self, requests: trio.MemoryReceiveChannel[tuple[bytes, int]]) -> None:
+        """Start a :meth:`recall` for each request, until cancelled (with the tier's tasks)."""
+        async for space, limit in requests:
+            self.recall(space, limit)
 
     async def _reprobe(self, tier_backend: TierBackend) -> None:
         """After the start-up probe (:meth:`serve`), probe ``tier_backend`` again whenever it

@@ -435,7 +435,7 @@ async def test_wide_lookups_and_batches_probe_a_backend_a_few_at_a_time(
     """Issue 22: a lookup started one probe task per rank at once, and a batch all its lookups'
     L2 parts at once (a 32 × 63 batch at world 4096: 131k tasks, 64 s of the loop)."""
     from kvtrio.server.cache._batch import L2_PARTS
-    from kvtrio.server.l2tier._loads import PROBES
+    from kvtrio.server.l2tier._loads import RANKS_AT_ONCE
 
     backend = _Probed()
     config = attrs.evolve(config, lookup_timeout=5.0)
@@ -447,6 +447,6 @@ async def test_wide_lookups_and_batches_probe_a_backend_a_few_at_a_time(
         batch = LookupBatch("m", 1, tuple(f"b{i}" for i in range(40)), (HASHES[:1],) * 40)
         reply = await scheduler.call(batch, LookupBatchReply)
     assert wide == LookupReply(0, 0)
-    assert probes == (64, PROBES)  # every rank, PROBES at a time
+    assert probes == (64, RANKS_AT_ONCE)  # every rank, RANKS_AT_ONCE at a time
     assert reply.hit_chunks == (0,) * 40
     assert (backend.calls, backend.most) == (40, L2_PARTS)

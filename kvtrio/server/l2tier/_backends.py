@@ -90,7 +90,7 @@ class TierBackend:
     down_until: float = -math.inf
     backoff: float = 0.0
     known: bool = False
-    """Whether any operation (or the start-up probe) has answered yet."""
+    """Whether any operation (or the start-up health check) has answered yet."""
     counters: dict[str, int] = attrs.field(factory=dict)
     read_failures: dict[bytes, int] = attrs.field(factory=dict)
     """Failed reads per object since it was last read (at most :data:`_REMEMBERED` objects,
@@ -255,7 +255,7 @@ class Call:
 
 class Calls:
     """The one boundary for calls into backends (:meth:`call`), and the calls that lookups,
-    loads, touches and the probes share."""
+    loads, touches and the health checks share."""
 
     def __init__(
         self, observe: Observe | None = None, listener: TierListener | None = None
@@ -280,7 +280,7 @@ class Calls:
         yielded :class:`Call` says ``failed``; a block that completes is, with ``heals``, proof
         that the role works (:meth:`TierBackend.succeeded`). ``metered``: the call is reported
         to the observer as ``op`` (with its time and whether it succeeded and was
-        :attr:`Call.complete`); the probes' are not.
+        :attr:`Call.complete`); the health checks' are not.
 
         Cancellation (any ``BaseException`` that is not an ``Exception``) passes through,
         unobserved and not counted: the block's own cleanup applies.

@@ -1,7 +1,7 @@
 """Lookups across the backend cascade and L2 → L1 loads.
 
 - **Lookup**: the chunks after the L1 prefix go to every backend's ``lookup_and_lock``, one
-  call per namespace (rank), at most :data:`PROBES` at once per backend; the caller runs this
+  call per namespace (rank), at most :data:`RANKS_AT_ONCE` at once per backend; the caller runs this
   inside the lookup's cancel scope, and a cancelled lookup unlocks (shielded) whatever it had
   locked.
 - **Loads**: L2 hits get an L1 slot reserved right away (by the caller) and a loader task per
@@ -27,12 +27,12 @@ from ...storage import Entry
 from ._backends import Calls, TierBackend
 from ._writes import CPU_THREADS
 
-__all__ = ["PROBES", "Load", "Loads"]
+__all__ = ["RANKS_AT_ONCE", "Load", "Loads"]
 
 log = logging.getLogger("kvtrio.l2")
 
-PROBES = 4
-"""Concurrent ``lookup_and_lock`` calls of one lookup per backend: a lookup probes one key list
+RANKS_AT_ONCE = 4
+"""Concurrent ``lookup_and_lock`` calls of one lookup per backend: a lookup asks one key list
 per rank, and a world of 256 ranks must not make 256 runnable tasks at once (issue 22)."""
 _BATCH_CHUNKS = 32
 _BATCH_BYTES = 64 << 20
@@ -94,22 +94,22 @@ class Loads:
         keys = [[space + h for h in hashes] for space in spaces]
         locked: dict[tuple[int, int], int] = {}  # (backend index, space index) → locked prefix
 
-        async def probe(b: int, s: int) -> None:
+        async def ask(b: int, s: int) -> None:
             tier_backend = usable[b]
             with self._calls.call(tier_backend, "lookup_and_lock", heals=True):
                 # (recorded at once: a cancellation must unlock it)
                 locked[(b, s)] = await tier_backend.backend.lookup_and_lock(keys[s])
 
-        async def prober(b: int, left: Iterator[int]) -> None:
-            for s in left:  # (the iterator is shared by the backend's probers)
-                await probe(b, s)
+        async def asker(b: int, left: Iterator[int]) -> None:
+            for s in left:  # (the iterator is shared by the backend's askers)
+                await ask(b, s)
 
         try:
             async with trio.open_nursery() as nursery:
                 for b in range(len(usable)):
                     left = iter(range(len(spaces)))
-                    for _ in range(min(PROBES, len(spaces))):
-                        nursery.start_soon(prober, b, left)
+                    for _ in range(min(RANKS_AT_ONCE, len(spaces))):
+                        nursery.start_soon(asker, b, left)
             listener = self._calls.listener
             if listener is not None:
                 for (b, s), count in locked.items():

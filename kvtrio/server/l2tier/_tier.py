@@ -3,12 +3,13 @@
 The work is in the parts, which the cache uses directly: write-behind (:attr:`L2Tier.writes`,
 :mod:`._writes`), lookups and loads (:attr:`L2Tier.loads`, :mod:`._loads`), L1 hits passed on to
 the backends' eviction policies (:attr:`L2Tier.touches`, :mod:`._touches`); the backends' health
-and the one boundary for calls into them are in :mod:`._backends`. Each backend is probed at
-start-up, before the server serves (a lookup, which builds a disk L2's index; a warning if it
-fails), and again while it has a problem (a lookup, and a store where stores failed); its health
-is unknown until something answered, false while lookups or stores fail. A backend whose
-start-up probe finds it misconfigured (:class:`~kvtrio.l2.BackendMisconfigured`: a Redis Cluster
-node without ``cluster=true``) stops the start with that one line (:class:`ConfigError`). The
+and the one boundary for calls into them are in :mod:`._backends`. Each backend's health is
+checked at start-up, before the server serves (a lookup, which builds a disk L2's index; a
+warning if it fails), and again while it has a problem (a lookup, and a store where stores
+failed); its health is unknown until something answered, false while lookups or stores fail. A
+backend whose start-up health check finds it misconfigured
+(:class:`~kvtrio.l2.BackendMisconfigured`: a Redis Cluster node without ``cluster=true``) stops
+the start with that one line (:class:`ConfigError`). The
 fleet records (:attr:`L2Tier.fleet`, :mod:`._fleet`) tell servers sharing a backend that they
 name a model's chunks differently.
 """
@@ -38,11 +39,11 @@ __all__ = ["L2Tier", "open_l2_tier"]
 
 log = logging.getLogger("kvtrio.l2")
 
-_PROBE_TIMEOUT = 10.0
-"""Seconds the start-up probe of a backend may take before its health is left unknown."""
-_REPROBE_INTERVAL = 1.0
-"""Seconds between checks whether a backend with a problem is due for another probe."""
-_PROBE_OBJECT = b"kvtrio health probe"
+_CHECK_TIMEOUT = 10.0
+"""Seconds the start-up health check of a backend may take before its health is left unknown."""
+_RECHECK_INTERVAL = 1.0
+"""Seconds between checks whether a backend with a problem is due for another health check."""
+_CHECK_OBJECT = b"kvtrio health probe"
 _RECALL_SLICE = 1000
 """Chunks a recall of names announces at once (:meth:`L2Tier.recall`): a batch of events."""
 _RECALL_PAUSE = 0.01
@@ -54,9 +55,9 @@ async def open_l2_tier(
     backends: Sequence[tuple[str, Backend]], l1: L1Cache, arena: SharedArena, **options: Any
 ) -> AsyncIterator[L2Tier]:
     """The L2 tier over ``backends`` (``options``: :class:`L2Tier`'s), its tasks' nursery open
-    for the block; :meth:`L2Tier.start` probes the backends and starts the tasks. Leaving the
-    block cancels the tasks (stores and loads under way), then closes the backends (shielded,
-    at most 5 s), also if the tier could not be made."""
+    for the block; :meth:`L2Tier.start` checks the backends' health and starts the tasks.
+    Leaving the block cancels the tasks (stores and loads under way), then closes the backends
+    (shielded, at most 5 s), also if the tier could not be made."""
     try:
         async with trio.open_nursery() as tasks:
             tier = L2Tier(backends, l1, arena, tasks, **options)
@@ -183,19 +184,19 @@ class L2Tier:
     # ----------------------------------------------------------------- tasks
 
     async def start(self) -> None:
-        """Probe every backend (at once, each for at most :data:`_PROBE_TIMEOUT`), then start
-        the flushers, the reprobes and the touches' task in the tier's nursery, and return. The
-        server serves only once this returned, so the first lookup after a restart sees the L2
-        as it is (a disk L2 has built its index).
+        """Check every backend's health (at once, each for at most :data:`_CHECK_TIMEOUT`), then
+        start the flushers, the rechecks and the touches' task in the tier's nursery, and
+        return. The server serves only once this returned, so the first lookup after a restart
+        sees the L2 as it is (a disk L2 has built its index).
 
-        A backend found misconfigured by its start-up probe raises :class:`ConfigError` (the
-        server does not start). Cancellation: the probes are cancelled, nothing is started.
+        A backend found misconfigured by its start-up health check raises :class:`ConfigError`
+        (the server does not start). Cancellation: the checks are cancelled, nothing is started.
         """
-        async with trio.open_nursery() as probes:
+        async with trio.open_nursery() as checks:
             for tier_backend in self.backends:
-                probes.start_soon(self._probe_at_start, tier_backend)
+                checks.start_soon(self._check_at_start, tier_backend)
         for tier_backend in self.backends:
-            self._tasks.start_soon(self._reprobe, tier_backend)
+            self._tasks.start_soon(self._recheck, tier_backend)
         self.writes.start(self._tasks)
         self._tasks.start_soon(self.touches.run)
         if self._recall_requests is not None:
@@ -206,59 +207,59 @@ class L2Tier:
         async for space, limit in requests:
             self.recall(space, limit)
 
-    async def _reprobe(self, tier_backend: TierBackend) -> None:
-        """After the start-up probe (:meth:`serve`), probe ``tier_backend`` again whenever it
+    async def _recheck(self, tier_backend: TierBackend) -> None:
+        """After the start-up health check (:meth:`serve`), check ``tier_backend`` again whenever it
         has a problem and its backoff has passed, until cancelled: so that a backend that cannot
         work (a dead service, an L2 path that cannot be created) is reported at start-up, not at
         the first request, and reads healthy again as soon as it works, also when no traffic
         would have tried it.
 
-        Cancellation: a probe under way is abandoned (see :meth:`_probe_once`).
+        Cancellation: a check under way is abandoned (see :meth:`_check_once`).
         """
         while True:
-            wait = max(tier_backend.down_until - trio.current_time(), _REPROBE_INTERVAL)
+            wait = max(tier_backend.down_until - trio.current_time(), _RECHECK_INTERVAL)
             await trio.sleep(wait)
             if tier_backend.problems:
-                await self._probe_once(tier_backend)
+                await self._check_once(tier_backend)
 
-    async def _probe_at_start(self, tier_backend: TierBackend) -> None:
-        """The start-up probe (:meth:`_probe_once`): :class:`ConfigError` where it found the
+    async def _check_at_start(self, tier_backend: TierBackend) -> None:
+        """The start-up health check (:meth:`_check_once`): :class:`ConfigError` where it found the
         backend misconfigured (the reason, with the option to set, in one line)."""
-        await self._probe_once(tier_backend)
+        await self._check_once(tier_backend)
         problem = tier_backend.misconfigured
         if problem:
             raise ConfigError(f"L2 backend {tier_backend.label}: {problem}")
 
-    async def _probe_once(self, tier_backend: TierBackend) -> None:
+    async def _check_once(self, tier_backend: TierBackend) -> None:
         """Look up (and unlock) one random key; where stores have been failing, also store an
         object under another random key and delete it. A failure is a warning, a backoff and
         a problem (unhealthy, with the reason); the server serves without the backend
-        meanwhile. Bounded by :data:`_PROBE_TIMEOUT` (health stays as it was if no answer
+        meanwhile. Bounded by :data:`_CHECK_TIMEOUT` (health stays as it was if no answer
         came); not counted in the request metrics.
 
-        A healthy backend is never written to by a probe (no object, no segment space at each
+        A healthy backend is never written to by a health check (no object, no segment space at each
         start): a disk that answers lookups but cannot write shows as unhealthy from its
-        first failed store on. The probe object is not a kvtrio frame: nothing loads it.
-        Cancellation: the probe is abandoned (a probe object may stay, unreachable).
+        first failed store on. The check's object is not a kvtrio frame: nothing loads it.
+        Cancellation: the check is abandoned (its object may stay, unreachable).
         """
-        with trio.move_on_after(_PROBE_TIMEOUT):
+        with trio.move_on_after(_CHECK_TIMEOUT):
             key = os.urandom(32)
-            probe = self._calls.call(tier_backend, "lookup_and_lock", heals=True, metered=False)
-            with probe as call:
+            check = self._calls.call(tier_backend, "lookup_and_lock", heals=True, metered=False)
+            with check as call:
                 found = await tier_backend.backend.lookup_and_lock([key])
             if call.failed:
                 return
             if found:
                 await self._calls.unlock(tier_backend, [key])
             if "store" in tier_backend.problems:
-                await self._probe_store(tier_backend)
-            log.debug("L2 backend %s answered its probe", tier_backend.name)
+                await self._check_store(tier_backend)
+            log.debug("L2 backend %s answered its health check", tier_backend.name)
 
-    async def _probe_store(self, tier_backend: TierBackend) -> None:
-        """Store one probe object and delete it (see :meth:`_probe_once`)."""
-        key, buffers = os.urandom(32), [[memoryview(_PROBE_OBJECT)]]
-        probe = self._calls.call(tier_backend, "store", "store", heals=True, metered=False)
-        with probe as call:
+    async def _check_store(self, tier_backend: TierBackend) -> None:
+        """Store one health-check object and delete it (see :meth:`_check_once`)."""
+        key, buffers = os.urandom(32), [[memoryview(_CHECK_OBJECT)]]
+        check = self._calls.call(tier_backend, "store", "store", heals=True, metered=False)
+        with check as call:
             stored = await tier_backend.store([key], buffers, parents=[None])
         if call.failed:
             return

@@ -23,6 +23,8 @@ from kvtrio.integration._kv_groups import (
 from kvtrio.integration._planner import RequestPlan, plan_load, plan_store
 from kvtrio.integration._vllm_setup import UnsupportedVllm, check_vllm_version, supported_range
 
+from .._support.engine_requests import EngineRequest
+
 CHUNK, BLOCK, WINDOW = 64, 16, 128
 PROMPT = 1024 + 10
 TOKENS = list(range(1000, 1000 + PROMPT))
@@ -228,7 +230,7 @@ def test_a_hybrid_engines_failed_load_is_not_tried_again() -> None:
         KvGroup(1, "window", "sliding_window", 1, 2 * block, 1),
     ]
     side = SchedulerSide(options, block, adapter, groups=groups)  # type: ignore[arg-type]
-    request = policy.Request("r")
+    request = EngineRequest("r", policy.PROMPT)
     adapter.hits["r"] = (5 * policy.CHUNK, 5 * policy.CHUNK)  # (all of it: not asked again)
     need, asynchronous = side.matched_tokens(request, 0, preempted=False)
     assert (need, asynchronous) == (5 * policy.CHUNK, True)

@@ -104,7 +104,7 @@ class Bench:
         return elapsed, self.clock.take()
 
     def end(self, rid: str) -> None:
-        self.scheduler.end_request(rid)
+        self.scheduler.end_session(rid)
         self.scheduler.cleanup_lookup_result(rid)
 
 

@@ -122,7 +122,7 @@ def lookup(adapter: SchedulerAdapter, chunks: int, n: int, *, spin: bool) -> flo
             assert adapter.check_lookup_result(rid, wait=10.0) is not None
         if i >= 50:
             samples.append(time.perf_counter() - start)
-        adapter.end_request(rid)
+        adapter.end_session(rid)
     return _percentiles(samples)[0]
 
 
@@ -193,6 +193,6 @@ def burst(adapter: SchedulerAdapter, rounds: int) -> float:
                 time.sleep(0.005)
         totals.append(spent)
         for rid in rids:
-            adapter.end_request(rid)
+            adapter.end_session(rid)
         adapter.client.request(Ping())  # (in order: the server is done with the ends)
     return statistics.median(totals)

@@ -187,7 +187,7 @@ def run(
                 assert np.array_equal(layer[:, target].view(np.uint16), before.view(np.uint16)), (
                     "bytes differ"
                 )
-            scheduler.end_request(f"r{seq}")
+            scheduler.end_session(f"r{seq}")
             scheduler.cleanup_lookup_result(f"r{seq}")
 
             t0 = time.perf_counter()

@@ -180,7 +180,7 @@ class Driver:
                     result.store_seconds.append(seconds)
                     result.bytes_stored += moved
                     self.moved += moved
-            self.scheduler.end_request(rid)
+            self.scheduler.end_session(rid)
         finally:
             self.pool.give(blocks)
         result.requests.append(

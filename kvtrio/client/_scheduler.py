@@ -400,9 +400,9 @@ class SchedulerAdapter:
         wire = wire_request_id(request_id)
         self._send(FreeLookupLocks(wire, self.model_name, self.tenant, self.engine_id))
 
-    def end_request(self, request_id: str) -> None:
+    def end_session(self, request_id: str) -> None:
         """The engine request is finished or aborted: release everything it holds at the
-        server (the wire's ``end_session`` operation, whose name is kept)."""
+        server. (The name is the wire operation's: it ends an engine request, not a session.)"""
         self.cleanup_lookup_result(request_id)
         wire = wire_request_id(request_id)
         self._send(EndSession(wire, self.model_name, self.tenant, self.engine_id))

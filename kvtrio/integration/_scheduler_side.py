@@ -466,7 +466,7 @@ class SchedulerSide:
         self.policy.forget(request_id)
         if self.spread is not None:
             self.spread.forget(request_id)
-        self.adapter.end_request(request_id)
+        self.adapter.end_session(request_id)
         return plan is not None and plan.stores > 0
 
     def close(self) -> None:

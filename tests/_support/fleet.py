@@ -173,7 +173,7 @@ def fetch(
         checked = [b for b in used if b not in failed]
         indices = [i for i, b in enumerate(used) if b not in failed]
         wrong = worker("check", tokens=tokens, blocks=checked, indices=indices)["wrong"]
-    scheduler.end_request(request)
+    scheduler.end_session(request)
     return Fetched(hit, tuple(failed), tuple(wrong))
 
 

@@ -121,8 +121,8 @@ def test_one_deferred_lookup_goes_alone_and_ended_ones_not_at_all(endpoint: str)
     with client_of_raw_server(endpoint) as (client, server):
         adapter = _adapter(client)
         _defer_all(adapter)
-        adapter.end_request("a")  # finished before the flush: its lookup is dropped
-        adapter.end_request("b")
+        adapter.end_session("a")  # finished before the flush: its lookup is dropped
+        adapter.end_session("b")
         assert isinstance(server.take().request, EndSession)
         assert isinstance(server.take().request, EndSession)
         adapter.flush_lookups()

@@ -62,7 +62,7 @@ def test_store_lookup_retrieve_into_other_blocks_bytes_equal(
     assert lookup(sched, "second", [*PROMPT, 1, 2, 3]) == 10 * CHUNK  # the prompt plus new tokens
     assert worker.retrieve("second", [*PROMPT, 1, 2, 3], TARGET, end=10 * CHUNK) == []
     assert_same_bytes(worker, before, TARGET, 10)
-    sched.end_request("second")
+    sched.end_session("second")
     wait_for(lambda: cache(server).l1_pins == 0, what="every pin to be released")
     assert cache(server).leases == 0
 
@@ -85,7 +85,7 @@ def test_a_request_id_longer_than_the_bound_is_cached_as_any_other(
     assert cache(server).l1_pins > 0
     assert worker.retrieve(long_read, PROMPT, TARGET, end=10 * CHUNK) == []
     assert_same_bytes(worker, before, TARGET, 10)
-    sched.end_request(long_read)
+    sched.end_session(long_read)
     wait_for(lambda: cache(server).l1_pins == 0, what="every pin to be released")
     assert cache(server).leases == 0
 
@@ -140,7 +140,7 @@ def test_partial_prefix(
     worker.store("first", PROMPT, SOURCE)
     diverging = PROMPT[: 6 * CHUNK + 100] + [7] * (4 * CHUNK)  # differs inside chunk 6
     assert lookup(sched, "partial", diverging) == 6 * CHUNK
-    sched.end_request("partial")
+    sched.end_session("partial")
     assert lookup(sched, "unrelated", [9] * (3 * CHUNK)) == 0
 
 
@@ -218,8 +218,8 @@ def test_end_session_releases_every_pin_exactly_once(
     assert lookup(sched, "b", PROMPT) == 10 * CHUNK  # a repeated lookup replaces its pins
     assert cache(server).l1_pins == 10
     sched.free_lookup_locks("b")
-    sched.end_request("b")
-    sched.end_request("b")
+    sched.end_session("b")
+    sched.end_session("b")
     wait_for(lambda: cache(server).l1_pins == 0, what="the pins to go")
     assert cache(server).requests == 0  # the server keeps no prompts: nothing is left
 
@@ -244,8 +244,8 @@ def test_l1_full_of_pinned_chunks_refuses_stores_and_evicts_nothing(
         assert state.l1_evictions == 0
         assert lookup(sched, "check", PROMPT[: 3 * CHUNK]) == 3 * CHUNK  # nothing pinned lost
         assert lookup(sched, "check-other", other) == 0
-        sched.end_request("pin-all")
-        sched.end_request("check")
+        sched.end_session("pin-all")
+        sched.end_session("check")
         wait_for(lambda: cache(server).l1_pins == 0, what="the ends to reach the server")
         worker.store("c", other, SOURCE)  # room is made by evicting now-unpinned chunks
         assert lookup(sched, "check-again", other) == 2 * CHUNK
@@ -291,7 +291,7 @@ def test_a_killed_workers_pins_and_registration_are_freed_after_the_heartbeat_ti
     worker("store", request="c", tokens=[3] * (2 * CHUNK), blocks=SOURCE, end=2 * CHUNK)
     worker.proc.send_signal(signal.SIGKILL)
     worker.proc.wait()
-    sched.end_request("b")
+    sched.end_session("b")
     wait_for(lambda: cache(server).registrations == 0, timeout=10, what="the registration to go")
     state = cache(server)
     assert (state.l1_pins, state.l1_writing, state.leases) == (0, 0, 0)

@@ -100,11 +100,11 @@ def test_two_engines_with_identical_request_ids_never_touch_each_others_pins(
         assert lookup(sched1, "r", PROMPT) == 10 * CHUNK
         assert cache(server).l1_pins == 10
         sched2.free_lookup_locks("r")
-        sched2.end_request("r")  # engine 2's request "r" is another request
+        sched2.end_session("r")  # engine 2's request "r" is another request
         assert lookup(sched2, "probe", []) == 0  # (in order after the end_session)
         assert cache(server).l1_pins == 10
         retrieve_and_check(worker, "r", PROMPT, 10)  # consumes engine 1's pins
-        sched1.end_request("r")
+        sched1.end_session("r")
         wait_for(lambda: cache(server).l1_pins == 0, what="the pins to go")
     finally:
         sched1.close()

@@ -57,7 +57,7 @@ def restart_and_check(server: ServerProcess, worker_flags: tuple[str, ...] = ())
             assert cache(server).lookup_l2_chunks == 10
             assert worker.retrieve("second", PROMPT, TARGET, end=10 * CHUNK) == []
             assert_same_bytes(worker, before, TARGET, 10)
-            sched.end_request("second")
+            sched.end_session("second")
             wait_for(lambda: cache(server).l1_pins == 0, what="every pin released")
         finally:
             sched.close()

@@ -164,7 +164,7 @@ class Driver:
             self.store(engine, request)
         elif roll < 0.98:
             self.note(f"end_session {engine.id}/{request}")
-            engine.scheduler.end_request(request)
+            engine.scheduler.end_session(request)
         elif roll < 0.99:
             self.restart_server()  # ~5 s each on a loaded machine: keep them rare
         else:
@@ -197,7 +197,7 @@ class Driver:
         elif self.rng.random() < 0.5:
             self.note(f"abort {engine.id}/{request}")
             engine.scheduler.free_lookup_locks(request)
-        engine.scheduler.end_request(request)
+        engine.scheduler.end_session(request)
 
     def store(self, engine: Engine, request: str) -> None:
         prompt, tail = self.prompt()
@@ -228,7 +228,7 @@ class Driver:
         worker's are released when its session expires)."""
         for engine in self.engines:
             for request in REQUEST_IDS:
-                engine.scheduler.end_request(request)
+                engine.scheduler.end_session(request)
         self.note("quiesce")
 
         def clean() -> bool:

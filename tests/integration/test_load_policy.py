@@ -50,7 +50,7 @@ class Adapter:
     def free_lookup_locks(self, request_id: str) -> None:
         self.freed.append(request_id)
 
-    def end_request(self, request_id: str) -> None:
+    def end_session(self, request_id: str) -> None:
         pass
 
     def close(self) -> None:

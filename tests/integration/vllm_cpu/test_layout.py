@@ -90,7 +90,7 @@ def test_what_the_cpu_kernel_wrote_lands_in_place_in_another_layout(
         load = LoadStoreOp(TARGET_BLOCKS, token_ids=tokens, start=0, end=len(tokens))
         reader.submit_retrieve_request("b", load).result(10)
         assert reader.get_block_ids_with_load_errors() == set()
-        scheduler.end_request("b")
+        scheduler.end_session("b")
     finally:
         for adapter in (writer, reader):
             adapter.shutdown()

@@ -104,16 +104,23 @@ class GroupSpread:
         ``groups`` and ``state``): the block hashes of every attention group, with the first
         token a hit at their end needs of it, and the Mamba group's, up to the hit's furthest
         end (the whole blocks before the prompt's last token of ``num_tokens``), or the end
-        :meth:`hit` asks again for. With several Mamba groups, the first's state stands for
-        all: they store and load together."""
+        :meth:`hit` asks again for. Without a Mamba group, every whole block of the prompt is
+        asked for (its last chunk may then be a whole one, hit and loaded in part). With
+        several Mamba groups, the first's state stands for all: they store and load
+        together."""
         end = self._ends.get(request_id, (num_tokens - 1) // self.block_size * self.block_size)
         blocks = max(0, end) // self.block_size
+        mamba = [g for g in self.groups if g.kind == "mamba"]
+        if request_id not in self._ends and not mamba:
+            # Every whole block, as a lookup of one group asks: a prompt of whole chunks hits
+            # its last chunk, loaded in part up to ``end`` (asked only up to ``end``, that
+            # chunk would be a partial chunk nobody stored). A state is only at ``end``.
+            blocks = num_tokens // self.block_size
         attention = [
             (hashes[g.index][:blocks], g.first_needed(end) // self.block_size * self.block_size)
             for g in self.groups
             if g.kind != "mamba"
         ]
-        mamba = [g for g in self.groups if g.kind == "mamba"]
         return attention, (hashes[mamba[0].index][:blocks] if mamba else None)
 
     def hit(self, request_id: str, hit: int, num_tokens: int) -> int | None:

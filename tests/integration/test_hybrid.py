@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import attrs
 import pytest
 
+from kvtrio.client._grouped import grouped_chunks
 from kvtrio.integration._hybrid import GroupSpread, primary_group
 from kvtrio.integration._kv_groups import (
     KvGroup,
@@ -89,8 +90,8 @@ def test_groups_never_share_keys() -> None:
     assert group_block_hashes(base[:4], 1) == one[:4]  # a prefix keeps its keys
 
 
-def request() -> SimpleNamespace:
-    return SimpleNamespace(request_id="r", all_token_ids=TOKENS)
+def request(tokens: int = PROMPT) -> SimpleNamespace:
+    return SimpleNamespace(request_id="r", all_token_ids=TOKENS[:tokens])
 
 
 def blocks(group: KvGroup, end: int, nulls_before: int = 0) -> list[int]:
@@ -252,6 +253,27 @@ def test_a_lookup_asks_each_group_for_what_a_hit_at_its_end_needs() -> None:
     assert [(len(h), first) for h, first in groups] == [(64, 0), (64, 1024 - WINDOW)]
     assert state is not None
     assert (len(state), state[-1]) == (64, hashes[2][63])
+
+
+def test_a_prompt_of_whole_chunks_asks_for_its_last_chunk_whole() -> None:
+    """Without a Mamba group a lookup asks every whole block, as a one-group lookup does: a
+    prompt of whole chunks hits its last chunk (stored whole) and loads it up to the block
+    before its last token; asked only up to there, that chunk would be a partial one nobody
+    stored, and the hit a chunk shorter (bench/ttft.py's gpt-oss-shaped hit was 768 of 1,024
+    tokens, not 992)."""
+    spread = GroupSpread([FULL, SLIDING], BLOCK)
+    hashes = spread.hashes(request(1024), None)
+    groups, state = spread.lookup_hashes("r", hashes, 1024)
+    assert state is None
+    assert [(len(h), first) for h, first in groups] == [(64, 0), (64, 1008 - WINDOW)]
+    chunks = grouped_chunks(CHUNK, BLOCK, groups)
+    assert chunks.covered(len(chunks.hashes)) == 1024
+    assert spread.hit("r", 1024, 1024) == 1008
+    with_state = GroupSpread([FULL, SLIDING, attrs.evolve(ALIGNED, index=2)], BLOCK)
+    groups, state = with_state.lookup_hashes("r", with_state.hashes(request(1024), None), 1024)
+    assert [len(h) for h, _ in groups] == [63, 63]  # a state only at the hit's end
+    assert state is not None
+    assert len(state) == 63
 
 
 def test_a_short_answer_is_asked_again_for_its_own_end() -> None:

@@ -111,7 +111,12 @@ from ttft import _cache_dict, disk_counters, environment, log, settle, size_text
 from kvtrio.launch import ServerProcess
 
 HERE = Path(__file__).resolve().parent
-CASES = ("vllm", "l1", "l1+disk")
+CASES = ("vllm", "vllm-big", "l1", "l1+disk")
+"""``vllm``: vLLM alone; ``vllm-big``: vLLM alone with kvtrio's L1 added to its own KV cache
+(the same memory as ``l1`` in all: what a user could do instead of running kvtrio);
+``l1``, ``l1+disk``: vLLM with kvtrio."""
+DEFAULT_CASES = ("vllm", "l1", "l1+disk")
+KVTRIO_CASES = ("l1", "l1+disk")
 BLOCK = 32
 SERVED_NAME = "bench-model"
 STARTUP = 900.0  # seconds an API server may take to come up
@@ -177,6 +182,18 @@ def http(url: str, body: dict[str, Any] | None = None, timeout: float = 30) -> t
         return error.code, error.read().decode(errors="replace")
 
 
+TIMINGS = {
+    "engine_ttft": "vllm:time_to_first_token_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
+"""Where a request's time to first token goes, as vLLM's histograms see it: from its arrival at
+the API server to its first token (``engine_ttft``), waiting in the scheduler's queue before
+its first step (``queue``: with kvtrio also the lookup and an asynchronous load), and from its
+first step to its first token (``prefill``). The client's TTFT less ``engine_ttft`` is the
+HTTP and client part."""
+
+
 def prometheus(text: str) -> dict[str, float]:
     """vLLM's ``/metrics`` counters we read, summed over their labels."""
     wanted = (
@@ -184,6 +201,7 @@ def prometheus(text: str) -> dict[str, float]:
         "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
         "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
         "vllm:num_preemptions_total",
+        *(f"{name}_{part}" for name in TIMINGS.values() for part in ("sum", "count")),
     )  # fmt: skip
     out = dict.fromkeys(wanted, 0.0)
     for line in text.splitlines():
@@ -266,7 +284,8 @@ class ApiServer:
             "--enable-prefix-caching", "--max-model-len", str(bench.max_model_len),
             "--max-num-seqs", str(a.max_num_seqs),
             "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-            "--kv-cache-memory-bytes", str(bench.kv_cache_bytes),
+            "--kv-cache-memory-bytes",
+            str(bench.kv_cache_bytes + (bench.l1_bytes if case == "vllm-big" else 0)),
             "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
         ]  # fmt: skip
         if url is not None:
@@ -409,7 +428,7 @@ class Bench:
     def run_case(self, rep: int, case: str) -> None:
         tag = f"r{rep}-{case.replace('+', '-')}"
         log(f"repetition {rep + 1}/{self.args.repetitions}, case {case}")
-        server = self.kvtrio_server(case, tag) if case != "vllm" else None
+        server = self.kvtrio_server(case, tag) if case in KVTRIO_CASES else None
         engine: ApiServer | None = None
         info: dict[str, Any] = {"repetition": rep, "case": case, "tag": tag}
         try:
@@ -501,6 +520,7 @@ class Bench:
             run[key] = result.get(key)
         delta = {k: after_metrics[k] - before_metrics[k] for k in after_metrics}
         run["vllm_metrics"] = delta
+        run["timings_ms"] = timings_ms(delta)
         queries = delta["vllm:prefix_cache_queries_total"]
         run["vllm_hit_ratio"] = delta["vllm:prefix_cache_hits_total"] / queries if queries else 0
         external = delta["vllm:external_prefix_cache_queries_total"]
@@ -525,6 +545,7 @@ class Bench:
             f"{run['request_throughput']:.3f} req/s, vLLM hits {run['vllm_hit_ratio']:.0%}"
             + (f", kvtrio L1 {tiers['l1_hit_ratio']:.0%} L2 {tiers['l2_hit_ratio']:.0%}"
                if tiers else "")
+            + "".join(f", {k} {v:.0f}" for k, v in run["timings_ms"].items())
         )  # fmt: skip
 
     # ----------------------------------------------------------------------- report
@@ -575,7 +596,8 @@ class Bench:
         header = self.header(env)
         rows = summarize(self.runs)
         bindings = sorted({" ".join(e.get("omp_binding", [])) for e in self.engines})
-        lines = [*header, "", *table(rows), "", *sustained_lines(sustained(rows))]
+        lines = [*header, "", *table(rows), "", *timing_lines(rows), ""]
+        lines += sustained_lines(sustained(rows))
         lines += ["", "OpenMP binding per engine (must match):"]
         for engine in self.engines:
             lines.append(f"  {engine['tag']:14} {' | '.join(engine.get('omp_binding', [])) or '?'}")
@@ -602,6 +624,16 @@ class Bench:
         if self.problems:
             log(f"\n✗ {len(self.problems)} PROBLEMS (exit status 1): see above")
         return 1 if self.problems else 0
+
+
+def timings_ms(delta: dict[str, float]) -> dict[str, float]:
+    """The mean of each of :data:`TIMINGS` over one run (ms), from the histograms' gains."""
+    out = {}
+    for key, name in TIMINGS.items():
+        count = delta.get(f"{name}_count", 0.0)
+        if count:
+            out[key] = 1000 * delta.get(f"{name}_sum", 0.0) / count
+    return out
 
 
 def kvtrio_delta(before: Any, after: Any) -> dict[str, Any]:
@@ -653,6 +685,11 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ("kvtrio_l1_hit_ratio", lambda r: r.get("kvtrio", {}).get("l1_hit_ratio")),
                 ("kvtrio_l2_hit_ratio", lambda r: r.get("kvtrio", {}).get("l2_hit_ratio")),
                 ("l2_writes", _l2_writes),
+                ("mean_ttft_ms", lambda r: r.get("mean_ttft_ms")),
+                *(
+                    (f"{key}_ms", lambda r, key=key: r.get("timings_ms", {}).get(key))
+                    for key in TIMINGS
+                ),
             ]
             for key, get in [*((k, (lambda r, k=k: r[k])) for k, _ in FIGURES), *extra]:
                 values = sorted(v for v in (get(r) for r in mine) if v is not None)
@@ -764,6 +801,35 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def timing_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Where the mean TTFT goes, per row (medians over repetitions of each run's means, ms):
+    the client's TTFT, vLLM's from arrival at its API server, and of that the scheduler's
+    queue, the prefill (:data:`TIMINGS`) and the rest (``api``: the API server's part before
+    the queue); the client's TTFT less vLLM's is HTTP and the client."""
+    lines = [
+        "where the mean TTFT goes (ms; vLLM's histograms: 'engine' from the API server's "
+        "arrival, 'queue' before the first step incl. kvtrio's lookup and asynchronous load, "
+        "'prefill' from the first step to the first token):",
+        f"  {'workload':9} {'rate':>5} {'case':8} {'client':>7} {'engine':>7} {'queue':>7} "
+        f"{'prefill':>7} {'api':>7}",
+    ]
+    for row in rows:
+        got = [
+            row[k]["median"] if k in row else None
+            for k in ("mean_ttft_ms", "engine_ttft_ms", "queue_ms", "prefill_ms")
+        ]
+        if got[1] is None:
+            continue
+        _, engine, queue, prefill = got
+        api = engine - (queue or 0) - (prefill or 0)
+        lines.append(
+            f"  {row['workload']:9} {row['rate']:>5g} {row['case']:8} "
+            + " ".join(f"{v:7.0f}" if v is not None else f"{'-':>7}" for v in got)
+            + f" {api:7.0f}"
+        )
+    return lines
+
+
 def _l2_writes(run: dict[str, Any]) -> float | None:
     """Chunks admitted to the disk L2 in a run (at commit or later), ``l1+disk`` only."""
     kv = run.get("kvtrio")
@@ -850,7 +916,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for workload, rates in DEFAULT_RATES.items():
         add(f"--{workload}-rates", type=float, nargs="+", default=rates,
             help=f"offered requests/s (default: {' '.join(map(str, rates))})")  # fmt: skip
-    add("--cases", nargs="+", choices=CASES, default=list(CASES))
+    add("--cases", nargs="+", choices=CASES, default=list(DEFAULT_CASES))
     add("--repetitions", type=int, default=3)
     add("--duration", type=float, default=60, help="seconds of requests per run (rate × it)")
     add("--quick", action="store_true",

@@ -104,6 +104,14 @@ def test_what_the_bench_reads_from_vllm_and_the_connector(
     assert metrics["vllm:prefix_cache_hits_total"] == 64
     assert metrics["vllm:prefix_cache_queries_total"] == 128
     assert metrics["vllm:external_prefix_cache_hits_total"] == 32
+    timed = serve.prometheus(
+        'vllm:request_queue_time_seconds_sum{engine="0"} 1.5\n'
+        'vllm:request_queue_time_seconds_count{engine="0"} 10.0\n'
+        'vllm:request_queue_time_seconds_bucket{engine="0",le="0.3"} 10.0\n'
+        'vllm:time_to_first_token_seconds_sum{engine="0"} 3.0\n'
+        'vllm:time_to_first_token_seconds_count{engine="0"} 10.0\n'
+    )
+    assert serve.timings_ms(timed) == {"engine_ttft": 300.0, "queue": 150.0}
     log = (
         "INFO 2026-11-28 04:16:29,646 [vllm.utils.ompmultiprocessing] OpenMP thread binding "
         "info: \n\tVLLM_CPU_OMP_THREADS_BIND='0', auto_setup=False, skip_setup=False\n"
@@ -173,3 +181,28 @@ def test_the_sustained_rate_is_the_last_rate_under_ten_times_the_unloaded_ttft(
     assert found["ratios"]["l1"] == 2.0
     (_, line) = serve.sustained_lines([found])
     assert "2/s vllm, 4/s (2.00×) l1, <lowest l1+disk" in line
+
+
+def test_where_the_ttft_goes_is_split_by_vllms_histograms(
+    bench: tuple[ModuleType, ModuleType],
+) -> None:
+    """Per case the medians of each run's mean client TTFT, vLLM's TTFT, its queue and prefill,
+    and the API server's rest; ``vllm-big`` (vLLM with kvtrio's L1 as its own KV cache) sits
+    beside vLLM alone."""
+    _, serve = bench
+    runs = [
+        {"workload": "multiturn", "rate": 5, "case": case, "failed": 0,
+         "median_ttft_ms": 90, "p99_ttft_ms": 500, "median_itl_ms": 10, "p99_itl_ms": 20,
+         "request_throughput": 5, "output_throughput": 16, "vllm_hit_ratio": 0.5,
+         "external_hit_ratio": 0.0, "mean_ttft_ms": client,
+         "timings_ms": {"engine_ttft": engine, "queue": queue, "prefill": 60.0}}
+        for case, client, engine, queue in (
+            ("l1", 110.0, 100.0, 30.0), ("vllm", 95.0, 90.0, 20.0), ("vllm-big", 80.0, 75.0, 5.0)
+        )
+    ]  # fmt: skip
+    rows = serve.summarize(runs)
+    assert [r["case"] for r in rows] == ["vllm", "vllm-big", "l1"]
+    lines = serve.timing_lines(rows)
+    assert lines[2].split() == ["multiturn", "5", "vllm", "95", "90", "20", "60", "10"]
+    assert lines[4].split() == ["multiturn", "5", "l1", "110", "100", "30", "60", "10"]
+    assert serve.parse_args(["--workloads", "random"]).cases == ["vllm", "l1", "l1+disk"]

@@ -7,7 +7,7 @@
 from ..protocol import chunk_hashes
 from ._async import AsyncClient, open_client
 from ._common import curve_options
-from ._copies import LoadStoreOp
+from ._copies import EventGroup, LoadStoreOp
 from ._events import EventIndex, subscribe
 from ._identity import EngineIdentity
 from ._placement import ThreadPlacement
@@ -21,6 +21,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "EngineIdentity",
+    "EventGroup",
     "EventIndex",
     "EventRelay",
     "LoadStoreOp",

@@ -42,6 +42,7 @@ from ._failures import Failures
 
 __all__ = [
     "BATCH_BYTES",
+    "EventGroup",
     "LoadStoreOp",
     "Retrieved",
     "Span",
@@ -94,6 +95,29 @@ class LoadStoreOp:
     ``event_hashes``; None when no block has any."""
     lora_name: str = ""
     """The request's LoRA adapter (``""``: none), for the KV events."""
+    group: EventGroup | None = None
+    """The KV cache group whose blocks a hybrid engine's store moves, for the KV events (None:
+    the engine has one group)."""
+
+
+@attrs.frozen
+class EventGroup:
+    """A KV cache group as vLLM's KV events name it (``BlockStored.group_idx``,
+    ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``): an engine with several groups
+    stores each group's blocks under the same block hashes, told apart by these."""
+
+    index: int
+    spec_kind: str
+    sliding_window: int = 0
+    """The group's sliding window in tokens (0: not a sliding window)."""
+
+    def fields(self) -> dict[str, Any]:
+        """The store's fields (:class:`~kvtrio.protocol.Store`) naming this group."""
+        return {
+            "group_idx": self.index,
+            "kv_cache_spec_kind": self.spec_kind,
+            "kv_cache_spec_sliding_window": self.sliding_window,
+        }
 
 
 @attrs.frozen
@@ -130,6 +154,8 @@ class Span:
     prompt_tokens: Sequence[int] = ()
     """Stores: the prompt's tokens from its first (sent with each store's range, for the KV
     events' routers)."""
+    group: EventGroup | None = None
+    """Stores: the KV cache group of a hybrid engine's blocks, for the KV events."""
 
     def blocks(self, chunk: int) -> Sequence[int]:
         """The engine blocks of chunk ``chunk`` (an index in the prompt) that are moved."""
@@ -172,6 +198,9 @@ class Span:
         stop = min((self.first + batch.stop) * per, self.stop_block)
         for name, value in self._names(first, stop).items():
             fields.setdefault(name, value)
+        if self.group is not None:
+            for name, value in self.group.fields().items():
+                fields.setdefault(name, value)
         return Store(
             self.wire_id,
             *self.tokens(batch),

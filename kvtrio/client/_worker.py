@@ -316,6 +316,7 @@ class WorkerAdapter:
             event_first=op.start // block,
             event_extra_keys=tuple(op.event_extra_keys or ()),
             lora_name=op.lora_name,
+            group=op.group,
             prompt_tokens=() if tokens is None else tokens,
         )
 

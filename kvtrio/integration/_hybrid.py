@@ -39,10 +39,11 @@ from typing import Any
 
 import attrs
 
+from ..client import EventGroup
 from ._kv_groups import KvGroup, group_block_hashes, token_block_hashes
 from ._planner import PlannedTransfer, RequestPlan
 
-__all__ = ["GroupSpread", "primary_group"]
+__all__ = ["GroupSpread", "event_group", "primary_group"]
 
 log = logging.getLogger("kvtrio.vllm")
 
@@ -51,6 +52,11 @@ RELOOKS = 2
 
 NULL_BLOCK = 0
 """vLLM's null block id (its block pool hands block 0 out as the null block)."""
+
+
+def event_group(group: KvGroup) -> EventGroup:
+    """How vLLM's KV events name ``group`` (its index, spec kind and sliding window)."""
+    return EventGroup(group.index, group.spec_kind, group.window if group.kind == "window" else 0)
 
 
 def primary_group(groups: Sequence[KvGroup]) -> int:
@@ -234,24 +240,27 @@ class GroupSpread:
         size = self.block_size
         for group in self.groups:
             windowed = group.kind in ("window", "chunked", "mamba")
+            named = event_group(group)
             for store in primary:
                 op = store.op
                 blocks = block_ids[group.index][: op.end // size]
                 if group.kind == "mamba":
                     state = self._state_store(store, blocks, hashes[group.index], chunk_size)
                     if state is not None:
+                        state = attrs.evolve(state, op=attrs.evolve(state.op, group=named))
                         transfers.append(attrs.evolve(state, group=group.index, windowed=True))
                     continue
                 if windowed and NULL_BLOCK in blocks[op.start // size :]:
                     self.stats["stores_skipped_window"] += 1
                     continue
                 if group.index != self.primary:
+                    # (the engine names a block alike in every group: the same event hashes)
                     op = attrs.evolve(
                         op,
                         block_ids=blocks,
                         block_hashes=tuple(hashes[group.index][: op.end // size]),
-                        event_hashes=None,
                     )
+                op = attrs.evolve(op, group=named)
                 transfers.append(attrs.evolve(store, op=op, group=group.index, windowed=windowed))
         return transfers
 
@@ -272,12 +281,16 @@ class GroupSpread:
         start = max(op.start, (op.end - 1) // chunk_size * chunk_size) if chunk_size else op.start
         state_blocks = list(blocks)
         state_blocks[start // size : last + 1] = [blocks[last]] * (last + 1 - start // size)
+        skipped = (start - op.start) // size  # (the event names start at the op's start)
         state_op = attrs.evolve(
             op,
             block_ids=tuple(state_blocks),
             block_hashes=tuple(hashes[: op.end // size]),
             start=start,
             skip_first_n_tokens=0,
-            event_hashes=None,
+            event_hashes=None if op.event_hashes is None else tuple(op.event_hashes[skipped:]),
+            event_extra_keys=(
+                None if op.event_extra_keys is None else tuple(op.event_extra_keys[skipped:])
+            ),
         )
         return attrs.evolve(store, op=state_op)

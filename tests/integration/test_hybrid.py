@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import attrs
 import pytest
 
+from kvtrio.client import EventGroup
+from kvtrio.client._copies import Span
 from kvtrio.client._grouped import grouped_chunks
 from kvtrio.integration._hybrid import GroupSpread, primary_group
 from kvtrio.integration._kv_groups import (
@@ -167,6 +169,46 @@ def test_stores_of_a_windowed_group_skip_the_null_block_and_are_marked() -> None
         (0, False, 256, 320),
         (1, True, 256, 320),
     ]
+
+
+def test_every_groups_store_names_its_group_and_the_engines_block_hashes() -> None:
+    """vLLM names a block alike in every group and tells groups apart by ``group_idx``,
+    ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``: each group's store carries the
+    engine's block hashes (the primary group's names) and its group, and so do the server's
+    stores of it (its KV events)."""
+    spread = GroupSpread([FULL, SLIDING], BLOCK)
+    plan = RequestPlan("r")
+    store_of = partial(
+        plan_store, plan, tokens=TOKENS, computed_tokens=256, prompt_tokens=PROMPT,
+        block_size=BLOCK, chunk_size=CHUNK,
+        event_hashes=lambda first, stop: [700 + b for b in range(first, stop)],
+    )  # fmt: skip
+    ids = [blocks(FULL, 256), blocks(SLIDING, 256)]
+    stores = spread.stores(store_of, ids, spread.hashes(request(), None))
+    assert [(s.group, s.op.group) for s in stores] == [
+        (0, EventGroup(0, "full_attention", 0)),
+        (1, EventGroup(1, "sliding_window", WINDOW)),
+    ]
+    assert stores[0].op.event_hashes == stores[1].op.event_hashes == tuple(range(700, 716))
+    assert stores[0].op.block_hashes != stores[1].op.block_hashes  # (keys of its own)
+    span = Span(
+        "r", 0, (b"c" * 16,), b"", CHUNK, 1, CHUNK // BLOCK, ids[1], group=stores[1].op.group
+    )
+    store = span.store()
+    assert (store.group_idx, store.kv_cache_spec_kind, store.kv_cache_spec_sliding_window) == (
+        1, "sliding_window", WINDOW,
+    )  # fmt: skip
+    one = Span("r", 0, (b"c" * 16,), b"", CHUNK, 1, CHUNK // BLOCK, ids[0]).store()
+    assert (one.group_idx, one.kv_cache_spec_kind) == (-1, "")  # one group: none, as before
+    mamba = GroupSpread([FULL, ALIGNED], BLOCK)
+    store_of = partial(store_of.func, RequestPlan("r"), **store_of.keywords)
+    state_ids = [0] * 15 + [2015]  # the state at 256 in block 15
+    stores = mamba.stores(store_of, [ids[0], state_ids], mamba.hashes(request(), None), CHUNK)
+    assert [(s.op.start, s.op.group) for s in stores] == [
+        (0, EventGroup(0, "full_attention", 0)),
+        (192, EventGroup(1, "mamba", 0)),
+    ]
+    assert stores[1].op.event_hashes == tuple(range(712, 716))  # (from the state's chunk on)
 
 
 def test_a_mamba_group_loads_and_stores_nothing() -> None:

@@ -19,6 +19,7 @@ from kvtrio.launch import ServerProcess
 
 from ..._support.server_cache import assert_no_pins, cache, wait_chunks, wait_l2_stored
 from ..._support.waiting import wait_for
+from .harness import BLOCK
 from .hybrid import HybridEngine
 
 CHUNK = 64
@@ -134,3 +135,57 @@ def test_a_mamba_hybrid_loads_the_state_at_the_hit_end(
     second.run()
     assert second.results["other"].external_cached == 0
     assert_no_pins(kvtrio)
+
+
+def test_a_hybrid_engines_stores_are_announced_per_group_under_the_engines_block_hashes(
+    engines: Callable[..., HybridEngine],
+    server_process: Callable[..., ServerProcess],
+    short_dir: Path,
+) -> None:
+    """The server's KV events (``kvtrio serve --events``), decoded with vLLM's own classes,
+    name every group's chunks as vLLM's own events do (issue 34 item 4): the engine's block
+    hashes, the same in every group, told apart by ``group_idx``, ``kv_cache_spec_kind`` and
+    ``kv_cache_spec_sliding_window``."""
+    msgspec = pytest.importorskip("msgspec")
+    zmq = pytest.importorskip("zmq")
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    events = f"ipc://{short_dir}/ev"
+    kvtrio = server_process(*SERVER_ARGS, "--events", events)
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    stored: list[BlockStored] = []
+    with zmq.Context.instance().socket(zmq.SUB) as sub:
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kvtrio//")
+        sub.connect(events)
+        assert sub.poll(5000)  # (AllBlocksCleared: the subscription is in place)
+        sub.recv_multipart()
+        engine = engines(kvtrio, "sf")
+        engine.add("first", PROMPT)
+        engine.run()
+        wait_chunks(kvtrio, 2 * HIT // CHUNK)  # every chunk of both groups
+
+        def announced() -> bool:
+            while sub.poll(0):
+                batch = decoder.decode(sub.recv_multipart()[-1])
+                stored.extend(e for e in batch.events if isinstance(e, BlockStored))
+            return sum(len(e.block_hashes) for e in stored) >= 2 * HIT // BLOCK
+
+        wait_for(announced, what="both groups' chunks announced")
+    groups = engine.kv_cache_config.kv_cache_groups
+    expected = {
+        g: ("sliding_window", 64)
+        if isinstance(group.kv_cache_spec, SlidingWindowSpec)
+        else ("full_attention", None)
+        for g, group in enumerate(groups)
+    }
+    assert sorted(expected.values()) == [("full_attention", None), ("sliding_window", 64)]
+    hashes: dict[int, set[object]] = {}
+    for event in stored:
+        group = event.group_idx
+        assert (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window) == expected[group]
+        hashes.setdefault(group, set()).update(event.block_hashes)
+    assert sorted(hashes) == [0, 1]
+    assert hashes[0] == hashes[1]  # the engine's names, alike in every group
+    assert len(hashes[0]) == HIT // BLOCK

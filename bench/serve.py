@@ -810,8 +810,11 @@ def timing_lines(rows: list[dict[str, Any]]) -> list[str]:
         "where the mean TTFT goes (ms; vLLM's histograms: 'engine' from the API server's "
         "arrival, 'queue' before the first step incl. kvtrio's lookup and asynchronous load, "
         "'prefill' from the first step to the first token):",
+        "and kvtrio's own cost to the engine's step loop: its time in the connector's hooks "
+        "(lookups and their waits, planning, queueing copies, in-step loads) per request, "
+        "in the scheduler and the worker, from vLLM's stats lines:",
         f"  {'workload':9} {'rate':>5} {'case':8} {'client':>7} {'engine':>7} {'queue':>7} "
-        f"{'prefill':>7} {'api':>7}",
+        f"{'prefill':>7} {'api':>7} {'kvtrio scheduler':>16} {'kvtrio worker':>14}",
     ]
     for row in rows:
         got = [
@@ -822,10 +825,16 @@ def timing_lines(rows: list[dict[str, Any]]) -> list[str]:
             continue
         _, engine, queue, prefill = got
         api = engine - (queue or 0) - (prefill or 0)
+        policy = row.get("policy") or {}
+        requests = policy.get("requests", 0)
+        hooks = [
+            f"{policy.get(key, 0) / requests / 1000:.2f} ms" if requests else "-"
+            for key in ("hook_us", "worker_hook_us")
+        ]
         lines.append(
             f"  {row['workload']:9} {row['rate']:>5g} {row['case']:8} "
             + " ".join(f"{v:7.0f}" if v is not None else f"{'-':>7}" for v in got)
-            + f" {api:7.0f}"
+            + f" {api:7.0f} {hooks[0]:>16} {hooks[1]:>14}"
         )
     return lines
 

@@ -6,9 +6,43 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
-__all__ = ["Measurements"]
+__all__ = ["HookTime", "Measurements", "hook"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class HookTime:
+    """The time an engine's thread spent inside the connector's hooks: what kvtrio costs the
+    engine's step loop (its lookups and their waits, planning, queueing copies, in-step loads),
+    summed until taken. Not thread-safe: vLLM calls each side's hooks from one thread."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def take(self) -> float:
+        """The seconds summed since the last call."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def hook(method: F) -> F:
+    """Time each call of a connector hook into its owner's ``hook_time`` (:class:`HookTime`),
+    whatever the call returns or raises."""
+
+    @functools.wraps(method)
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.hook_time.seconds += time.perf_counter() - started
+
+    return cast(F, timed)
 
 
 class Measurements:

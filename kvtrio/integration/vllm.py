@@ -62,6 +62,7 @@ from ._cores import engine_cpu_cores, worker_placement
 from ._engine_keys import key_scheme
 from ._events import EngineEvents, event_hashes_of
 from ._kv_groups import kv_groups, unsupported_kv_cache
+from ._measurements import HookTime, hook
 from ._options import parse_options
 from ._planner import PlannedTransfer
 from ._scheduler_side import SchedulerSide, StepPlan
@@ -117,16 +118,27 @@ class KvtrioConnectorMetadata(KVConnectorMetadata, StepPlan):  # type: ignore[mi
 
 
 class KvtrioWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """What workers measured since their last report, for ``load_policy=auto``: forward steps
-    and finished loads, as ``(tokens, seconds)``."""
+    """What workers measured since their last report: for ``load_policy=auto`` forward steps
+    and finished loads, as ``(tokens, seconds)``; and the seconds their threads spent in the
+    connector's hooks (summed over the ranks)."""
 
-    def __init__(self, steps: list[tuple[int, float]], loads: list[tuple[int, float]]) -> None:
+    def __init__(
+        self,
+        steps: list[tuple[int, float]],
+        loads: list[tuple[int, float]],
+        hook_seconds: float = 0.0,
+    ) -> None:
         self.steps = steps
         self.loads = loads
+        self.hook_seconds = hook_seconds
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KvtrioWorkerMetadata):
-            return KvtrioWorkerMetadata(self.steps + other.steps, self.loads + other.loads)
+            return KvtrioWorkerMetadata(
+                self.steps + other.steps,
+                self.loads + other.loads,
+                self.hook_seconds + other.hook_seconds,
+            )
         return self
 
 
@@ -193,6 +205,12 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             hash_seed=keys.hash_seed,
         )
         self._scheduler: SchedulerSide | None = None
+        self.hook_time = HookTime()
+        """This side's time in the connector's hooks (:func:`~._measurements.hook`): in the
+        scheduler, reported in vLLM's stats line as ``hook_us``; in a worker, sent to the
+        scheduler with its measurements (``worker_hook_us``)."""
+        self._worker_hook_seconds = 0.0
+        self._new_requests = 0
         self._worker: WorkerSide | None = None
         self._events: EngineEvents | None = None
         self.off_because = unsupported_kv_cache(kv_cache_config)
@@ -247,6 +265,7 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     # ================================================================= scheduler side
 
+    @hook
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -257,11 +276,14 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         preempted = request.status == RequestStatus.PREEMPTED
         return self.scheduler_side.matched_tokens(request, num_computed_tokens, preempted=preempted)
 
+    @hook
     def on_new_request(self, request: Request) -> None:
         """A request arrived: keep it (stores read its tokens and progress at every step)."""
         if self._scheduler is not None:
+            self._new_requests += 1
             self._scheduler.new_request(request)
 
+    @hook
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -272,6 +294,7 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         groups = blocks.get_block_ids()
         self.scheduler_side.allocated(request, groups[0], num_external_tokens, groups)
 
+    @hook
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvtrioConnectorMetadata:
         """This step's transfers: the loads planned at allocation, and the stores of what each
         scheduled request computes in this step."""
@@ -287,6 +310,7 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         )
         return KvtrioConnectorMetadata(step.transfers, step.preempted, step.step_tokens)
 
+    @hook
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Learn from what the workers measured and which loads they finished
         (``load_policy=auto``); the rest of their reports goes straight to vLLM's scheduler."""
@@ -295,6 +319,7 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         measured = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(measured, KvtrioWorkerMetadata):
             self.scheduler_side.measured(measured.steps, measured.loads)
+            self._worker_hook_seconds += measured.hook_seconds
         self.scheduler_side.loads_failed(getattr(connector_output, "failed_recving", None) or ())
         self.scheduler_side.loads_done(connector_output.finished_recving or ())
 
@@ -305,10 +330,23 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             return None
         gained = self._scheduler.policy.since_last()
         spread = self._scheduler.spread
-        gained = {**gained, **self._scheduler.lookup_wait.since_last()}
+        gained = {**gained, **self._scheduler.lookup_wait.since_last(), **self._hook_stats()}
         if spread is not None:  # bytes per hit (a hybrid model's KV cache groups)
             gained = {**gained, **spread.since_last()}
         return KvtrioConnectorStats(gained) if gained else None
+
+    def _hook_stats(self) -> dict[str, int]:
+        """The time the scheduler's and the workers' threads spent in the connector's hooks
+        (µs) and the requests that arrived, since the last call (zeros left out): kvtrio's
+        cost to the engine's step loop, per request (``bench/serve.py``)."""
+        worker, self._worker_hook_seconds = self._worker_hook_seconds, 0.0
+        requests, self._new_requests = self._new_requests, 0
+        gained = {
+            "hook_us": round(self.hook_time.take() * 1e6),
+            "worker_hook_us": round(worker * 1e6),
+            "requests": requests,
+        }
+        return {name: value for name, value in gained.items() if value}
 
     @classmethod
     def build_kv_connector_stats(
@@ -317,11 +355,13 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         """vLLM's stats logger rebuilds the counters it received as a dict."""
         return None if KVConnectorStats is None else KvtrioConnectorStats(data)
 
+    @hook
     def take_events(self) -> Iterable[KVCacheEvent]:
         """kvtrio's KV events since the last step (with ``kvtrio.events``), for vLLM's own
         publisher: what the engine can load from kvtrio, by tier (``docs/events.md``)."""
         return self._events.take() if self._events is not None else ()
 
+    @hook
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -350,6 +390,7 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._worker is not None:
             self._worker.register(kv_caches)
 
+    @hook
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Before the step's forward: this step's transfers (its forward starts now)."""
         super().bind_connector_metadata(connector_metadata)
@@ -357,17 +398,20 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             plan = connector_metadata if isinstance(connector_metadata, StepPlan) else None
             self._worker.bind(plan)
 
+    @hook
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         if self._worker is not None:
             self._worker.clear()
 
+    @hook
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the step runs: wait for the stores still copying out of the blocks of the
         requests vLLM preempted, since those blocks are about to be reused."""
         if isinstance(kv_connector_metadata, KvtrioConnectorMetadata) and self._worker is not None:
             self.worker_side.preemptions(kv_connector_metadata)
 
+    @hook
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Start this step's loads; a synchronous load is complete when this returns."""
         if self._worker is not None:
@@ -381,6 +425,7 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     ) -> None:
         """Nothing per layer: stores copy every layer at once, after the forward."""
 
+    @hook
     def wait_for_save(self) -> None:
         """Queue this step's stores; they run after the forward, and vLLM keeps the blocks
         until :meth:`get_finished` reports the request's stores done (or, for a preempted
@@ -388,6 +433,7 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._worker is not None:
             self._worker.start_stores()
 
+    @hook
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose stores are done (among those vLLM finished), and whose asynchronous
         loads are done."""
@@ -401,7 +447,11 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         if self._worker is None:
             return None
         report = self.worker_side.measured.report()
-        return None if report is None else KvtrioWorkerMetadata(*report)
+        spent = self.hook_time.take()
+        if report is None and not spent:
+            return None
+        steps, loads = report or ([], [])
+        return KvtrioWorkerMetadata(steps, loads, spent)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """:meth:`get_finished`, and with several KV cache groups the requests whose load
@@ -412,6 +462,7 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             failed = self._worker.failed_loads(loads)
         return KVConnectorTransferResults(stores or set(), loads or set(), failed)
 
+    @hook
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call: vLLM recomputes them."""
         return set() if self._worker is None else self._worker.failed_blocks()

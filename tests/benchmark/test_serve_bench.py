@@ -195,7 +195,9 @@ def test_where_the_ttft_goes_is_split_by_vllms_histograms(
          "median_ttft_ms": 90, "p99_ttft_ms": 500, "median_itl_ms": 10, "p99_itl_ms": 20,
          "request_throughput": 5, "output_throughput": 16, "vllm_hit_ratio": 0.5,
          "external_hit_ratio": 0.0, "mean_ttft_ms": client,
-         "timings_ms": {"engine_ttft": engine, "queue": queue, "prefill": 60.0}}
+         "timings_ms": {"engine_ttft": engine, "queue": queue, "prefill": 60.0},
+         "policy": {"hook_us": 5000, "worker_hook_us": 1000, "requests": 4} if case == "l1"
+         else {}}
         for case, client, engine, queue in (
             ("l1", 110.0, 100.0, 30.0), ("vllm", 95.0, 90.0, 20.0), ("vllm-big", 80.0, 75.0, 5.0)
         )
@@ -203,6 +205,8 @@ def test_where_the_ttft_goes_is_split_by_vllms_histograms(
     rows = serve.summarize(runs)
     assert [r["case"] for r in rows] == ["vllm", "vllm-big", "l1"]
     lines = serve.timing_lines(rows)
-    assert lines[2].split() == ["multiturn", "5", "vllm", "95", "90", "20", "60", "10"]
-    assert lines[4].split() == ["multiturn", "5", "l1", "110", "100", "30", "60", "10"]
+    assert lines[3].split() == ["multiturn", "5", "vllm", "95", "90", "20", "60", "10", "-", "-"]
+    assert lines[5].split() == [
+        "multiturn", "5", "l1", "110", "100", "30", "60", "10", "1.25", "ms", "0.25", "ms"
+    ]  # fmt: skip
     assert serve.parse_args(["--workloads", "random"]).cases == ["vllm", "l1", "l1+disk"]

@@ -8,6 +8,7 @@ happens; the kvtrio server's own statistics show what it holds and whether any p
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -233,6 +234,11 @@ def test_auto_loads_the_l1_part_of_a_hit_and_computes_the_rest(
     assert "loads=2" in line
     assert "split=1" in line
     assert "judged=1" in line
+    # and what kvtrio cost the step loop: the scheduler's and the workers' time in its hooks
+    spent = dict(re.findall(r"(\w+)=(\d+)", line))
+    assert int(spent["requests"]) == len(engine.results)
+    assert int(spent["hook_us"]) > 0
+    assert int(spent["worker_hook_us"]) > 0
 
 
 def test_requests_opt_out_with_kv_transfer_params(

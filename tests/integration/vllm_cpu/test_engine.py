@@ -280,6 +280,10 @@ def test_the_load_policy_counts_the_apis_hit_in_vllms_stats_line(
     print("\nconnector counters in vLLM's stats lines:", counted)
     assert counted.get("loads") == 1
     assert not any(counted.get(k) for k in ("skipped", "split"))
+    # what kvtrio cost the engine's step loop (µs in its hooks), with the requests to divide by
+    assert counted.get("requests", 0) >= 1
+    assert counted.get("hook_us", 0) > 0
+    assert counted.get("worker_hook_us", 0) > 0
 
 
 def test_kvtrio_threads_run_off_the_engines_compute_cores(through_api: dict[str, Any]) -> None:

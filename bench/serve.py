@@ -242,6 +242,29 @@ def interval_counters(log_text: str) -> dict[str, float]:
     return total
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, from ``/proc`` (those that exited are left out)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo += [int(child) for child in task.read_text().split()]
+    return found
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """The CPU time (user + system) the processes ``pids`` have used, from ``/proc``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
 def place_process(pid: int, cpus: set[int]) -> None:
     """Every thread of process ``pid`` (and so those it starts later) on ``cpus``."""
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -481,6 +504,11 @@ class Bench:
         log_offset = len(engine.log_text())
         before_metrics = engine.metrics()
         before_kv = stats(server.endpoint) if server else None
+        vllm_pids = process_tree(engine.proc.pid)
+        cpu_before = (
+            cpu_seconds(vllm_pids),
+            cpu_seconds([server.pid]) if server and server.pid else 0.0,
+        )
         argv = [
             sys.executable, "-c", CLIENT,
             "--backend", "vllm", "--base-url", engine.base, "--endpoint", "/v1/completions",
@@ -506,6 +534,10 @@ class Bench:
             )
         result = json.loads(result_path.read_text())
         after_metrics = engine.metrics()
+        cpu_after = (
+            cpu_seconds(vllm_pids),
+            cpu_seconds([server.pid]) if server and server.pid else 0.0,
+        )
         run: dict[str, Any] = {
             "repetition": rep, "case": case, "workload": workload, "rate": rate, "tag": tag,
             "seed": seed, "wall_s": wall, "dataset": about, "client_result": str(result_path),
@@ -521,6 +553,11 @@ class Bench:
         delta = {k: after_metrics[k] - before_metrics[k] for k in after_metrics}
         run["vllm_metrics"] = delta
         run["timings_ms"] = timings_ms(delta)
+        done = max(1, result.get("completed") or 0)
+        run["cpu_ms_per_request"] = {  # vLLM's processes (kvtrio's copies run in its worker)
+            "vllm": 1000 * (cpu_after[0] - cpu_before[0]) / done,
+            "kvtrio_serve": 1000 * (cpu_after[1] - cpu_before[1]) / done,
+        }
         queries = delta["vllm:prefix_cache_queries_total"]
         run["vllm_hit_ratio"] = delta["vllm:prefix_cache_hits_total"] / queries if queries else 0
         external = delta["vllm:external_prefix_cache_queries_total"]
@@ -686,6 +723,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ("kvtrio_l2_hit_ratio", lambda r: r.get("kvtrio", {}).get("l2_hit_ratio")),
                 ("l2_writes", _l2_writes),
                 ("mean_ttft_ms", lambda r: r.get("mean_ttft_ms")),
+                ("cpu_vllm_ms", lambda r: r.get("cpu_ms_per_request", {}).get("vllm")),
+                ("cpu_kvtrio_ms", lambda r: r.get("cpu_ms_per_request", {}).get("kvtrio_serve")),
                 *(
                     (f"{key}_ms", lambda r, key=key: r.get("timings_ms", {}).get(key))
                     for key in TIMINGS
@@ -812,9 +851,11 @@ def timing_lines(rows: list[dict[str, Any]]) -> list[str]:
         "'prefill' from the first step to the first token):",
         "and kvtrio's own cost to the engine's step loop: its time in the connector's hooks "
         "(lookups and their waits, planning, queueing copies, in-step loads) per request, "
-        "in the scheduler and the worker, from vLLM's stats lines:",
+        "in the scheduler and the worker, from vLLM's stats lines; and the CPU time per "
+        "request of vLLM's processes (kvtrio's copies run in its worker) and of kvtrio serve:",
         f"  {'workload':9} {'rate':>5} {'case':8} {'client':>7} {'engine':>7} {'queue':>7} "
-        f"{'prefill':>7} {'api':>7} {'kvtrio scheduler':>16} {'kvtrio worker':>14}",
+        f"{'prefill':>7} {'api':>7} {'kvtrio scheduler':>16} {'kvtrio worker':>14} "
+        f"{'CPU vLLM':>11} {'CPU kvtrio':>11}",
     ]
     for row in rows:
         got = [
@@ -835,6 +876,10 @@ def timing_lines(rows: list[dict[str, Any]]) -> list[str]:
             f"  {row['workload']:9} {row['rate']:>5g} {row['case']:8} "
             + " ".join(f"{v:7.0f}" if v is not None else f"{'-':>7}" for v in got)
             + f" {api:7.0f} {hooks[0]:>16} {hooks[1]:>14}"
+            + "".join(
+                f" {row[k]['median']:8.1f} ms" if k in row else f" {'-':>11}"
+                for k in ("cpu_vllm_ms", "cpu_kvtrio_ms")
+            )
         )
     return lines
 

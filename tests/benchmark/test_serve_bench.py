@@ -6,6 +6,7 @@ The bench itself runs in the ``vllm-cpu`` environment (``docs/vllm.md`` §12).""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -197,7 +198,9 @@ def test_where_the_ttft_goes_is_split_by_vllms_histograms(
          "external_hit_ratio": 0.0, "mean_ttft_ms": client,
          "timings_ms": {"engine_ttft": engine, "queue": queue, "prefill": 60.0},
          "policy": {"hook_us": 5000, "worker_hook_us": 1000, "requests": 4} if case == "l1"
-         else {}}
+         else {},
+         "cpu_ms_per_request": {"vllm": 44.0 if case == "l1" else 40.0,
+                                "kvtrio_serve": 2.5 if case == "l1" else 0.0}}
         for case, client, engine, queue in (
             ("l1", 110.0, 100.0, 30.0), ("vllm", 95.0, 90.0, 20.0), ("vllm-big", 80.0, 75.0, 5.0)
         )
@@ -205,8 +208,13 @@ def test_where_the_ttft_goes_is_split_by_vllms_histograms(
     rows = serve.summarize(runs)
     assert [r["case"] for r in rows] == ["vllm", "vllm-big", "l1"]
     lines = serve.timing_lines(rows)
-    assert lines[3].split() == ["multiturn", "5", "vllm", "95", "90", "20", "60", "10", "-", "-"]
+    assert lines[3].split() == [
+        "multiturn", "5", "vllm", "95", "90", "20", "60", "10", "-", "-", "40.0", "ms", "0.0", "ms"
+    ]  # fmt: skip
     assert lines[5].split() == [
-        "multiturn", "5", "l1", "110", "100", "30", "60", "10", "1.25", "ms", "0.25", "ms"
+        "multiturn", "5", "l1", "110", "100", "30", "60", "10", "1.25", "ms", "0.25", "ms",
+        "44.0", "ms", "2.5", "ms",
     ]  # fmt: skip
     assert serve.parse_args(["--workloads", "random"]).cases == ["vllm", "l1", "l1+disk"]
+    assert os.getpid() in serve.process_tree(os.getpid())
+    assert serve.cpu_seconds([os.getpid()]) > 0

@@ -28,6 +28,7 @@ __all__ = [
     "PlannedTransfer",
     "RequestPlan",
     "held_after_lookup",
+    "may_store",
     "plan_load",
     "plan_store",
     "usable_hit",
@@ -137,6 +138,22 @@ def plan_load(
         ),
     )
     return PlannedTransfer(plan.request_id, "load", op, sync=sync, tier=plan.load_tier)
+
+
+def may_store(
+    plan: RequestPlan, computed_tokens: int, prompt_tokens: int, block_size: int, chunk_size: int
+) -> bool:
+    """False when :func:`plan_store` would plan nothing for ``computed_tokens`` (no chunk
+    completed beyond what kvtrio holds, and no partial chunk due): a check of a few integer
+    operations that spares a step the request's blocks and hashes (most decode steps)."""
+    if not plan.save:
+        return False
+    if computed_tokens - computed_tokens % chunk_size > plan.held_tokens:
+        return True
+    whole = prompt_tokens - prompt_tokens % block_size
+    return not plan.tail_held and prompt_tokens - prompt_tokens % chunk_size < whole <= (
+        computed_tokens
+    )
 
 
 def plan_store(

@@ -27,6 +27,7 @@ from ._planner import (
     PlannedTransfer,
     RequestPlan,
     held_after_lookup,
+    may_store,
     plan_load,
     plan_store,
     usable_hit,
@@ -340,13 +341,19 @@ class SchedulerSide:
         for request_id, num_new in scheduled.items():
             plan = self._plans.get(request_id)
             request = self._requests.get(request_id)
-            if plan is None or request is None or not plan.save:
+            if plan is None or request is None:
                 continue
+            computed = request.num_computed_tokens + num_new
+            chunk_size = self.adapter.chunk_size
+            if not may_store(
+                plan, computed, request.num_prompt_tokens, self.block_size, chunk_size
+            ):
+                continue  # (most decode steps: no chunk completed, no block or hash looked at)
             store_of = partial(
                 plan_store,
                 plan,
                 tokens=request.all_token_ids,
-                computed_tokens=request.num_computed_tokens + num_new,
+                computed_tokens=computed,
                 prompt_tokens=request.num_prompt_tokens,
                 block_size=self.block_size,
                 chunk_size=self.adapter.chunk_size,

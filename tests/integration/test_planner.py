@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtrio.integration._options import (
     OPTION_HELP,
@@ -13,6 +15,7 @@ from kvtrio.integration._options import (
 from kvtrio.integration._planner import (
     RequestPlan,
     held_after_lookup,
+    may_store,
     plan_load,
     plan_store,
     usable_hit,
@@ -268,3 +271,44 @@ def test_the_load_policy_judges_a_requests_hit_once() -> None:
     for _ in range(5):
         assert side.matched_tokens(Request(), 0, preempted=False) == (0, False)
     assert side.policy.stats == {"skipped": 1, "skipped_idle": 1, "skipped_tokens": 4 * CHUNK}
+
+
+@given(
+    prompt=st.integers(1, 12 * CHUNK),
+    steps=st.lists(st.integers(1, 3 * CHUNK), min_size=1, max_size=40),
+    hit=st.integers(0, 12 * CHUNK),
+)
+def test_a_step_skipped_by_may_store_would_have_stored_nothing(
+    prompt: int, steps: list[int], hit: int
+) -> None:
+    """``build_step`` skips a request's ``plan_store`` when ``may_store`` says so (no blocks
+    or hashes looked at): over any run of steps (prefill chunks, then decode), from any
+    lookup hit, every skipped step is one that would have planned no store."""
+    tokens = list(range(prompt + sum(steps)))
+    blocks = list(range(len(tokens) // BLOCK + 1))
+    plan = RequestPlan("r")
+    held_after_lookup(plan, min(hit, prompt) - min(hit, prompt) % BLOCK, CHUNK)
+    computed = 0
+    for new in steps:
+        computed = min(len(tokens), computed + new)
+        skip = not may_store(plan, computed, prompt, BLOCK, CHUNK)
+        stores = plan_store(
+            plan, tokens=tokens, block_ids=blocks, computed_tokens=computed,
+            prompt_tokens=prompt, block_size=BLOCK, chunk_size=CHUNK,
+        )  # fmt: skip
+        assert not (skip and stores)
+
+
+def test_decode_steps_between_chunks_plan_no_store() -> None:
+    plan = RequestPlan("r")
+    prompt = len(TOKENS)
+    tokens = [*TOKENS, *range(CHUNK)]
+    assert may_store(plan, prompt, prompt, BLOCK, CHUNK)
+    stores = plan_store(
+        plan, tokens=tokens, block_ids=list(range(100, 130)), computed_tokens=prompt,
+        prompt_tokens=prompt, block_size=BLOCK, chunk_size=CHUNK,
+    )  # fmt: skip
+    assert stores  # (the prompt's chunks and its partial chunk)
+    assert not may_store(plan, prompt + 1, prompt, BLOCK, CHUNK)  # a decode step
+    assert may_store(plan, 6 * CHUNK, prompt, BLOCK, CHUNK)  # a chunk of output completed
+    assert not may_store(RequestPlan("r", save=False), 6 * CHUNK, prompt, BLOCK, CHUNK)

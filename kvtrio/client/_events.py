@@ -37,10 +37,13 @@ __all__ = ["EventIndex", "subscribe"]
 
 
 class EventIndex:
-    """Block hash → the media that hold it, per topic, from KV event batches."""
+    """Block hash → the media that hold it, per topic, from KV event batches. A hybrid engine's
+    groups name a block alike (vLLM's ``group_idx`` tells them apart): a block is held on a
+    medium while any group's copy is there, and one group's removal leaves the others'."""
 
     def __init__(self) -> None:
-        self._tiers: dict[bytes, dict[int | bytes, set[str]]] = {}
+        self._tiers: dict[bytes, dict[int | bytes, set[tuple[str, int | None]]]] = {}
+        """topic → block hash → the (medium, group) pairs that hold it."""
         self._next: dict[bytes, int] = {}
         self._held: dict[bytes, dict[int, bytes]] = {}
         self._restored: set[bytes] = set()
@@ -131,15 +134,15 @@ class EventIndex:
             return
         for event in batch.events:
             if type(event) is BlockStored:
-                medium = event.medium or ""
+                where = (event.medium or "", event.group_idx)
                 for h in event.block_hashes:
-                    tiers.setdefault(h, set()).add(medium)
+                    tiers.setdefault(h, set()).add(where)
             elif type(event) is BlockRemoved:
-                medium = event.medium or ""
+                where = (event.medium or "", event.group_idx)
                 for h in event.block_hashes:
                     held = tiers.get(h)
                     if held is not None:
-                        held.discard(medium)
+                        held.discard(where)
                         if not held:
                             del tiers[h]
             elif type(event) is AllBlocksCleared:
@@ -154,8 +157,8 @@ class EventIndex:
         result: dict[str, set[int | bytes]] = {}
         tables = [self._tiers.get(topic, {})] if topic is not None else list(self._tiers.values())
         for table in tables:
-            for h, media in table.items():
-                for medium in media:
+            for h, held in table.items():
+                for medium, _ in held:
                     result.setdefault(medium, set()).add(h)
         return result
 
@@ -170,7 +173,7 @@ class EventIndex:
         for count, h in enumerate(block_hashes):
             media: set[str] = set()
             for table in tables:
-                media |= table.get(h, set())
+                media |= {medium for medium, _ in table.get(h, ())}
             open_media = media if open_media is None else open_media & media
             for medium in open_media:
                 result[medium] = count + 1
@@ -183,8 +186,8 @@ class EventIndex:
         counts: dict[str, int] = {}
         tables = [self._tiers.get(topic, {})] if topic is not None else list(self._tiers.values())
         for table in tables:
-            for media in table.values():
-                for medium in media:
+            for held in table.values():
+                for medium in {medium for medium, _ in held}:
                     counts[medium] = counts.get(medium, 0) + 1
         return counts
 

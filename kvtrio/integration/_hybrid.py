@@ -77,6 +77,8 @@ class GroupSpread:
         self.block_size = block_size
         self.primary = primary_group(self.groups)
         self.keeps_state = all(g.aligned for g in self.groups if g.kind == "mamba")
+        self._state_group = next((g.index for g in self.groups if g.kind == "mamba"), None)
+        """The first Mamba group (its state stands for every Mamba group's), if any."""
         """False with a Mamba group outside vLLM's ``align`` mode: nothing is loaded or
         stored."""
         self.stats: collections.Counter[str] = collections.Counter()
@@ -116,8 +118,8 @@ class GroupSpread:
         together."""
         end = self._ends.get(request_id, (num_tokens - 1) // self.block_size * self.block_size)
         blocks = max(0, end) // self.block_size
-        mamba = [g for g in self.groups if g.kind == "mamba"]
-        if request_id not in self._ends and not mamba:
+        state = self._state_group
+        if request_id not in self._ends and state is None:
             # Every whole block, as a lookup of one group asks: a prompt of whole chunks hits
             # its last chunk, loaded in part up to ``end`` (asked only up to ``end``, that
             # chunk would be a partial chunk nobody stored). A state is only at ``end``.
@@ -127,7 +129,7 @@ class GroupSpread:
             for g in self.groups
             if g.kind != "mamba"
         ]
-        return attention, (hashes[mamba[0].index][:blocks] if mamba else None)
+        return attention, (None if state is None else hashes[state][:blocks])
 
     def hit(self, request_id: str, hit: int, num_tokens: int) -> int | None:
         """The hit every group serves, from a lookup's answer ``hit``; None: ask again, for a

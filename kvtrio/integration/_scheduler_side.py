@@ -338,13 +338,13 @@ class SchedulerSide:
             self._watch(transfers, scheduled)
         if block_ids_of is None:
             return step
+        chunk_size = self.adapter.chunk_size
         for request_id, num_new in scheduled.items():
             plan = self._plans.get(request_id)
             request = self._requests.get(request_id)
             if plan is None or request is None:
                 continue
             computed = request.num_computed_tokens + num_new
-            chunk_size = self.adapter.chunk_size
             if not may_store(
                 plan, computed, request.num_prompt_tokens, self.block_size, chunk_size
             ):
@@ -356,7 +356,7 @@ class SchedulerSide:
                 computed_tokens=computed,
                 prompt_tokens=request.num_prompt_tokens,
                 block_size=self.block_size,
-                chunk_size=self.adapter.chunk_size,
+                chunk_size=chunk_size,
                 event_hashes=(
                     None if self.event_hashes is None else partial(self.event_hashes, request)
                 ),
@@ -364,7 +364,7 @@ class SchedulerSide:
             if self.spread is not None and group_block_ids_of is not None:
                 groups = group_block_ids_of(request_id)
                 transfers += self.spread.stores(
-                    store_of, groups, self._group_hashes(request), self.adapter.chunk_size
+                    store_of, groups, self._group_hashes(request), chunk_size
                 )
             else:
                 transfers += store_of(

@@ -505,10 +505,8 @@ class Bench:
         before_metrics = engine.metrics()
         before_kv = stats(server.endpoint) if server else None
         vllm_pids = process_tree(engine.proc.pid)
-        cpu_before = (
-            cpu_seconds(vllm_pids),
-            cpu_seconds([server.pid]) if server and server.pid else 0.0,
-        )
+        kvtrio_pids = [server.pid] if server and server.pid else []
+        cpu_before = (cpu_seconds(vllm_pids), cpu_seconds(kvtrio_pids))
         argv = [
             sys.executable, "-c", CLIENT,
             "--backend", "vllm", "--base-url", engine.base, "--endpoint", "/v1/completions",
@@ -534,10 +532,7 @@ class Bench:
             )
         result = json.loads(result_path.read_text())
         after_metrics = engine.metrics()
-        cpu_after = (
-            cpu_seconds(vllm_pids),
-            cpu_seconds([server.pid]) if server and server.pid else 0.0,
-        )
+        cpu_after = (cpu_seconds(vllm_pids), cpu_seconds(kvtrio_pids))
         run: dict[str, Any] = {
             "repetition": rep, "case": case, "workload": workload, "rate": rate, "tag": tag,
             "seed": seed, "wall_s": wall, "dataset": about, "client_result": str(result_path),

@@ -56,9 +56,20 @@ class Failures:
             f": {detail}" if detail else "",
         )
 
-    def retrieve(self, cause: str, chunks: int) -> None:
+    def retrieve(self, request_id: str, cause: str, chunks: int, detail: object = "") -> None:
+        """``chunks`` chunks of a retrieve could not be loaded (the engine recomputes them)."""
         with self._lock:
             self.retrieves[cause] += chunks
+        self.warn_once(
+            f"retrieve:{cause}",
+            logging.WARNING,
+            "kvtrio: %d chunk(s) of %s's retrieve were not loaded (%s%s), the engine recomputes "
+            "them; further ones with this cause are only counted (WorkerAdapter.metrics())",
+            chunks,
+            request_id,
+            cause,
+            f": {detail}" if detail else "",
+        )
 
     def registration(self) -> None:
         with self._lock:

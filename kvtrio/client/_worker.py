@@ -362,6 +362,7 @@ class WorkerAdapter:
         first, last = op.start // self.chunk_size, self._chunks_to(op.end)
         result = Retrieved()  # (nothing loaded, if the whole retrieve fails)
         cause = ""
+        detail: object = ""
 
         def finished() -> None:
             """Report the retrieve: which blocks failed, and that it is done."""
@@ -372,7 +373,7 @@ class WorkerAdapter:
             for reason, count in collections.Counter(
                 causes.get(c, cause or "missing") for c in missing
             ).items():
-                self.failures.retrieve(reason, count)
+                self.failures.retrieve(request_id, reason, count, detail)
             self._completions.retrieve_ended(request_id, failed)
             done.set_result(None)
 
@@ -389,11 +390,9 @@ class WorkerAdapter:
             cause = "not_registered"
             self._lost()
         except KvtrioError as exc:
-            cause = "server"
-            log.debug("retrieve of %s failed: %s", request_id, exc)
+            cause, detail = "server", exc
         except (ValueError, TypeError, OverflowError) as exc:
-            cause = "bad_prompt"
-            log.debug("retrieve of %s failed: %s", request_id, exc)
+            cause, detail = "bad_prompt", exc
         except Exception:
             cause = "internal"
             log.exception("retrieve of %s failed", request_id)

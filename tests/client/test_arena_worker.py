@@ -7,6 +7,7 @@ once the server has answered its commit, and what the commit could not store is 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -107,6 +108,24 @@ async def test_a_store_in_batches_is_finished_once_committed_and_retrieved_byte_
         return (state.l1_ready, state.l1_pins, state.leases) == (10, 0, 0)
 
     await await_async(released, what="one release of every chunk read")
+
+
+async def test_a_retrieve_of_what_the_server_lacks_is_reported_counted_and_said_once(
+    worker: tuple[WorkerAdapter, list[np.ndarray]], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing stored: every block of the retrieve is reported failed (the engine recomputes
+    them), the chunks are counted by cause, and one warning names the request and the cause
+    (a second failure with that cause is only counted)."""
+    adapter, _ = worker
+    op = LoadStoreOp(TARGET, PROMPT, end=len(PROMPT))
+    with caplog.at_level(logging.WARNING, logger="kvtrio.client"):
+        await in_thread(adapter.submit_retrieve_request("r", op).result)
+        await in_thread(adapter.submit_retrieve_request("r2", op).result)
+    assert await in_thread(adapter.get_block_ids_with_load_errors) == set(TARGET)
+    assert adapter.metrics()["retrieve_failures"] == {"missing": 20}
+    said = [r.getMessage() for r in caplog.records if "retrieve" in r.getMessage()]
+    assert len(said) == 1
+    assert "10 chunk(s) of r's retrieve were not loaded (missing)" in said[0]
 
 
 @pytest.mark.parametrize("server_config", [{"max_pins": 5}], indirect=True)

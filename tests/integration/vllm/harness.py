@@ -453,6 +453,15 @@ class Engine:
             sampled[request_id] = [100 + sum(tokens[-3:]) % 800] if done_prefill else []
         return sampled, bad
 
+    def load_failures(self) -> dict[str, int]:
+        """The worker adapter's failed retrieves by cause (chunks), for assertion messages."""
+        if self.worker is None:
+            return {}
+        failures: dict[str, int] = _kvtrio(self.worker)._worker.adapter.metrics()[
+            "retrieve_failures"
+        ]
+        return failures
+
     def close(self) -> None:
         """Shut both connector sides down (the worker first: it finishes queued transfers)."""
         if self.worker is not None:

@@ -68,6 +68,7 @@ def run(engine: Engine, name: str, prompt: list[int], **params: Any) -> tuple[in
     engine.run()
     result = engine.results[name]
     assert result.external_cached is not None
+    assert not engine.failed_blocks, f"{name}: loads failed: {engine.load_failures()}"
     return result.external_cached, len(result.output)
 
 

@@ -34,6 +34,14 @@ both ways end with the request's own prefill step, ``S + r·c`` (the *tail*):
 * **split**: the L1 part loaded, the L2 part (``N₂`` tokens) computed:
   ``max(L₁, B·c) + N₂·c·(1 + M) + tail``.
 
+``B`` counts only the engine's **whole steps** of backlog (``step_budget``: vLLM's
+``max_num_batched_tokens``): vLLM schedules the running requests' prefill chunks first and this
+request with what is left of the step's token budget, so a backlog smaller than one step's
+budget delays it by nothing, and an asynchronous load (which lands a step later at least) is
+then not hidden behind it (counted token by token, a busy engine's backlog made every load
+between steps look free: 0 of 151 hits were loaded inside the step at 8 requests/s with 16
+running slots, ``docs/vllm.md`` §12).
+
 The cheapest wins (computing on a tie). With ``M = 0`` this is the request's own time to its
 first token; under a served load (``M`` large) a computed hit is paid by every request in the
 engine, which is why loads that are a step slower for one request still serve more.
@@ -158,6 +166,9 @@ class CostModel:
     """One in this many hits that do not pay is loaded anyway (at first)."""
     max_explore_every: int = 256
     """The gap between explorations grows up to this while they turn out slower."""
+    step_budget: int | None = None
+    """Tokens the engine schedules per step (vLLM's ``max_num_batched_tokens``): only whole
+    steps of backlog delay a request (None: every token of it does)."""
     _steps: collections.deque[float] = attrs.field(init=False)
     _per_token: float | None = attrs.field(init=False, default=None)
     _durations: collections.deque[float] = attrs.field(init=False)
@@ -251,7 +262,7 @@ class CostModel:
             self._skipped_in_a_row = 0
             return LoadDecision(tokens, load, None if per_token is None else per_token * tokens)
         shared = 1 + max(0, others)
-        wait = backlog * per_token
+        wait = self.waited(backlog) * per_token
         tail = self.step_seconds() + max(0, rest) * per_token
         others_wait = (shared - 1) * tokens * per_token
         compute = wait + tokens * per_token + others_wait
@@ -299,6 +310,13 @@ class CostModel:
         return LoadDecision(0, load, compute, reason=reason, chosen_seconds=compute,
                             alternative_seconds=best_load, wait_seconds=wait,
                             tail_seconds=tail, others_seconds=others_wait)  # fmt: skip
+
+    def waited(self, backlog: int) -> int:
+        """Of ``backlog`` prefill tokens ahead, those the request waits for: whole steps of
+        ``step_budget`` tokens (all of them without a budget)."""
+        backlog = max(0, backlog)
+        budget = self.step_budget
+        return backlog if not budget or budget <= 0 else backlog - backlog % budget
 
     def explored(self, paid: bool) -> None:
         """An exploration's outcome: one that paid resets the gap between explorations, one

@@ -66,6 +66,7 @@ class SchedulerSide:
         keys: KeyScheme | None = None,
         clock: Callable[[], float] = time.perf_counter,
         groups: Sequence[KvGroup] = (),
+        step_budget: int | None = None,
     ) -> None:
         self.options = options
         hybrid = len(groups) > 1 or any(g.kind != "full" for g in groups)
@@ -91,7 +92,8 @@ class SchedulerSide:
         self._ready: list[PlannedTransfer] = []
         self._warned_chunk = False
         self.policy = LoadPolicy(
-            options.load_policy, CostModel(min_step_tokens=max(64, 2 * block_size))
+            options.load_policy,
+            CostModel(min_step_tokens=max(64, 2 * block_size), step_budget=step_budget),
         )
         self._clock = clock
         self._loading: dict[str, tuple[float, int, Tier, int]] = {}

@@ -228,7 +228,12 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             set_failure_policy(transfer_config, options.load_failure)
             adapter = SchedulerAdapter.from_identity(identity)
             self._scheduler = SchedulerSide(
-                options, self.block_size, adapter, keys, groups=kv_groups(kv_cache_config)
+                options,
+                self.block_size,
+                adapter,
+                keys,
+                groups=kv_groups(kv_cache_config),
+                step_budget=getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None),
             )
             self._scheduler.event_hashes = event_hashes_of(int_block_hashes(), self.block_size)
             if options.events:

@@ -323,3 +323,28 @@ def test_a_short_copy_loads_inside_the_step_where_the_batch_waits_less_than_a_st
     assert (crowded.tokens, crowded.in_step) == (1000, False)
     # An L2 part is never copied inside the step.
     assert not model.decide(1000, 0).in_step
+
+
+def test_only_whole_steps_of_backlog_hide_a_load_between_steps() -> None:
+    """vLLM schedules a step's token budget (``max_num_batched_tokens``): a backlog smaller
+    than it delays the request by nothing, so a load between steps, which lands a step later,
+    is not hidden behind it; whole steps of backlog still are."""
+    model = contended_model(per_token=10e-6, step_budget=2048)
+    model.observe_copy(1000, 0.001)
+    model.observe_copy(2000, 0.002)  # the workers copy 1,000 tokens in 1 ms
+    # 1,500 tokens queued: counted token by token (no budget) they would be 15 ms of waiting,
+    # hiding the 5 ms load; within one step they hide nothing, and three others waiting 1 ms
+    # for a copy inside the step (4 ms with the request's own) cost less than the request's
+    # 5 ms between steps.
+    assert model.waited(1500) == 0
+    within = model.decide(1000, 1000, backlog=1500, others=3)
+    assert (within.tokens, within.in_step, within.wait_seconds) == (1000, True, 0.0)
+    unbudgeted = contended_model(per_token=10e-6)
+    unbudgeted.observe_copy(1000, 0.001)
+    unbudgeted.observe_copy(2000, 0.002)
+    assert not unbudgeted.decide(1000, 1000, backlog=1500, others=3).in_step
+    # Two whole steps ahead (4,096 of 5,000 tokens: 41 ms): the load is hidden behind them.
+    assert model.waited(5000) == 4096
+    behind = model.decide(1000, 1000, backlog=5000, others=3)
+    assert (behind.tokens, behind.in_step) == (1000, False)
+    assert behind.wait_seconds == pytest.approx(0.04096)

@@ -77,10 +77,10 @@ class GroupSpread:
         self.block_size = block_size
         self.primary = primary_group(self.groups)
         self.keeps_state = all(g.aligned for g in self.groups if g.kind == "mamba")
-        self._state_group = next((g.index for g in self.groups if g.kind == "mamba"), None)
-        """The first Mamba group (its state stands for every Mamba group's), if any."""
         """False with a Mamba group outside vLLM's ``align`` mode: nothing is loaded or
         stored."""
+        self._state_group = next((g.index for g in self.groups if g.kind == "mamba"), None)
+        """The first Mamba group (its state stands for every Mamba group's), if any."""
         self.stats: collections.Counter[str] = collections.Counter()
         """Counters since the engine started (``hits``, ``loaded_bytes``, ``hit_bytes_full``,
         ``stores_skipped_window``)."""

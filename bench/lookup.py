@@ -32,7 +32,9 @@ CLIENT = r"""
 import json, os, random, sys, time
 import attrs
 from kvtrio.client import Client
-from kvtrio.protocol import LayoutSpec, Lookup, LookupReply, Register, encode_request
+from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS, LayoutSpec, Lookup, LookupReply, Register, encode_request,
+)
 
 endpoint, sizes = sys.argv[1], json.loads(sys.argv[2])
 lookups, pid = int(sys.argv[3]), int(sys.argv[4])

@@ -111,12 +111,22 @@ from ttft import _cache_dict, disk_counters, environment, log, settle, size_text
 from kvtrio.launch import ServerProcess
 
 HERE = Path(__file__).resolve().parent
-CASES = ("vllm", "vllm-big", "l1", "l1+disk")
+CASES = ("vllm", "vllm-big", "l1", "l1+disk", "l1-idle", "l1-nosave", "l1-noload")
 """``vllm``: vLLM alone; ``vllm-big``: vLLM alone with kvtrio's L1 added to its own KV cache
 (the same memory as ``l1`` in all: what a user could do instead of running kvtrio);
-``l1``, ``l1+disk``: vLLM with kvtrio."""
+``l1``, ``l1+disk``: vLLM with kvtrio. To find what part of kvtrio costs where it has nothing
+to add, ``l1`` with parts switched off (:data:`CASE_CONFIG`): ``l1-idle`` the connector in the
+engine and kvtrio serve running, nothing looked up, loaded or stored; ``l1-nosave`` lookups and
+loads, no stores; ``l1-noload`` stores, no lookups or loads."""
 DEFAULT_CASES = ("vllm", "l1", "l1+disk")
-KVTRIO_CASES = ("l1", "l1+disk")
+KVTRIO_CASES = ("l1", "l1+disk", "l1-idle", "l1-nosave", "l1-noload")
+CASE_CONFIG: dict[str, dict[str, Any]] = {
+    "l1-idle": {"kvtrio.load": False, "kvtrio.save": False},
+    "l1-nosave": {"kvtrio.save": False},
+    "l1-noload": {"kvtrio.load": False},
+}
+"""The connector options of the cases that switch a part of kvtrio off (over
+``--extra-config``)."""
 BLOCK = 32
 SERVED_NAME = "bench-model"
 STARTUP = 900.0  # seconds an API server may take to come up
@@ -316,7 +326,11 @@ class ApiServer:
                 "kv_connector": "KvtrioConnector",
                 "kv_connector_module_path": "kvtrio.integration.vllm",
                 "kv_role": "kv_both",
-                "kv_connector_extra_config": {"kvtrio.url": url, **bench.extra_config},
+                "kv_connector_extra_config": {
+                    "kvtrio.url": url,
+                    **bench.extra_config,
+                    **CASE_CONFIG.get(case, {}),
+                },
             }
             argv += ["--kv-transfer-config", json.dumps(config)]
         self.argv = argv

@@ -218,3 +218,20 @@ def test_where_the_ttft_goes_is_split_by_vllms_histograms(
     assert serve.parse_args(["--workloads", "random"]).cases == ["vllm", "l1", "l1+disk"]
     assert os.getpid() in serve.process_tree(os.getpid())
     assert serve.cpu_seconds([os.getpid()]) > 0
+
+
+def test_the_cases_that_switch_kvtrio_parts_off_are_valid_connector_options(
+    bench: tuple[ModuleType, ModuleType],
+) -> None:
+    from kvtrio.integration._options import parse_options
+
+    _, serve = bench
+    assert set(serve.CASE_CONFIG) <= set(serve.KVTRIO_CASES) <= set(serve.CASES)
+    idle = parse_options(serve.CASE_CONFIG["l1-idle"])
+    assert (idle.load, idle.save) == (False, False)
+    nosave = parse_options(serve.CASE_CONFIG["l1-nosave"])
+    assert (nosave.load, nosave.save) == (True, False)
+    noload = parse_options(serve.CASE_CONFIG["l1-noload"])
+    assert (noload.load, noload.save) == (False, True)
+    args = serve.parse_args(["--cases", "vllm", "l1", "l1-idle", "l1-nosave", "l1-noload"])
+    assert args.cases == ["vllm", "l1", "l1-idle", "l1-nosave", "l1-noload"]

@@ -38,7 +38,13 @@ with kvtrio on two. Every engine here gets ``VLLM_CPU_OMP_THREADS_BIND`` = all C
 (``0`` on 2 CPUs, as ``bench/ttft.py``) and ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (what vLLM
 reserves for an engine without connector; the engines with kvtrio log a warning that 1 is less
 than their "minimum requirement" of 2, and use 1). The bench prints each engine's "OpenMP
-thread binding info" lines so that a reader can check they match.
+thread binding info" lines so that a reader can check they match. vLLM's API server, its
+engine core and the bench client run on the CPUs the engines do not compute on (the last one
+here), as ``kvtrio serve`` does (``--frontend-cpus spare``, the default; ``any``: where the OS
+puts them). Left to the OS, they moved onto the compute core whenever ``kvtrio serve`` added
+load to the spare one (sampled from ``/proc``: the API server runnable on CPU 0 in 11 % of
+samples with kvtrio, 3 % without), and took that core from the OpenMP thread: the engines with
+kvtrio measured slower for a reason that was not kvtrio's work (``docs/vllm.md`` §12).
 
 **Client.** vLLM's ``vllm bench serve``, unmodified (``vllm.benchmarks.serve``'s
 ``add_cli_args`` and ``main``, which is all that ``vllm bench serve`` runs; the ``vllm`` script
@@ -99,7 +105,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -282,6 +288,18 @@ def place_process(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(task.name), cpus)
 
 
+def cpu_text(cpus: set[int]) -> str:
+    """``{1, 2, 3}`` → ``CPUs 1,2,3``; empty: ``any CPU``."""
+    return "CPUs " + ",".join(map(str, sorted(cpus))) if cpus else "any CPU"
+
+
+def on_cpus(cpus: set[int]) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that starts a child on ``cpus`` (None: where the OS puts it)."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 def omp_binding(log_text: str) -> list[str]:
     """vLLM's "OpenMP thread binding info" message(s): the line and its indented lines, each
     different one once."""
@@ -336,7 +354,10 @@ class ApiServer:
         self.argv = argv
         self.started = time.monotonic()
         with self.log_path.open("w") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=bench.env)
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=bench.env,
+                preexec_fn=on_cpus(bench.frontend_cpus),
+            )  # fmt: skip
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -407,6 +428,10 @@ class Bench:
         allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
         self.spare_cpus = set(allowed) - set(range(cpus - 1)) if cpus > 1 else set()
         """Where ``kvtrio serve`` runs: the CPUs the engines do not compute on."""
+        self.frontend_cpus = self.spare_cpus if args.frontend_cpus == "spare" else set()
+        """Where vLLM's API server (its engine core and workers start there; the workers then
+        bind their OpenMP threads to the compute cores) and the bench client run; empty: where
+        the OS puts them."""
         logging_path = workdir / "logging.json"
         logging_path.write_text(json.dumps(LOGGING))
         env = engine_env()
@@ -536,6 +561,7 @@ class Bench:
             proc = subprocess.run(
                 argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, check=False,
                 env={**self.env, "PYTHONHASHSEED": str(seed)},
+                preexec_fn=on_cpus(self.frontend_cpus),
             )  # fmt: skip
         wall = time.monotonic() - clock
         result_path = self.clients / f"{name}.json"
@@ -627,7 +653,9 @@ class Bench:
             f"max-num-batched-tokens {a.max_num_batched_tokens}, KV cache "
             f"{size_text(self.kv_cache_bytes)} ({a.kv_cache_tokens} tokens)",
             f"every engine: VLLM_CPU_OMP_THREADS_BIND={self.omp_cpus}, "
-            f"VLLM_CPU_NUM_OF_RESERVED_CPU=1; kvtrio: chunk {a.chunk_size}, L1 "
+            f"VLLM_CPU_NUM_OF_RESERVED_CPU=1, API server, engine core and bench client on "
+            f"{cpu_text(self.frontend_cpus)}; kvtrio serve on {cpu_text(self.spare_cpus)}; "
+            f"kvtrio: chunk {a.chunk_size}, L1 "
             f"{size_text(self.l1_bytes)} ({a.l1_tokens} tokens), l1+disk: disk L2 "
             f"{size_text(self.l2_bytes)}, ipc://",
             f"machine: {env['cpu_model']}, {env['cpus']} CPUs, load average "
@@ -980,6 +1008,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         add(f"--{workload}-rates", type=float, nargs="+", default=rates,
             help=f"offered requests/s (default: {' '.join(map(str, rates))})")  # fmt: skip
     add("--cases", nargs="+", choices=CASES, default=list(DEFAULT_CASES))
+    add("--frontend-cpus", choices=("spare", "any"), default="spare",
+        help="vLLM's API server and engine core, and the bench client: on the CPUs "
+             "the engines do not compute on (spare), or where the OS puts them")  # fmt: skip
     add("--repetitions", type=int, default=3)
     add("--duration", type=float, default=60, help="seconds of requests per run (rate × it)")
     add("--quick", action="store_true",

@@ -23,7 +23,14 @@ from typing import Any
 
 from ..client import ThreadPlacement
 
-__all__ = ["SHARED_NICE", "affinity", "engine_cpu_cores", "omp_env_cpus", "worker_placement"]
+__all__ = [
+    "SHARED_NICE",
+    "affinity",
+    "engine_cpu_cores",
+    "frontend_advice",
+    "omp_env_cpus",
+    "worker_placement",
+]
 
 log = logging.getLogger("kvtrio.vllm")
 
@@ -95,6 +102,35 @@ def worker_placement(
         "its steps: leave a core free (VLLM_CPU_NUM_OF_RESERVED_CPU=1, or a "
         "VLLM_CPU_OMP_THREADS_BIND without the last core), as vLLM does for an engine with "
         "a connector where it has cores to spare"
+    )
+
+
+def frontend_advice(
+    compute: frozenset[int] | None,
+    reserved: frozenset[int] = frozenset(),
+    allowed: frozenset[int] | None = None,
+    own: frozenset[int] | None = None,
+) -> str | None:
+    """For vLLM's engine core process (where the scheduler side runs): a warning when it may run
+    on the cores the engine computes on although others are free, else None.
+
+    ``compute``, ``reserved``, ``allowed``: as for :func:`worker_placement`; ``own``: the cores
+    this process may run on. Such a process (and the API server it was started from) stays off
+    the compute cores while the spare ones are idle, but once ``kvtrio serve`` loads them the OS
+    balances it onto a compute core, where it takes time from an OpenMP thread and every step
+    waits: on a 2-CPU host that made steps ~15 % longer with kvtrio (``docs/vllm.md`` §12)."""
+    if not compute or not own or not own & compute:
+        return None
+    spare = (reserved or (allowed or own) - compute) - compute
+    if not spare:
+        return None  # every core computes: nowhere better to run
+    free = ThreadPlacement(cpus=spare).describe()
+    return (
+        f"vLLM's engine core may run on {ThreadPlacement(cpus=own).describe()}, the compute "
+        f"{ThreadPlacement(cpus=compute).describe()} among them: with kvtrio serve loading "
+        f"{free}, the OS moves it and the API server onto a compute core, which slows every "
+        f"step; start vLLM on {free} (taskset -c {free.removeprefix('CPUs ')} vllm serve …, "
+        "its workers still compute where VLLM_CPU_OMP_THREADS_BIND says)"
     )
 
 

@@ -58,7 +58,7 @@ except ImportError:  # pragma: no cover - older vLLM: the counters are only in k
     KVConnectorStats = None  # type: ignore[assignment,misc]
 
 from ..client import EngineIdentity, SchedulerAdapter, WorkerAdapter
-from ._cores import engine_cpu_cores, worker_placement
+from ._cores import affinity, engine_cpu_cores, frontend_advice, worker_placement
 from ._engine_keys import key_scheme
 from ._events import EngineEvents, event_hashes_of
 from ._kv_groups import kv_groups, unsupported_kv_cache
@@ -236,6 +236,8 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 step_budget=getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None),
             )
             self._scheduler.event_hashes = event_hashes_of(int_block_hashes(), self.block_size)
+            if advice := frontend_advice(*engine_cpu_cores(vllm_config), own=affinity(0)):
+                log.warning("kvtrio: %s (docs/vllm.md §8)", advice)
             if options.events:
                 self._events = EngineEvents(options)
         else:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from kvtrio.integration._cores import SHARED_NICE, omp_env_cpus, worker_placement
+from kvtrio.integration._cores import (
+    SHARED_NICE,
+    frontend_advice,
+    omp_env_cpus,
+    worker_placement,
+)
 
 
 def test_kvtrio_takes_the_cores_vllm_reserves() -> None:
@@ -46,3 +51,32 @@ def test_the_openmp_cores_vllm_set_for_this_worker() -> None:
     assert omp_env_cpus({"OMP_PLACES": "{0,1,2}"}) == {0, 1, 2}
     assert omp_env_cpus({"OMP_PLACES": "{0},{1}", "OMP_NUM_THREADS": "2"}) == {0, 1}
     assert omp_env_cpus({"OMP_NUM_THREADS": "2"}) is None
+
+
+def test_an_engine_core_that_may_run_on_the_compute_cores_is_told_where_to_run() -> None:
+    said = frontend_advice(frozenset({0}), frozenset(), frozenset({0, 1}), own=frozenset({0, 1}))
+    assert said is not None
+    assert "CPUs 0-1" in said
+    assert "compute CPUs 0" in said
+    assert "taskset -c 1 vllm serve" in said
+    # vLLM's reserved cores first, where it has them
+    said = frontend_advice(
+        frozenset({0, 1}), frozenset({3}), frozenset(range(4)), own=frozenset(range(4))
+    )
+    assert said is not None
+    assert "taskset -c 3 vllm serve" in said
+
+
+def test_no_advice_where_it_runs_off_the_compute_cores_or_there_is_nowhere_else() -> None:
+    # started with taskset on the spare core (bench/serve.py's --frontend-cpus spare)
+    assert (
+        frontend_advice(frozenset({0}), frozenset(), frozenset({0, 1}), own=frozenset({1})) is None
+    )
+    # every core computes
+    assert (
+        frontend_advice(frozenset({0, 1}), frozenset(), frozenset({0, 1}), frozenset({0, 1}))
+        is None
+    )
+    # not a CPU engine, or its cores unknown
+    assert frontend_advice(None, own=frozenset({0, 1})) is None
+    assert frontend_advice(frozenset({0}), own=None) is None

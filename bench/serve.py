@@ -114,6 +114,7 @@ from _ttft_engine import engine_env
 from _ttft_model import SHAPES, kv_bytes_per_token
 from ttft import _cache_dict, disk_counters, environment, log, settle, size_text, stats
 
+from kvtrio.client import ThreadPlacement
 from kvtrio.launch import ServerProcess
 
 HERE = Path(__file__).resolve().parent
@@ -289,8 +290,8 @@ def place_process(pid: int, cpus: set[int]) -> None:
 
 
 def cpu_text(cpus: set[int]) -> str:
-    """``{1, 2, 3}`` → ``CPUs 1,2,3``; empty: ``any CPU``."""
-    return "CPUs " + ",".join(map(str, sorted(cpus))) if cpus else "any CPU"
+    """``{1, 2, 3}`` → ``CPUs 1-3`` (as kvtrio's logs write them); empty: ``any CPU``."""
+    return ThreadPlacement(cpus=frozenset(cpus)).describe() if cpus else "any CPU"
 
 
 def on_cpus(cpus: set[int]) -> Callable[[], None] | None:

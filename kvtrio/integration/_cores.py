@@ -73,6 +73,14 @@ def omp_env_cpus(environ: Mapping[str, str]) -> frozenset[int] | None:
     return None
 
 
+def _spare(
+    compute: frozenset[int], reserved: frozenset[int], allowed: frozenset[int] | None
+) -> frozenset[int]:
+    """The cores kvtrio's threads (and vLLM's front end) should use: vLLM's reserved ones, else
+    the allowed ones nobody computes on; never a compute core."""
+    return (reserved or (allowed or frozenset()) - compute) - compute
+
+
 def worker_placement(
     compute: frozenset[int] | None,
     reserved: frozenset[int] = frozenset(),
@@ -88,7 +96,7 @@ def worker_placement(
     compute cores at a lower priority."""
     if compute is None:
         return ThreadPlacement(), "kvtrio's threads run where the worker's threads do"
-    spare = (reserved or (allowed or frozenset()) - compute) - compute
+    spare = _spare(compute, reserved, allowed)
     if spare:
         placement = ThreadPlacement(cpus=spare)
         return placement, (
@@ -121,7 +129,7 @@ def frontend_advice(
     waits: on a 2-CPU host that made steps ~15 % longer with kvtrio (``docs/vllm.md`` §12)."""
     if not compute or not own or not own & compute:
         return None
-    spare = (reserved or (allowed or own) - compute) - compute
+    spare = _spare(compute, reserved, allowed or own)
     if not spare:
         return None  # every core computes: nowhere better to run
     free = ThreadPlacement(cpus=spare).describe()

@@ -1,7 +1,7 @@
 """Gather and scatter of one chunk on the CPU copy path, next to a plain memcpy in the same run.
 
     python bench/transfer.py [--shape lmcache|smollm2] [--rounds 40] [--numpy]
-                             [--isa scalar|sse2|avx2] [--kinds ...]
+                             [--isa scalar|sse2|avx2] [--prefetch l1|l2] [--kinds ...]
 
 Shapes (``--shape``):
 
@@ -35,7 +35,8 @@ compare ratios, not GB/s across runs, and take the median of several runs.
 
 The copies use kvtrio's C helper when it can be built (the first run builds it), numpy with
 ``--numpy`` (which sets ``KVTRIO_NO_EXT=1``); the header says which, with the instruction set
-the helper uses (``--isa`` caps it) and the CPU.
+the helper uses (``--isa`` caps it), where its prefetches bring lines (L2 on AMD, L1 elsewhere;
+``--prefetch`` chooses) and the CPU.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", choices=LAYOUT_KINDS, default=list(LAYOUT_KINDS))
     parser.add_argument("--numpy", action="store_true", help="copy with numpy, not the C helper")
     parser.add_argument("--isa", help="cap the C helper's instruction set (scalar, sse2, avx2)")
+    parser.add_argument("--prefetch", choices=("l1", "l2"), help="the C helper's prefetch level")
     args = parser.parse_args()
     if args.numpy:
         os.environ["KVTRIO_NO_EXT"] = "1"
@@ -166,6 +168,8 @@ def main() -> None:
         path = f"C helper ({helper.isa(args.isa)})"
     else:
         path = "C helper"
+    if helper is not None and hasattr(helper, "prefetch"):  # (since issue 33)
+        path = path.replace(")", f", prefetch into {helper.prefetch(args.prefetch).upper()})")
 
     rng = np.random.default_rng(0)
     results = {}

@@ -35,15 +35,18 @@ import numpy.typing as npt
 from ._cuda_build import cache_root, extension_disabled
 from ._layouts import KVLayout
 
-__all__ = ["ISAS", "SOURCE", "CpuHelper", "build_cpu_library", "cpu_helper", "reset"]
+__all__ = ["ISAS", "PREFETCHES", "SOURCE", "CpuHelper", "build_cpu_library", "cpu_helper", "reset"]
 
 log = logging.getLogger("kvtrio.transfer")
 
 SOURCE = Path(__file__).with_name("cpu_ext") / "kvtrio_cpu.c"
-_ABI = 5
+_ABI = 6
 
 ISAS = ("scalar", "sse2", "avx2")
 """The instruction sets the helper's copies can use, in the order of ``kvt_cpu_isa``'s levels."""
+PREFETCHES = ("l1", "l2")
+"""Where the helper's software prefetches bring lines, in the order of ``kvt_cpu_prefetch``'s
+levels: L2 on AMD CPUs (into L1 they stalled the copies there), L1 elsewhere."""
 
 Array = npt.NDArray[Any]
 ChunkPart = tuple[npt.NDArray[np.intp], Array, int, int]
@@ -104,6 +107,8 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.kvt_cpu_rows.restype = ctypes.c_int
     lib.kvt_cpu_isa.argtypes = [ctypes.c_int]
     lib.kvt_cpu_isa.restype = ctypes.c_int
+    lib.kvt_cpu_prefetch.argtypes = [ctypes.c_int]
+    lib.kvt_cpu_prefetch.restype = ctypes.c_int
     return lib
 
 
@@ -130,12 +135,14 @@ def _library() -> ctypes.CDLL | None:
 
 
 def reset() -> None:
-    """Forget the loaded helper (tests: the next call decides again), and lift any cap on its
-    instruction set (the library stays loaded in the process, with its state)."""
+    """Forget the loaded helper (tests: the next call decides again), lift any cap on its
+    instruction set and restore the CPU's prefetch level (the library stays loaded in the
+    process, with its state)."""
     with _lock:
         lib = _state.get("lib")
         if lib is not None:
             lib.kvt_cpu_isa(len(ISAS) - 1)
+            lib.kvt_cpu_prefetch(-2)
         _state.clear()
 
 
@@ -180,6 +187,15 @@ class CpuHelper:
             raise ValueError(f"unknown instruction set {limit!r}: expected one of {ISAS}")
         level = -1 if limit is None else ISAS.index(limit)
         return ISAS[self._lib.kvt_cpu_isa(level)]
+
+    def prefetch(self, level: str | None = None) -> str:
+        """Where the copies' prefetches bring lines (one of :data:`PREFETCHES`): the CPU's
+        default. With ``level``, first set it there for the rest of the process (tests and
+        benches compare the two; ``ValueError`` for a name not in :data:`PREFETCHES`)."""
+        if level is not None and level not in PREFETCHES:
+            raise ValueError(f"unknown prefetch level {level!r}: expected one of {PREFETCHES}")
+        chosen = -1 if level is None else PREFETCHES.index(level)
+        return PREFETCHES[self._lib.kvt_cpu_prefetch(chosen)]
 
     def rows(
         self, layers: Sequence[Array], rows: npt.NDArray[np.intp], row_bytes: int, chunk: Array,

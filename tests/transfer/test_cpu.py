@@ -39,19 +39,26 @@ from .._support.kv_layouts import (
 )
 
 
-@pytest.fixture(autouse=True, params=["helper", "numpy"])
+@pytest.fixture(autouse=True, params=["helper", "helper-other-prefetch", "numpy"])
 def copy_path(
     request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[str]:
-    """Every test runs with the C helper (built once into a temporary cache) and with numpy."""
-    if request.param == "helper" and not (shutil.which("cc") or shutil.which("gcc")):
+    """Every test runs with the C helper (built once into a temporary cache), as this CPU runs
+    it and with its prefetches to the other cache level (L1 or L2: the AMD and the Intel
+    path), and with numpy."""
+    helper = request.param != "numpy"
+    if helper and not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler: the helper cannot be built")
     monkeypatch.setenv("KVTRIO_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kvtrio-cache"))
-    monkeypatch.setenv("KVTRIO_NO_EXT", "1" if request.param == "numpy" else "0")
+    monkeypatch.setenv("KVTRIO_NO_EXT", "0" if helper else "1")
     _cpu_native.reset()
-    assert (_cpu_native.cpu_helper() is None) == (request.param == "numpy")
+    loaded = _cpu_native.cpu_helper()
+    assert (loaded is not None) == helper
+    if loaded is not None and request.param == "helper-other-prefetch":
+        levels = _cpu_native.PREFETCHES
+        loaded.prefetch(levels[1 - levels.index(loaded.prefetch())])
     yield request.param
     _cpu_native.reset()
 

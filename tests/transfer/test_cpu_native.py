@@ -3,6 +3,7 @@ build, its cache and the numpy fallback when it cannot be built."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import subprocess
@@ -161,6 +162,34 @@ def test_the_instruction_set_can_be_capped_and_reset_lifts_the_cap() -> None:
     helper = native.cpu_helper()
     assert helper is not None
     assert helper.isa() == best
+
+
+def cpu_vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo (``""`` where there is none)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+@needs_compiler
+def test_prefetches_go_to_l2_on_amd_and_to_l1_elsewhere_and_reset_restores_that() -> None:
+    """The CPU's default (L2 where prefetches into L1 stalled the copies: AMD), a level set for
+    the rest of the process, and :func:`reset` back to the default."""
+    helper = native.cpu_helper()
+    assert helper is not None
+    default = "l2" if cpu_vendor() == "AuthenticAMD" else "l1"
+    assert helper.prefetch() == default
+    other = "l1" if default == "l2" else "l2"
+    assert helper.prefetch(other) == other
+    assert helper.prefetch() == other
+    with pytest.raises(ValueError, match="unknown prefetch level"):
+        helper.prefetch("l3")
+    native.reset()
+    helper = native.cpu_helper()
+    assert helper is not None
+    assert helper.prefetch() == default
 
 
 def test_base_addresses_are_kept_only_while_their_arrays_live() -> None:

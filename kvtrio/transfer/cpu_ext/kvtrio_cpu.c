@@ -22,7 +22,7 @@
 #define KVT_AVX2 __attribute__((target("avx2")))
 #endif
 
-#define KVT_CPU_ABI 5
+#define KVT_CPU_ABI 6
 
 int kvt_cpu_abi(void) { return KVT_CPU_ABI; }
 
@@ -46,6 +46,35 @@ int kvt_cpu_isa(int limit) {
     if (limit >= 0) __atomic_store_n(&isa_limit, limit, __ATOMIC_RELAXED);
     int supported = isa_supported(), wanted = __atomic_load_n(&isa_limit, __ATOMIC_RELAXED);
     return supported < wanted ? supported : wanted;
+}
+
+/* ------------------------------------------------------------------------ prefetches */
+
+/* Where the copies' software prefetches bring lines: 0 into L1 (prefetcht0), 1 into L2 only
+ * (prefetcht2). On the AMD EPYC machines measured here, prefetches into L1 wait for its few
+ * miss buffers, so the core stalls on them as on the loads they announce, and the copies ran
+ * as if moving and shuffling the bytes took turns: vllm_cpu gathers at 0.72 of memcpy and
+ * scatters at 0.54 (smollm2 shape), flash_attn rows at 0.81-0.88. Into L2, which tracks many
+ * more misses, they overlap: 0.97 and 0.80, flash_attn 1.08-1.11. Intel CPUs keep L1, with
+ * which every layout measured 0.87-1.28 of memcpy there. -1: not decided yet. */
+static int prefetch_level = -1;
+
+/* The prefetch level: `level` (0 or 1) if level >= 0, which stays in effect (tests and benches
+ * compare the two); with -1 the one in effect, the CPU's default at first; with -2 the CPU's
+ * default again. */
+int kvt_cpu_prefetch(int level) {
+    if (level == -1) level = __atomic_load_n(&prefetch_level, __ATOMIC_RELAXED);
+    if (level < 0) {
+#if defined(KVT_X86)
+        __builtin_cpu_init();
+        level = __builtin_cpu_is("amd") ? 1 : 0;
+#else
+        level = 0;
+#endif
+    }
+    level = level > 0;
+    __atomic_store_n(&prefetch_level, level, __ATOMIC_RELAXED);
+    return level;
 }
 
 /* ------------------------------------------------------------------------ plain copies */
@@ -109,23 +138,32 @@ static void kvt_fence(void) {
 }
 
 /* Asks for the cache lines of bytes [begin, end) of p to be brought into the cache (a hint: it
- * neither faults nor waits for the data). */
+ * neither faults nor waits for the data): into L1, or into L2 where prefetch_level is 1 (the
+ * exported functions decide it first, with kvt_cpu_prefetch). */
 static void prefetch(const uint8_t *p, int64_t begin, int64_t end) {
     uintptr_t line = ((uintptr_t)p + (uintptr_t)begin) & ~(uintptr_t)63;
-    for (; line < (uintptr_t)p + (uintptr_t)end; line += 64) __builtin_prefetch((const void *)line);
+    if (__atomic_load_n(&prefetch_level, __ATOMIC_RELAXED) > 0)
+        for (; line < (uintptr_t)p + (uintptr_t)end; line += 64)
+            __builtin_prefetch((const void *)line, 0, 1);
+    else
+        for (; line < (uintptr_t)p + (uintptr_t)end; line += 64)
+            __builtin_prefetch((const void *)line);
 }
 
 /* Rows of every layer to (gather) or from (scatter) the chunk: chunk row chunk_rows[j] of layer
  * l's share of the chunk is row layer_rows[j] of the layer (row_bytes each), copied in the order
  * of j, which the caller picks so that the destination is written in order. layers: num_layers
  * base addresses; the chunk holds the layers' shares (rows_per_layer rows) one after the other.
- * While a row is copied, a piece at a time, the same piece of a row 2 KiB or more ahead is
- * prefetched (see kvt_cpu_vllm_cpu_copy). Arguments are trusted. */
+ * While a row is copied, a piece at a time, the same piece of a row 2 KiB (16 KiB into L2) or
+ * more ahead is prefetched (see kvt_cpu_vllm_cpu_copy). Arguments are trusted. */
 int kvt_cpu_rows(const uint64_t *layers, int64_t num_layers, const int64_t *layer_rows,
                  const int64_t *chunk_rows, int64_t n, int64_t rows_per_layer, int64_t row_bytes,
                  uint8_t *chunk, int gather) {
-    /* The prefetches run at least 2 KiB ahead: the next row, or as many rows as that takes. */
-    const int64_t piece = 1024, ahead = row_bytes < 2048 ? (2048 + row_bytes - 1) / row_bytes : 1;
+    /* The prefetches run at least 2 KiB ahead, 16 KiB into L2 (AMD EPYC, cpu layout's rows of
+     * 256 bytes: 2 KiB 0.82 / 0.70 of memcpy, 16 KiB 1.05 / 0.99): the next row, or as many
+     * rows as that takes. */
+    const int64_t far = kvt_cpu_prefetch(-1) ? 16384 : 2048, piece = 1024,
+                  ahead = row_bytes < far ? (far + row_bytes - 1) / row_bytes : 1;
     for (int64_t l = 0; l < num_layers; l++) {
         uint8_t *base = (uint8_t *)(uintptr_t)layers[l];
         uint8_t *part = chunk + l * rows_per_layer * row_bytes;
@@ -364,6 +402,7 @@ int kvt_cpu_vllm_cpu_copy(const uint64_t *layers, int64_t num_layers, const int6
                           int64_t elem, int64_t block_stride, int64_t head_stride,
                           int64_t kv_stride, int gather) {
     if (elem != 1 && elem != 2 && elem != 4) return 1;
+    kvt_cpu_prefetch(-1);
     const transpose_fn transpose = pick_transpose(elem, kvt_cpu_isa(-1));
     const int64_t region = block_size * head_dim * elem;
     uint8_t *stage = aligned_alloc(64, (size_t)((region + 63) / 64 * 64));

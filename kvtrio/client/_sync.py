@@ -37,7 +37,7 @@ from ..errors import (
     ProtocolError,
     TransportError,
 )
-from ..protocol import Goodbye, HelloReply, Reply, Request, encode_request
+from ..protocol import Goodbye, HelloReply, Reply, Request, encode_request, prepare_hooks
 from ..transport import check_endpoint
 from ._background import Background
 from ._common import (
@@ -88,6 +88,7 @@ class Client:
         placement: ThreadPlacement = INHERITED,
     ) -> None:
         checked = check_endpoint(endpoint)
+        prepare_hooks()  # (not at an engine's first request: cattrs' code generation)
         self._placement = placement
         curve = curve_options(checked, server_key, client_key, insecure)
         self._options = {**dealer_options(), **curve}

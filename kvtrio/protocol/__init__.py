@@ -54,6 +54,7 @@ from ._codec import (
     encode_error,
     encode_reply,
     encode_request,
+    prepare_hooks,
     read_reply_header,
     read_request_header,
 )
@@ -229,6 +230,7 @@ __all__ = [
     "events_topic",
     "msgpack_uint32s",
     "pack_tokens",
+    "prepare_hooks",
     "prompt_chunks",
     "read_reply_header",
     "read_request_header",

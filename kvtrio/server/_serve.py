@@ -18,6 +18,7 @@ from ..config import ServerConfig
 from ..errors import ConfigError
 from ..l2 import Backend, create_backend
 from ..options import ByteSize, format_size
+from ..protocol import prepare_hooks
 from ..shm import SharedArena, default_shm_dir
 from ..storage import L1Cache, make_policy
 from ..transport import ensure_endpoint_free, open_socket, serve_zap
@@ -130,6 +131,7 @@ async def open_server(
     replaces the CUDA runtime the first CUDA registration creates (tests pass a simulated one).
     """
     ensure_endpoint_free(config.endpoint)
+    prepare_hooks()  # (not at a client's first request of each kind: cattrs' code generation)
     config, plan = size_l1(config)
     if plan.warning:
         log.warning("%s", plan.warning, extra=event("l1_size", warning=plan.warning))

@@ -53,10 +53,11 @@ int kvt_cpu_isa(int limit) {
 /* Where the copies' software prefetches bring lines: 0 into L1 (prefetcht0), 1 into L2 only
  * (prefetcht2). On the AMD EPYC machines measured here, prefetches into L1 wait for its few
  * miss buffers, so the core stalls on them as on the loads they announce, and the copies ran
- * as if moving and shuffling the bytes took turns: vllm_cpu gathers at 0.72 of memcpy and
- * scatters at 0.54 (smollm2 shape), flash_attn rows at 0.81-0.88. Into L2, which tracks many
- * more misses, they overlap: 0.97 and 0.80, flash_attn 1.08-1.11. Intel CPUs keep L1, with
- * which every layout measured 0.87-1.28 of memcpy there. -1: not decided yet. */
+ * as if moving and shuffling the bytes took turns: vllm_cpu gathers at 0.70 of memcpy and
+ * scatters at 0.56 (smollm2 shape, fp32), flash_attn rows at 0.80 / 0.91. Into L2, which tracks
+ * many more misses, they overlap: 0.95 / 0.77 (fp16: 0.94 / 0.88), flash_attn 1.04 / 1.03
+ * (docs/bench.md, "CPU copies"). Intel CPUs keep L1, with which every layout measured
+ * 0.87-1.28 of memcpy there. -1: not decided yet. */
 static int prefetch_level = -1;
 
 /* The prefetch level: `level` (0 or 1) if level >= 0, which stays in effect (tests and benches

@@ -16,6 +16,9 @@ repetitions of 60 s of requests, ~2–2.5 h on this project's 2-CPU VM.
 as users run it. ``l1``: the same with kvtrio as its KV connector (``kvtrio serve`` on an
 ipc:// socket in a temporary directory, L1 only, ``--l2 none``). ``l1+disk``: the same with a
 disk L2 under the temporary directory (write-behind of every chunk, L1 misses read from disk).
+``--variant NAME JSON`` adds a case ``NAME``: ``l1`` with the object's ``kvtrio.*`` connector
+options, ``kvtrio serve``'s niceness raised by its ``serve_nice`` and that of kvtrio's threads
+in vLLM's worker by its ``threads_nice`` (to compare settings in one interleaved run).
 
 **Model.** ``--model-shape``, default ``smollm2-135m-4l``: SmolLM2-135M's layer shape (9 heads,
 3 KV heads × 64, hidden 576) with 4 layers (``bench/_ttft_model.py``, seeded random weights)
@@ -86,7 +89,11 @@ L1 and L2 hit chunks over looked-up chunks); loads the connector's policy skippe
 (:func:`connector_counters`, from the engine's log). ``table.txt`` (also printed),
 ``serve.json`` (every run, the client's result files, the settings), ``serve.png`` (TTFT p99
 and throughput against offered rate, one line per case, one column per workload), and every
-process's log. Timing is never judged here: the machine may be shared; compare rows of a run.
+process's log. **Paired TTFT**: every case gets the same requests, so each request's TTFT is
+also compared with vLLM alone's for the same request in the same repetition (the median
+difference, its quartiles, the share slower, the median per repetition): a gap of a few ms
+shows there where the medians' min–max ranges, which carry the machine's drift between runs,
+overlap. Timing is never judged here: the machine may be shared; compare rows of a run.
 """
 
 from __future__ import annotations
@@ -282,11 +289,34 @@ def cpu_seconds(pids: Sequence[int]) -> float:
     return total
 
 
-def place_process(pid: int, cpus: set[int]) -> None:
-    """Every thread of process ``pid`` (and so those it starts later) on ``cpus``."""
+def place_process(pid: int, cpus: set[int], nice: int = 0) -> None:
+    """Every thread of process ``pid`` (and so those it starts later) on ``cpus`` (empty: where
+    they are), ``nice`` added to their niceness."""
     for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):
-            os.sched_setaffinity(int(task.name), cpus)
+            if cpus:
+                os.sched_setaffinity(int(task.name), cpus)
+            if nice:
+                tid = int(task.name)
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+
+
+def renice_kvtrio_threads(cpus: set[int], nice: int) -> int:
+    """Add ``nice`` to the niceness of kvtrio's threads in vLLM's workers: the threads of
+    ``VLLM::Worker`` processes that the connector placed on ``cpus`` (the spare CPUs; vLLM's
+    own are bound to the compute cores). How many there were."""
+    count = 0
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if not proc.name.isdigit() or "VLLM::Worker" not in (proc / "comm").read_text():
+                continue
+            for task in (proc / "task").iterdir():
+                tid = int(task.name)
+                if os.sched_getaffinity(tid) <= cpus:
+                    now = os.getpriority(os.PRIO_PROCESS, tid)
+                    os.setpriority(os.PRIO_PROCESS, tid, now + nice)
+                    count += 1
+    return count
 
 
 def cpu_text(cpus: set[int]) -> str:
@@ -348,7 +378,7 @@ class ApiServer:
                 "kv_connector_extra_config": {
                     "kvtrio.url": url,
                     **bench.extra_config,
-                    **CASE_CONFIG.get(case, {}),
+                    **bench.connector_options(case),
                 },
             }
             argv += ["--kv-transfer-config", json.dumps(config)]
@@ -424,6 +454,9 @@ class Bench:
         self.l2_bytes = -(-args.l2_tokens * self.kv_token // mib) * mib
         self.model: Path = Path()
         self.extra_config: dict[str, Any] = dict(args.extra_config)
+        self.case_config: dict[str, dict[str, Any]] = {**CASE_CONFIG, **args.variant}
+        """Connector options per case beyond ``extra_config``: the ``l1`` cases' and the
+        ``--variant`` ones."""
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         cpus = cpus or 1
         allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
@@ -456,6 +489,11 @@ class Bench:
     def rates(self, workload: str) -> list[float]:
         rates: list[float] = getattr(self.args, f"{workload}_rates")
         return rates
+
+    def connector_options(self, case: str) -> dict[str, Any]:
+        """The ``kvtrio.*`` options of ``case`` beyond ``--extra-config``."""
+        config = self.case_config.get(case, {})
+        return {k: v for k, v in config.items() if k.startswith("kvtrio.")}
 
     def kvtrio_server(self, case: str, tag: str) -> ServerProcess:
         folder = self.workdir / tag
@@ -491,16 +529,21 @@ class Bench:
     def run_case(self, rep: int, case: str) -> None:
         tag = f"r{rep}-{case.replace('+', '-')}"
         log(f"repetition {rep + 1}/{self.args.repetitions}, case {case}")
-        server = self.kvtrio_server(case, tag) if case in KVTRIO_CASES else None
+        kvtrio = case in KVTRIO_CASES or case in self.args.variant
+        server = self.kvtrio_server(case, tag) if kvtrio else None
         engine: ApiServer | None = None
         info: dict[str, Any] = {"repetition": rep, "case": case, "tag": tag}
         try:
             if server is not None:
                 server.start(timeout=120)
-                if self.spare_cpus and server.pid:  # off the engines' compute cores
-                    place_process(server.pid, self.spare_cpus)
+                nice = int(self.args.variant.get(case, {}).get("serve_nice", 0))
+                if (self.spare_cpus or nice) and server.pid:  # off the engines' compute cores
+                    place_process(server.pid, self.spare_cpus, nice)
             engine = ApiServer(self, case, server.endpoint if server else None, tag)
             info["startup_s"] = engine.wait_up()
+            if nice := int(self.args.variant.get(case, {}).get("threads_nice", 0)):
+                log(f"  {renice_kvtrio_threads(self.spare_cpus, nice)} kvtrio threads in vLLM's "
+                    f"workers at nice +{nice}")  # fmt: skip
             info["omp_binding"] = omp_binding(engine.log_text())
             log(f"  API server up in {info['startup_s']:.0f} s; vLLM's binding:")
             for line in info["omp_binding"] or ["(no OpenMP thread binding info logged)"]:
@@ -586,6 +629,9 @@ class Bench:
             "p99_tpot_ms", "median_e2el_ms", "p99_e2el_ms", "max_concurrent_requests",
         ):  # fmt: skip
             run[key] = result.get(key)
+        # per request, in the order of the dataset (for paired_ttft)
+        run["ttfts_ms"] = [round(1000 * t, 3) for t in result.get("ttfts") or []]
+        run["input_lens"] = list(result.get("input_lens") or [])
         delta = {k: after_metrics[k] - before_metrics[k] for k in after_metrics}
         run["vllm_metrics"] = delta
         run["timings_ms"] = timings_ms(delta)
@@ -637,6 +683,7 @@ class Bench:
             "connector_extra_config": self.extra_config,
             "workloads": a.workloads, "rates": {w: self.rates(w) for w in a.workloads},
             "repetitions": a.repetitions, "duration_s": a.duration, "cases": a.cases,
+            "variants": a.variant,
             "output_tokens": a.output_tokens, "random_input": a.random_input, "turns": a.turns,
             "trace": str(a.trace), "token_scale": a.token_scale, "output_scale": a.output_scale,
             "max_input": a.max_input, "max_output": a.max_output,
@@ -673,6 +720,7 @@ class Bench:
         bindings = sorted({" ".join(e.get("omp_binding", [])) for e in self.engines})
         lines = [*header, "", *table(rows), "", *timing_lines(rows), ""]
         lines += sustained_lines(sustained(rows))
+        lines += paired_lines(paired_ttft(self.runs))
         lines += ["", "OpenMP binding per engine (must match):"]
         for engine in self.engines:
             lines.append(f"  {engine['tag']:14} {' | '.join(engine.get('omp_binding', [])) or '?'}")
@@ -689,6 +737,7 @@ class Bench:
         result = {
             "header": header, "environment": env, "settings": self.settings(),
             "engines": self.engines, "summary": rows, "sustained": sustained(rows),
+            "paired_ttft": paired_ttft(self.runs),
             "runs": self.runs,
             "problems": self.problems, "elapsed_s": self.elapsed,
         }  # fmt: skip
@@ -735,6 +784,67 @@ FIGURES = (
 )  # fmt: skip
 
 
+def case_order(runs: list[dict[str, Any]]) -> list[str]:
+    """The cases of ``runs``: those of :data:`CASES` in its order, then ``--variant`` ones."""
+    seen = dict.fromkeys(r["case"] for r in runs)
+    return sorted(seen, key=lambda c: (CASES.index(c) if c in CASES else len(CASES), c))
+
+
+def paired_ttft(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (workload, rate, case other than ``vllm``): each request's TTFT minus vLLM alone's
+    for the same request (the same prompt, in the same repetition: every case gets the same
+    requests), pooled over the repetitions: the median difference, its quartiles, the share of
+    requests slower, and the median difference of each repetition. Differences of medians mix
+    the cases' differences with the machine's drift between runs; pairs remove the prompts'
+    part of the spread."""
+    base = {(r["workload"], r["rate"], r["repetition"]): r for r in runs if r["case"] == "vllm"}
+    pooled: dict[tuple[str, float, str], list[float]] = {}
+    per_rep: dict[tuple[str, float, str], list[float]] = {}
+    for run in runs:
+        other = base.get((run["workload"], run["rate"], run["repetition"]))
+        if run["case"] == "vllm" or other is None or not run.get("ttfts_ms"):
+            continue
+        if run["input_lens"] != other.get("input_lens") or len(run["ttfts_ms"]) != len(
+            other.get("ttfts_ms", ())
+        ):
+            continue  # not the same requests (should not happen): no pairs
+        diffs = [a - b for a, b in zip(run["ttfts_ms"], other["ttfts_ms"], strict=True)]
+        key = (run["workload"], run["rate"], run["case"])
+        pooled.setdefault(key, []).extend(diffs)
+        per_rep.setdefault(key, []).append(statistics.median(diffs))
+    rows = []
+    for (workload, rate, case), diffs in sorted(
+        pooled.items(), key=lambda kv: (WORKLOADS.index(kv[0][0]), kv[0][1], kv[0][2])
+    ):
+        quartiles = statistics.quantiles(diffs, n=4) if len(diffs) > 1 else [diffs[0]] * 3
+        rows.append({
+            "workload": workload, "rate": rate, "case": case, "pairs": len(diffs),
+            "median_ms": statistics.median(diffs), "q1_ms": quartiles[0], "q3_ms": quartiles[2],
+            "slower": sum(d > 0 for d in diffs) / len(diffs),
+            "per_repetition_ms": per_rep[(workload, rate, case)],
+        })  # fmt: skip
+    return rows
+
+
+def paired_lines(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        "",
+        "TTFT paired with vLLM alone's (each request against the same request, same "
+        "repetition): median difference (quartiles), share of requests slower, and the "
+        "median difference per repetition, ms:",
+    ]
+    for r in rows:
+        reps = ", ".join(f"{m:+.1f}" for m in r["per_repetition_ms"])
+        lines.append(
+            f"  {r['workload']:9} {r['rate']:>5g} {r['case']:8} {r['pairs']:>4} pairs: "
+            f"{r['median_ms']:+6.1f} ({r['q1_ms']:+.1f} to {r['q3_ms']:+.1f}), "
+            f"{r['slower']:.0%} slower; per repetition {reps}"
+        )
+    return lines
+
+
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (workload, rate, case): median and min–max over repetitions of each figure."""
     keys = sorted(
@@ -742,7 +852,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     )
     rows = []
     for workload, rate in keys:
-        for case in CASES:
+        for case in case_order(runs):
             mine = [
                 r for r in runs if (r["workload"], r["rate"], r["case"]) == (workload, rate, case)
             ]
@@ -965,7 +1075,7 @@ def plot(rows: list[dict[str, Any]], header: list[str], path: Path) -> str:
         for line, (key, label) in enumerate((("p99_ttft_ms", "TTFT p99, ms"),
                                              ("request_throughput", "requests/s"))):  # fmt: skip
             ax = axes[line][column]
-            for case in CASES:
+            for case in case_order(rows):
                 mine = [
                     r for r in rows if r["workload"] == workload and r["case"] == case and key in r
                 ]
@@ -1008,7 +1118,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for workload, rates in DEFAULT_RATES.items():
         add(f"--{workload}-rates", type=float, nargs="+", default=rates,
             help=f"offered requests/s (default: {' '.join(map(str, rates))})")  # fmt: skip
-    add("--cases", nargs="+", choices=CASES, default=list(DEFAULT_CASES))
+    add("--cases", nargs="+", default=list(DEFAULT_CASES),
+        help=f"of {', '.join(CASES)} and the --variant names")  # fmt: skip
+    add("--variant", nargs=2, action="append", default=[], metavar=("NAME", "JSON"),
+        help="a case NAME: l1 with the JSON object's kvtrio.* connector options added, "
+             "kvtrio serve's niceness raised by its serve_nice and that of kvtrio's threads in "
+             "vLLM's workers by its threads_nice, e.g. --variant slow "
+             '\'{"kvtrio.lookup_wait": 0, "serve_nice": 10}\' --cases vllm l1 slow')  # fmt: skip
+
     add("--frontend-cpus", choices=("spare", "any"), default="spare",
         help="vLLM's API server and engine core, and the bench client: on the CPUs "
              "the engines do not compute on (spare), or where the OS puts them")  # fmt: skip
@@ -1039,6 +1156,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--max-input", type=int, default=3072, help="mooncake input tokens at most")
     add("--max-output", type=int, default=64, help="mooncake output tokens at most")
     args = parser.parse_args(argv)
+    variants: dict[str, dict[str, Any]] = {}
+    for name, text in args.variant:
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as exc:
+            parser.error(f"--variant {name}: not JSON: {exc}")
+        if name in CASES or not name.replace("-", "").isalnum() or not isinstance(config, dict):
+            parser.error(f"--variant {name}: a new name (letters, digits, -) and a JSON object")
+        bench_keys = ("serve_nice", "threads_nice")
+        if unknown := [k for k in config if not k.startswith("kvtrio.") and k not in bench_keys]:
+            parser.error(f"--variant {name}: kvtrio.* options, serve_nice and threads_nice "
+                         f"only, not {unknown}")  # fmt: skip
+        variants[name] = config
+    args.variant = variants
+    if unknown := [c for c in args.cases if c not in CASES and c not in variants]:
+        parser.error(f"--cases: unknown {', '.join(unknown)} (known: {', '.join(CASES)}, "
+                     "and the --variant names)")  # fmt: skip
     if args.quick:
         args.workloads = ["mooncake"]
         args.mooncake_rates = [sorted(args.mooncake_rates)[len(args.mooncake_rates) // 2]]

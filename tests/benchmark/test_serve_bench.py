@@ -235,3 +235,57 @@ def test_the_cases_that_switch_kvtrio_parts_off_are_valid_connector_options(
     assert (noload.load, noload.save) == (False, True)
     args = serve.parse_args(["--cases", "vllm", "l1", "l1-idle", "l1-nosave", "l1-noload"])
     assert args.cases == ["vllm", "l1", "l1-idle", "l1-nosave", "l1-noload"]
+
+
+def test_a_variant_is_l1_with_its_options_and_kvtrio_serves_niceness(
+    bench: tuple[ModuleType, ModuleType], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, serve = bench
+    args = serve.parse_args([
+        "--variant", "slow", '{"kvtrio.lookup_wait": 0, "serve_nice": 10, "threads_nice": 5}',
+        "--variant", "late", '{"kvtrio.async_load": false}',
+        "--cases", "vllm", "slow", "late", "l1-nosave",
+    ])  # fmt: skip
+    assert args.cases == ["vllm", "slow", "late", "l1-nosave"]
+    assert args.variant["slow"] == {"kvtrio.lookup_wait": 0, "serve_nice": 10, "threads_nice": 5}
+    bad = (
+        ["--cases", "vllm", "nope"],  # neither a case nor a variant
+        ["--variant", "l1", "{}"],  # a case's name
+        ["--variant", "x", "[1]"],  # not an object
+        ["--variant", "x", "{"],  # not JSON
+        ["--variant", "x", '{"nice": 1}'],  # neither an option nor the bench's
+    )
+    for argv in bad:
+        with pytest.raises(SystemExit):
+            serve.parse_args(argv)
+        assert "--" in capsys.readouterr().err
+    runs = [{"case": c} for c in ("late", "l1", "vllm", "slow", "l1")]
+    assert serve.case_order(runs) == ["vllm", "l1", "late", "slow"]
+
+
+def test_paired_ttft_compares_each_request_with_itself_under_vllm_alone(
+    bench: tuple[ModuleType, ModuleType],
+) -> None:
+    _, serve = bench
+
+    def run(case: str, rep: int, ttfts: list[float], lens: list[int] | None = None) -> dict:
+        return {"workload": "multiturn", "rate": 2, "case": case, "repetition": rep,
+                "ttfts_ms": ttfts, "input_lens": lens or [100] * len(ttfts)}  # fmt: skip
+
+    runs = [
+        run("vllm", 0, [50, 60, 70, 80]),
+        run("l1", 0, [55, 58, 75, 86]),  # +5 -2 +5 +6
+        run("vllm", 1, [100, 100]),
+        run("l1", 1, [101, 99]),  # +1 -1
+        run("l1+disk", 1, [1, 2], lens=[7, 7]),  # not the same requests: no pairs
+        run("l1-nosave", 2, [1, 2]),  # no vLLM-alone run in its repetition
+    ]
+    (row,) = serve.paired_ttft(runs)
+    assert (row["case"], row["pairs"]) == ("l1", 6)
+    assert row["median_ms"] == 3  # of -2 -1 +1 +5 +5 +6
+    assert row["slower"] == 4 / 6
+    assert row["per_repetition_ms"] == [5, 0]
+    (_, _, line) = serve.paired_lines([row])
+    assert "6 pairs:   +3.0" in line
+    assert "67% slower; per repetition +5.0, +0.0" in line
+    assert serve.paired_lines([]) == []

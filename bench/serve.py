@@ -297,8 +297,12 @@ def place_process(pid: int, cpus: set[int], nice: int = 0) -> None:
             if cpus:
                 os.sched_setaffinity(int(task.name), cpus)
             if nice:
-                tid = int(task.name)
-                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+                add_nice(int(task.name), nice)
+
+
+def add_nice(tid: int, nice: int) -> None:
+    """Add ``nice`` to thread ``tid``'s niceness."""
+    os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
 
 
 def renice_kvtrio_threads(cpus: set[int], nice: int) -> int:
@@ -313,8 +317,7 @@ def renice_kvtrio_threads(cpus: set[int], nice: int) -> int:
             for task in (proc / "task").iterdir():
                 tid = int(task.name)
                 if os.sched_getaffinity(tid) <= cpus:
-                    now = os.getpriority(os.PRIO_PROCESS, tid)
-                    os.setpriority(os.PRIO_PROCESS, tid, now + nice)
+                    add_nice(tid, nice)
                     count += 1
     return count
 
@@ -529,6 +532,7 @@ class Bench:
     def run_case(self, rep: int, case: str) -> None:
         tag = f"r{rep}-{case.replace('+', '-')}"
         log(f"repetition {rep + 1}/{self.args.repetitions}, case {case}")
+        variant = self.args.variant.get(case, {})
         kvtrio = case in KVTRIO_CASES or case in self.args.variant
         server = self.kvtrio_server(case, tag) if kvtrio else None
         engine: ApiServer | None = None
@@ -536,12 +540,12 @@ class Bench:
         try:
             if server is not None:
                 server.start(timeout=120)
-                nice = int(self.args.variant.get(case, {}).get("serve_nice", 0))
+                nice = int(variant.get("serve_nice", 0))
                 if (self.spare_cpus or nice) and server.pid:  # off the engines' compute cores
                     place_process(server.pid, self.spare_cpus, nice)
             engine = ApiServer(self, case, server.endpoint if server else None, tag)
             info["startup_s"] = engine.wait_up()
-            if nice := int(self.args.variant.get(case, {}).get("threads_nice", 0)):
+            if nice := int(variant.get("threads_nice", 0)):
                 log(f"  {renice_kvtrio_threads(self.spare_cpus, nice)} kvtrio threads in vLLM's "
                     f"workers at nice +{nice}")  # fmt: skip
             info["omp_binding"] = omp_binding(engine.log_text())
@@ -720,7 +724,8 @@ class Bench:
         bindings = sorted({" ".join(e.get("omp_binding", [])) for e in self.engines})
         lines = [*header, "", *table(rows), "", *timing_lines(rows), ""]
         lines += sustained_lines(sustained(rows))
-        lines += paired_lines(paired_ttft(self.runs))
+        paired = paired_ttft(self.runs)
+        lines += paired_lines(paired)
         lines += ["", "OpenMP binding per engine (must match):"]
         for engine in self.engines:
             lines.append(f"  {engine['tag']:14} {' | '.join(engine.get('omp_binding', [])) or '?'}")
@@ -737,7 +742,7 @@ class Bench:
         result = {
             "header": header, "environment": env, "settings": self.settings(),
             "engines": self.engines, "summary": rows, "sustained": sustained(rows),
-            "paired_ttft": paired_ttft(self.runs),
+            "paired_ttft": paired,
             "runs": self.runs,
             "problems": self.problems, "elapsed_s": self.elapsed,
         }  # fmt: skip
@@ -1125,7 +1130,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
              "kvtrio serve's niceness raised by its serve_nice and that of kvtrio's threads in "
              "vLLM's workers by its threads_nice, e.g. --variant slow "
              '\'{"kvtrio.lookup_wait": 0, "serve_nice": 10}\' --cases vllm l1 slow')  # fmt: skip
-
     add("--frontend-cpus", choices=("spare", "any"), default="spare",
         help="vLLM's API server and engine core, and the bench client: on the CPUs "
              "the engines do not compute on (spare), or where the OS puts them")  # fmt: skip

@@ -105,6 +105,30 @@ class _Early:
         self.groups = groups
 
 
+class _Looked:
+    """The lookups sent for one request until its end: how many, the last one's future, and
+    whether the server is known to hold nothing for it (``quiet``): its one lookup answered a
+    miss, or had its pins freed once answered. Then its end needs no message."""
+
+    __slots__ = ("count", "last", "quiet")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.last: Future[Reply] | None = None
+        self.quiet = False
+
+    def sent(self, future: Future[Reply]) -> None:
+        self.count += 1
+        self.last = future
+        self.quiet = False
+
+    def settled(self) -> None:
+        """Nothing is held for the request now, if it sent one lookup and that one is
+        answered (a lookup replaced by another may still pin as it ends: not settled)."""
+        if self.count == 1 and self.last is not None and self.last.done():
+            self.quiet = True
+
+
 class SchedulerAdapter:
     """What an engine's scheduler calls (method names of vLLM's LMCache multiprocess adapter).
 
@@ -163,6 +187,8 @@ class SchedulerAdapter:
             collections.deque()
         )
         """Fire-and-forget requests not known to be answered yet (checked for failures later)."""
+        self._looked: dict[str, _Looked] = {}
+        """The lookups sent per request until its end (:meth:`end_session`)."""
         self._lock = threading.Lock()
 
     @classmethod
@@ -280,7 +306,15 @@ class SchedulerAdapter:
             entry = self._lookups.get(request_id)
         return entry if isinstance(entry, _Queued) else None
 
+    def _lookup_sent(self, request_id: str, future: Future[Reply]) -> None:
+        """A lookup of ``request_id`` went out (under the lock)."""
+        looked = self._looked.get(request_id)
+        if looked is None:
+            looked = self._looked[request_id] = _Looked()
+        looked.sent(future)
+
     def _submit(self, request_id: str, hashes: tuple[bytes, ...]) -> Future[Reply]:
+        """Send one lookup (under the lock)."""
         lookup = Lookup(
             request=wire_request_id(request_id),
             model=self.model_name,
@@ -289,7 +323,9 @@ class SchedulerAdapter:
             tenant=self.tenant,
             engine=self.engine_id,
         )
-        return self.client.submit(lookup, timeout=self.timeout, fail_fast=True)
+        future = self.client.submit(lookup, timeout=self.timeout, fail_fast=True)
+        self._lookup_sent(request_id, future)
+        return future
 
     def flush_lookups(self) -> None:
         """Send the deferred lookups: one ``lookup_batch`` message (a ``lookup`` if only one;
@@ -313,9 +349,10 @@ class SchedulerAdapter:
                     engine=self.engine_id,
                 )
                 future = self.client.submit(batch, timeout=self.timeout, fail_fast=True)
-                for index, (_, queued) in enumerate(part):
+                for index, (request_id, queued) in enumerate(part):
                     queued.batch = future
                     queued.index = index
+                    self._lookup_sent(request_id, future)
 
     def check_lookup_result(self, request_id: str, *, wait: float = 0.0) -> int | None:
         """Matched tokens of the lookup, or None while it is pending (0 if it failed); waits
@@ -370,9 +407,19 @@ class SchedulerAdapter:
             assert isinstance(reply, LookupReply)
             hit_tokens, l1 = reply.hit_tokens, reply.l1_chunks
         hit_chunks = hit_tokens // entry.chunks.chunk_size
+        if hit_chunks == 0:  # nothing pinned, no load started
+            self._settled(request_id, entry)
         # (A server older than ``l1_chunks`` does not say: the whole hit counts as L1.)
         entry.l1_tokens = entry.chunks.covered(hit_chunks if l1 < 0 else min(l1, hit_chunks))
         return entry.chunks.covered(hit_chunks)
+
+    def _settled(self, request_id: str, entry: _Queued) -> None:
+        """``entry``, the request's lookup, left nothing held at the server (if it is still
+        the request's lookup)."""
+        with self._lock:
+            looked = self._looked.get(request_id)
+            if looked is not None and self._lookups.get(request_id) is entry:
+                looked.settled()
 
     def lookup_l1_tokens(self, request_id: str) -> int | None:
         """Of the hit :meth:`check_lookup_result` answered for ``request_id``, the leading
@@ -399,11 +446,22 @@ class SchedulerAdapter:
         """Release the pins of ``request_id``'s lookup without ending it (no load will come)."""
         wire = wire_request_id(request_id)
         self._send(FreeLookupLocks(wire, self.model_name, self.tenant, self.engine_id))
+        with self._lock:
+            looked = self._looked.get(request_id)
+            if looked is not None:  # (the server reads the release after the lookup's answer)
+                looked.settled()
 
     def end_session(self, request_id: str) -> None:
         """The engine request is finished or aborted: release everything it holds at the
-        server. (The name is the wire operation's: it ends an engine request, not a session.)"""
-        self.cleanup_lookup_result(request_id)
+        server. (The name is the wire operation's: it ends an engine request, not a session.)
+        No message when the server is known to hold nothing for it: no lookup of it went out,
+        or its one lookup answered a miss or had its pins freed (a message less per request
+        for most requests: misses, and hits vLLM's own cache already had)."""
+        with self._lock:
+            self._lookups.pop(request_id, None)
+            looked = self._looked.pop(request_id, None)
+        if looked is None or looked.quiet:
+            return
         wire = wire_request_id(request_id)
         self._send(EndSession(wire, self.model_name, self.tenant, self.engine_id))
 

@@ -112,6 +112,45 @@ async def test_any_exception_of_a_plugin_is_a_backend_error_not_a_dead_server(
         assert (await lookup(scheduler, "e", 4)).hit_chunks == 4
 
 
+class _Malformed(MemoryBackend):
+    """A plugin with a bug in the shape of its answers: its stores answer one result too few
+    or one too many, and its statistics hold a value that is not a number."""
+
+    def __init__(self, extra: int) -> None:
+        super().__init__()
+        self.extra = extra
+        self.stores = 0
+
+    async def store(self, keys: Sequence[bytes], buffers: Sequence[Buffers]) -> list[bool]:
+        results = await super().store(keys, buffers)
+        self.stores += 1
+        return results[:-1] if self.extra < 0 else results + [True] * self.extra
+
+    def statistics(self) -> dict[str, float]:
+        return {**super().statistics(), "mood": "fine"}  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("extra", [-1, 1], ids=["too few", "too many"])
+async def test_a_store_answered_with_the_wrong_number_of_results_is_a_backend_error(
+    config: ServerConfig, extra: int
+) -> None:
+    """Was: the write-behind's zip of keys and results raised outside the backend call, and
+    the server died."""
+    malformed = _Malformed(extra)
+    async with running(config, malformed) as (_, worker, scheduler):
+        await store(worker, "a", 3)
+
+        async def failed() -> bool:
+            return (await stats(worker)).l2[0].counters.get("errors", 0) >= 1
+
+        await await_async(failed, what="the malformed answer to be counted")
+        reply = await stats(worker)
+        assert reply.l2[0].healthy is False
+        assert "mood" not in reply.l2[0].counters  # (a plugin's non-number: left out)
+        assert malformed.stores >= 1
+        assert await lookup(scheduler, "c", 3) == LookupReply(3 * CHUNK, 3)  # L1 still serves
+
+
 class _FlakyLoads(MemoryBackend):
     """Loads fail (a transient error) ``failures`` times, then work."""
 

@@ -119,8 +119,10 @@ class TierBackend:
         names: Sequence[bytes | None] | None = None,
     ) -> list[bool]:
         """The backend's ``store``, given ``parents``, ``owners`` and ``names`` where its
-        :attr:`capabilities` say it takes them (and they are given). Cancellation: as the
-        backend's ``store`` (which leaves no object behind)."""
+        :attr:`capabilities` say it takes them (and they are given). An answer that is not one
+        result per key is the backend's failure (:class:`BackendError`, raised here: inside the
+        caller's :meth:`Calls.call`). Cancellation: as the backend's ``store`` (which leaves no
+        object behind)."""
         extra: dict[str, object] = {}
         if parents is not None and self.capabilities.parents:
             extra["parents"] = parents
@@ -128,7 +130,10 @@ class TierBackend:
             extra["owners"] = owners
         if names is not None and self.capabilities.names:
             extra["names"] = names
-        return await self.backend.store(keys, buffers, **extra)
+        results = await self.backend.store(keys, buffers, **extra)
+        if len(results) != len(keys):
+            raise BackendError(f"store answered {len(results)} results for {len(keys)} keys")
+        return results
 
     async def touch(self, keys: Sequence[bytes]) -> None:
         """The backend's ``touch``: only for one whose :attr:`capabilities` say it takes

@@ -271,9 +271,9 @@ class L2Tier:
     def stats(self) -> tuple[L2Stats, ...]:
         result = []
         for tier_backend in self.backends:
-            try:
-                own = dict(tier_backend.backend.statistics())
-            except Exception:  # a plugin's statistics must not break stats
+            try:  # a plugin's statistics must not break stats
+                own = {k: float(v) for k, v in dict(tier_backend.backend.statistics()).items()}
+            except Exception:
                 own = {}
             result.append(
                 L2Stats(

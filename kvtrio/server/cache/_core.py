@@ -18,6 +18,8 @@ end, by its session's end (:meth:`CacheCore.release_slice`), or by the reaper wh
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -72,6 +74,14 @@ class CacheCore:
         """The client key of each session the core knows (its requests count against it)."""
         self._by_user: dict[str, set[str]] = {}
         self.leases = LeaseTable(self._groups_of)
+        self._held_reads: list[tuple[float, int, bytes, int]] = []
+        """Read pins kept past their lease's end: ``(until, seq, key, count)``, a heap (see
+        :meth:`undo`)."""
+        self._held_seq = itertools.count()
+        self._looking: dict[RequestKey, int] = {}
+        """The number of each request's lookup that is still going on past its first step
+        (:meth:`looking`); a lookup's end or replacement drops it."""
+        self._lookup_numbers = itertools.count()
         self.quotas = Quotas(config, self.leases, self.l1)
         self.registry = Registry(config.chunk_size)
         self.limits = RequestLimits(
@@ -204,8 +214,8 @@ class CacheCore:
                 f"the lookup says {lookup.world_size}",
             )
         request = request_key(lookup.engine, lookup.model, lookup.tenant, lookup.request)
-        self.enter(caller)
         self.admit(caller, request, lookup.tenant)
+        self.enter(caller)  # (admitted first: a refused caller's session is never watched)
         self.end_lookup(request)
         return LookupStart(request, model, hashes, keys)
 
@@ -289,8 +299,27 @@ class CacheCore:
         self.l1.pin(object_key, readers)
         self.leases.add(LeaseKind.LOOKUP, request, owner, object_key, readers, expires)
 
+    def looking(self, request: RequestKey) -> int:
+        """Number ``request``'s lookup that goes on past its first step (its L1 slices, its
+        L2 part): the number stays current (:meth:`still_current`) until the request ends or
+        a new lookup replaces this one, or :meth:`done_looking`."""
+        number = self._looking[request] = next(self._lookup_numbers)
+        return number
+
+    def still_current(self, request: RequestKey, number: int) -> bool:
+        """Whether lookup ``number`` is still ``request``'s: neither ended nor replaced. Its
+        first pin cannot tell where it pinned nothing (an L1 miss going to L2)."""
+        return self._looking.get(request) == number
+
+    def done_looking(self, request: RequestKey, number: int) -> None:
+        """Lookup ``number`` of ``request`` is over (idempotent)."""
+        if self._looking.get(request) == number:
+            del self._looking[request]
+
     def end_lookup(self, request: RequestKey) -> int:
-        """Release a request's lookup pins; how many (its loads are cancelled above)."""
+        """Release a request's lookup pins, and make its lookup that goes on no longer current;
+        how many pins (its loads are cancelled above)."""
+        self._looking.pop(request, None)
         return self.undo(self.leases.pop_request(request, [LeaseKind.LOOKUP]), quarantine=False)
 
     # ----------------------------------------------------------------- writes
@@ -365,13 +394,17 @@ class CacheCore:
     ) -> list[Slot]:
         """Pin the chunks of a retrieve that are in L1, each before consuming the lookup's pin
         (so it never drops to zero pins in between); a ``read`` slot for each, ``failed`` for
-        one that is not in L1. The caller admitted them (:meth:`admit_reads`)."""
+        one that is not in L1, or that ``owner`` is reading for ``request`` already (named
+        twice, or retrieved again before its release). A chunk has one read lease per reader
+        and request, released once: a second pin on it would end with the first copy's release
+        and leave the second copy reading a slot that may be rewritten, and pins piled on one
+        lease escape every quota. The caller admitted them (:meth:`admit_reads`)."""
         expires = self.clock() + self.config.pin_ttl
         slots = []
         l1, leases = self.l1, self.leases
         for index, object_key in zip(chunks, keys, strict=False):
             entry = l1.get(object_key)
-            if entry is None:
+            if entry is None or leases.get(LeaseKind.READ, request, owner, object_key):
                 slots.append(Slot(index, "failed"))
                 continue
             l1.pin(object_key)  # the read's own pin first, so the entry stays pinned
@@ -395,14 +428,25 @@ class CacheCore:
     # ----------------------------------------------------------------- lease ends
 
     def undo(self, leases: Sequence[Lease], *, quarantine: bool) -> int:
-        """Undo what removed leases held: unpin, or drop a reservation. Returns the count."""
+        """Undo what removed leases held: unpin, or drop a reservation. Returns the count.
+
+        ``quarantine`` (the lease expired, or its session went silent): its holder may be slow,
+        not dead. A reservation's slot is then reused only ``reservation_ttl`` later, so a late
+        write lands nowhere that matters; a read's pin is kept as long, so a late copy out of
+        the slot still reads this chunk, never the next one written there (the reaper,
+        :meth:`expire`, drops it). A lookup's pin has no copy behind it: unpinned at once."""
         l1 = self.l1
+        until = self.clock() + self.config.reservation_ttl
         for lease in leases:
             if lease.kind is LeaseKind.WRITE:
                 if quarantine:
-                    l1.abort_quarantined(lease.key, self.clock() + self.config.reservation_ttl)
+                    l1.abort_quarantined(lease.key, until)
                 else:
                     l1.abort(lease.key)
+            elif quarantine and lease.kind is LeaseKind.READ:
+                heapq.heappush(
+                    self._held_reads, (until, next(self._held_seq), lease.key, lease.count)
+                )
             else:
                 l1.unpin(lease.key, lease.count)
         return len(leases)
@@ -413,13 +457,21 @@ class CacheCore:
         return self.undo(self.leases.pop_owner(owner, RELEASE_SLICE), quarantine=quarantine)
 
     def expire(self, now: float) -> tuple[int, float | None]:
-        """The reaper's round: undo the leases expired at ``now`` (write reservations are
-        quarantined: their writer may be slow, not dead) and free the quarantined slots whose
-        time is over. The count expired, and when the next lease or quarantine ends."""
+        """The reaper's round: undo the leases expired at ``now`` (quarantined: their holder
+        may be slow, not dead; see :meth:`undo`), and free the quarantined slots and held read
+        pins whose time is over. The count expired, and when the next lease or quarantine ends."""
         expired = self.leases.pop_expired(now)
         if expired:
             self.undo(expired, quarantine=True)
+        held = self._held_reads
+        while held and held[0][0] <= now:
+            _, _, key, count = heapq.heappop(held)
+            self.l1.unpin(key, count)
         self.l1.release_quarantine(now)
-        ends = (self.leases.next_expiry(), self.l1.next_quarantine_release())
+        ends = (
+            self.leases.next_expiry(),
+            self.l1.next_quarantine_release(),
+            held[0][0] if held else None,
+        )
         wakes = [when for when in ends if when is not None]
         return len(expired), min(wakes) if wakes else None

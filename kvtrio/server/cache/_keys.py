@@ -28,8 +28,12 @@ RequestKey = NewType("RequestKey", str)
 
 
 def request_key(engine: str, model: str, tenant: str, request_id: str) -> RequestKey:
-    """The key of request ``request_id`` of ``engine`` for ``model`` in ``tenant``."""
-    return RequestKey("\x00".join((engine, model, tenant, request_id)))
+    """The key of request ``request_id`` of ``engine`` for ``model`` in ``tenant``: one key
+    per four strings, whatever they hold (the lengths first: was joined by NUL alone, which
+    any of them may hold, so that engine "a NUL b" of model "c" and engine "a" of model
+    "b NUL c" shared their requests' pins and limits)."""
+    lengths = f"{len(engine)}.{len(model)}.{len(tenant)}"
+    return RequestKey("\x00".join((lengths, engine, model, tenant, request_id)))
 
 
 def checked_hashes(hashes: Sequence[bytes], name: str = "chunk_hashes") -> Sequence[bytes]:

@@ -57,8 +57,10 @@ class Lookups:
         user = session.user
         core.budget.take(session.id, user, step.keys)
         taken = [step.keys]
+        number = core.looking(request)
 
         def give() -> None:  # once, whichever comes first
+            core.done_looking(request, number)
             if taken:
                 core.budget.give(session.id, user, taken.pop())
 
@@ -69,7 +71,7 @@ class Lookups:
                     found = await self._pin_rest(session, step)
                 if not io.l2.enabled or found == len(hashes):
                     return self._done(len(hashes), found, 0)
-                return await self._lookup_l2(session, request, model, hashes, found,
+                return await self._lookup_l2(session, request, number, model, hashes, found,
                                              step.readers)  # fmt: skip
             finally:
                 give()
@@ -106,12 +108,16 @@ class Lookups:
         self,
         session: Session,
         request: RequestKey,
+        number: int,
         model: ModelEntry,
         hashes: Sequence[bytes],
         hit: int,
         readers: int,
     ) -> LookupReply:
-        """The L2 part of a lookup: find the missing chunks there and start their loads.
+        """The L2 part of lookup ``number`` of ``request``: find the missing chunks there and
+        start their loads, unless the request ended or a new lookup replaced this one while
+        the backends answered (then it unlocks them, loads nothing and pins nothing: no end
+        would come for those pins but ``pin_ttl``).
 
         Cancellation (the session ends): the L2 lookup unlocks what it locked; loads already
         started belong to the request and end with it.
@@ -130,6 +136,9 @@ class Lookups:
         if scope.cancelled_caught:
             self.timeouts += 1  # (l2.loads.lookup unlocked what it had locked)
         found = hashes[hit : hit + len(sources)]
+        if not io.core.still_current(request, number):
+            await io.l2.loads.release(sources, [[s + h for s in model.spaces] for h in found])
+            return self._done(len(hashes), hit, 0)
         if io.core.registry.models.get(model.key) is None:
             # Every worker of the model left while the backends answered: nothing to load for.
             await io.l2.loads.release(sources, [[s + h for s in model.spaces] for h in found])

@@ -283,6 +283,75 @@ def test_a_session_end_releases_what_it_holds(cache: Cache) -> None:
     assert SCHEDULER.id not in cache.core.users
 
 
+def test_a_chunk_is_read_once_per_worker_and_request_until_released(cache: Cache) -> None:
+    """A chunk named twice in a retrieve, or retrieved again before its release, is
+    ``failed`` the second time (the engine recomputes it). Was: a second pin on the one lease,
+    which the first copy's release dropped with it (the slot could be rewritten under the
+    second copy), and pins piled on one lease beyond every quota (thousands per retrieve)."""
+    a = prompt(1, 2)
+    cache.put("s", a)
+    assert [s.status for s in cache.retrieve("r", a + a)] == ["read", "read", "failed", "failed"]
+    assert [s.status for s in cache.retrieve("r", a)] == ["failed", "failed"]
+    assert [s.status for s in cache.retrieve("r2", a)] == ["read", "read"]  # another request
+    assert cache.pins() == 4
+    assert cache.release("r", a) == 2
+    assert cache.pins() == 2
+    assert [s.status for s in cache.retrieve("r", a)] == ["read", "read"]  # released: again
+    assert cache.release("r", a) + cache.release("r2", a) == 4
+    assert cache.pins() == 0
+
+
+@pytest.mark.parametrize("end", ["expiry", "session end"])
+def test_a_read_pin_ended_unreleased_is_held_as_long_as_a_reservation_is_quarantined(
+    tmp_path: Path, end: str
+) -> None:
+    """A worker whose read pin expired, or whose session went silent, may be slow, not dead
+    (the reason unfinished reservations are quarantined): its slot stays this chunk's for
+    ``reservation_ttl`` more, then the reaper frees it. An explicit release, or the session's
+    own unregistration, frees it at once."""
+    cache = Cache(tmp_path, chunks=2, lease_share=1.0)
+    try:
+        a = prompt(1)
+        cache.put("s", a)
+        (slot,) = cache.retrieve("r", a)
+        if end == "expiry":
+            cache.clock.now += cache.config.pin_ttl
+            assert cache.core.expire(cache.clock.now)[0] == 1
+        else:
+            assert cache.core.release_slice(WORKER.id, quarantine=True) == 1
+        assert cache.core.leases.live == 0
+        assert cache.pins() == 1  # held: the late copy still reads chunk a
+        others = prompt(2, 3)
+        slots, _, _ = cache.store("t", others)
+        assert [s.status for s in slots] == ["write", "failed"]
+        cache.write(slots, others)
+        cache.commit("t", others[:1])
+        assert (cache.arena.view(slot.offset, slot.nbytes) == fill(a[0])).all()
+        _, when = cache.core.expire(cache.clock.now)
+        assert when == cache.clock.now + cache.config.reservation_ttl
+        cache.clock.now = when
+        cache.core.expire(cache.clock.now)
+        assert cache.pins() == 0
+        assert [s.status for s in cache.retrieve("r2", a)] == ["read"]
+        assert cache.core.release_slice(WORKER.id, quarantine=False) == 1
+        assert cache.pins() == 0  # released by the client: at once
+    finally:
+        cache.close()
+
+
+def test_request_keys_of_different_requests_differ_whatever_their_names_hold() -> None:
+    from kvtrio.server.cache._keys import request_key
+
+    keys = {
+        request_key("a\x00b", "c", "", "r"),
+        request_key("a", "b\x00c", "", "r"),
+        request_key("a", "b", "c\x00", "r"),
+        request_key("a", "b", "c", "\x00r"),
+        request_key("a", "b", "", "c\x00r"),
+    }
+    assert len(keys) == 5
+
+
 def test_the_session_quota_refuses_before_anything_is_held(tmp_path: Path) -> None:
     cache = Cache(tmp_path, chunks=8, max_leases_per_session=2)
     try:
@@ -320,6 +389,12 @@ def test_the_request_limit_answers_busy(tmp_path: Path) -> None:
         with pytest.raises(RequestError) as info:
             cache.lookup("q2", prompt(1))
         assert info.value.code is ErrorCode.BUSY
+        refused = Client("refused", "key")
+        with pytest.raises(RequestError):
+            cache.lookup("q3", prompt(1), caller=refused)
+        # Was: known to the core before its refusal, and its session, never watched for it,
+        # never left (one entry per refused session, forever).
+        assert refused.id not in cache.core.users
     finally:
         cache.close()
 

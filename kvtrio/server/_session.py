@@ -55,9 +55,16 @@ class Session:
         self.identity = identity
         self.principal = principal
         """Who the client is (its key) and which tenants it may name."""
-        self.id = hashlib.blake2b(identity, digest_size=12, key=state.session_id_key).hexdigest()
+        serial = state.counters.sessions_started.to_bytes(8, "little")  # (this one's number)
+        self.id = hashlib.blake2b(
+            identity + serial, digest_size=12, key=state.session_id_key
+        ).hexdigest()
         """Names the session in stats, logs and the cache's tables; reveals nothing of the
-        routing id (which a client could otherwise use to take over another's connection)."""
+        routing id (which a client could otherwise use to take over another's connection).
+        Unique to this session, not its routing id: a client that goes on after its session
+        ended (a goodbye, a silence past ``heartbeat_timeout``) gets a new session, which the
+        old one's cleanup, still releasing by id, must not touch (was: its registration was
+        dropped just after it was answered ok)."""
         self.state = state
         self._outbox = outbox
         self._send, self._receive = trio.open_memory_channel[Incoming](

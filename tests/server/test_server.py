@@ -17,6 +17,7 @@ from kvtrio.client import AsyncClient, open_client
 from kvtrio.config import ServerConfig
 from kvtrio.errors import InternalServerError, ShuttingDown, UnsupportedVersion
 from kvtrio.protocol import (
+    HASH_SCHEME_TOKENS,
     PROTOCOL_VERSION,
     ChunkSize,
     GetChunkSize,
@@ -24,10 +25,12 @@ from kvtrio.protocol import (
     Goodbye,
     Hello,
     HelloReply,
+    LayoutSpec,
     Ping,
     Pong,
     Probe,
     ProbeReply,
+    Register,
     StatsReply,
     decode_reply_header,
     encode_request,
@@ -227,6 +230,31 @@ async def test_a_goodbye_queued_behind_a_waiting_request_still_ends_the_session(
     gate.release.set()
     assert await _replies_in_order(raw, 2) == [(1, "get_chunk_size"), (2, "goodbye")]
     await await_condition(lambda: not server.state.sessions, what="the session to end")
+
+
+async def test_a_client_going_on_after_its_goodbye_gets_a_session_of_its_own(
+    server: ServerHandle, raw: Socket
+) -> None:
+    """Goodbye and a new register back to back on one connection: the second is a new
+    session, whose registration the first one's cleanup must leave alone. Was: session ids
+    came from the routing id alone, the new session was never watched (its id was), and the
+    old cleanup dropped its registration just after answering it ok (10 of 16 tries)."""
+    register = Register("w", "m", 1, 0, LayoutSpec("flash_attn", 2, 64, 16, 2, 16, "float16"),
+                        HASH_SCHEME_TOKENS)  # fmt: skip
+    await raw.send_multipart(encode_request(1, register))
+    assert await _replies_in_order(raw, 1) == [(1, "register")]
+    (old,) = [session.id for session in server.state.sessions.values()]
+    counters = server.state.counters
+    ended = counters.sessions_ended
+    await raw.send_multipart(encode_request(2, Goodbye()))
+    await raw.send_multipart(encode_request(3, register))
+    assert await _replies_in_order(raw, 2) == [(2, "goodbye"), (3, "register")]
+    await await_condition(
+        lambda: counters.sessions_ended == ended + 1, what="the old session's cleanups to run"
+    )
+    (new,) = [session.id for session in server.state.sessions.values()]
+    assert new != old
+    assert list(server.state.cache.core.registry.by_session) == [new]  # type: ignore[union-attr]
 
 
 async def test_the_waiting_part_of_an_inline_request_keeps_its_order(

@@ -231,19 +231,22 @@ class GroupSpread:
         store_of: Callable[..., list[PlannedTransfer]],
         block_ids: Sequence[Sequence[int]],
         hashes: Sequence[Sequence[bytes]],
+        plan: RequestPlan,
         chunk_size: int = 0,
     ) -> list[PlannedTransfer]:
         """The primary group's stores (``store_of(block_ids=, block_hashes=)``, which updates
         the request's plan) and the same token ranges of every other group, with its own
         blocks and keys; a windowed group's store that would read a null block is skipped; a
-        Mamba group's is the state at the store's end, in its last chunk (``chunk_size``)."""
+        Mamba group's is the state at the store's end, in its last chunk (``chunk_size``).
+        A store skipped in every group is taken out of ``plan.stores``."""
         primary = store_of(block_ids=block_ids[self.primary], block_hashes=hashes[self.primary])
         transfers = []
+        issued = [False] * len(primary)
         size = self.block_size
         for group in self.groups:
             windowed = group.kind in ("window", "chunked", "mamba")
             named = event_group(group)
-            for store in primary:
+            for i, store in enumerate(primary):
                 op = store.op
                 blocks = block_ids[group.index][: op.end // size]
                 if group.kind == "mamba":
@@ -251,6 +254,7 @@ class GroupSpread:
                     if state is not None:
                         state = attrs.evolve(state, op=attrs.evolve(state.op, group=named))
                         transfers.append(attrs.evolve(state, group=group.index, windowed=True))
+                        issued[i] = True
                     continue
                 if windowed and NULL_BLOCK in blocks[op.start // size :]:
                     self.stats["stores_skipped_window"] += 1
@@ -264,6 +268,10 @@ class GroupSpread:
                     )
                 op = attrs.evolve(op, group=named)
                 transfers.append(attrs.evolve(store, op=op, group=group.index, windowed=windowed))
+                issued[i] = True
+        # (no worker will report such a store done: counted, vLLM would keep the request's
+        # blocks after it finishes, for ever)
+        plan.stores -= issued.count(False)
         return transfers
 
     def _state_store(

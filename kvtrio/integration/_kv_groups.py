@@ -21,7 +21,9 @@ what its layers read (:meth:`KvGroup.first_needed`):
 
 Refused (the connector stays off for that engine, which runs as without it): R-SWA (gap
 blocks evicted during decode), layers of different KV shapes without the hybrid manager
-(vLLM's ``UniformTypeKVCacheSpecs``), encoder-only and cross attention, no KV cache at all.
+(vLLM's ``UniformTypeKVCacheSpecs``), groups whose blocks hold different numbers of tokens
+(vLLM gives a group of smaller pages larger blocks), encoder-only and cross attention, no KV
+cache at all.
 
 No vLLM import: specs are told apart by their class names (exactly: R-SWA and hidden-state
 specs subclass vLLM's full-attention spec but are not kept).
@@ -126,10 +128,15 @@ def kv_groups(kv_cache_config: Any) -> tuple[KvGroup, ...]:
                 len(group.layer_names),
                 window,
                 page * len(group.layer_names),
-                kind == "mamba" and getattr(spec, "mamba_cache_mode", "none") == "align",
+                kind == "mamba" and _aligned(spec),
             )
         )
     return tuple(groups)
+
+
+def _aligned(spec: Any) -> bool:
+    """A Mamba spec in vLLM's ``align`` cache mode (its blocks hold the state at their ends)."""
+    return getattr(spec, "mamba_cache_mode", "none") == "align"
 
 
 def group_block_hashes(hashes: Sequence[bytes], group: int) -> tuple[bytes, ...]:
@@ -170,10 +177,11 @@ def _describe(groups: list[Any]) -> str:
     )
 
 
-def unsupported_kv_cache(kv_cache_config: Any) -> str | None:
+def unsupported_kv_cache(kv_cache_config: Any, block_size: int | None = None) -> str | None:
     """Why kvtrio cannot keep the KV cache vLLM configured (``kv_cache_config``, vLLM's
-    ``KVCacheConfig``), as a phrase for a log line; ``None`` when it can (or when vLLM gave
-    no configuration, as versions before the connector API's third argument did)."""
+    ``KVCacheConfig``; ``block_size``, its ``cache_config.block_size``, if known), as a phrase
+    for a log line; ``None`` when it can (or when vLLM gave no configuration, as versions
+    before the connector API's third argument did)."""
     if kv_cache_config is None:
         return None
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
@@ -192,4 +200,24 @@ def unsupported_kv_cache(kv_cache_config: Any) -> str | None:
             )
     if all(_KINDS[type(g.kv_cache_spec).__name__] == "mamba" for g in groups):
         return "the model has only Mamba state, which kvtrio does not keep"
+    # (a Mamba group outside ``align`` mode, of blocks of ``max_model_len`` tokens, is never
+    # moved: its block size does not matter)
+    moved = [
+        g
+        for g in groups
+        if _KINDS[type(g.kv_cache_spec).__name__] != "mamba" or _aligned(g.kv_cache_spec)
+    ]
+    sizes = {int(g.kv_cache_spec.block_size) for g in moved}
+    if block_size is not None:
+        sizes.add(block_size)
+    if len(sizes) > 1:
+        held = ", ".join(
+            f"{type(g.kv_cache_spec).__name__} {g.kv_cache_spec.block_size}" for g in moved
+        )
+        if block_size is not None:
+            held += f"; cache_config.block_size {block_size}"
+        return (
+            f"its KV cache groups' blocks hold different numbers of tokens ({held}) and "
+            "kvtrio moves every group's blocks as blocks of one size"
+        )
     return None

@@ -82,8 +82,11 @@ class RequestPlan:
     rather than between steps (a short L1 load that costs the batch less than a step)."""
     locked: bool = False
     """The lookup pinned chunks at kvtrio that no load has taken over yet."""
+    load_issued: bool = False
+    """A load of this request went to the workers (the scheduler side loads once)."""
     stores: int = 0
-    """Stores issued for this request (the engine must then wait for them before freeing)."""
+    """Stores issued for this request (the engine must then wait for them before freeing);
+    one that no KV cache group hands to the workers is taken back (``GroupSpread.stores``)."""
 
 
 def usable_hit(hit_tokens: int, num_tokens: int, block_size: int) -> int:

@@ -121,8 +121,13 @@ class SchedulerSide:
     ) -> tuple[int | None, bool]:
         """Tokens kvtrio can add beyond the engine's ``num_computed_tokens``, and whether they
         load asynchronously; ``(None, False)`` while the lookup is still on its way. A
-        preempted request (resumed) loads nothing."""
+        preempted request (resumed) loads nothing, nor one whose load went out already: vLLM
+        asks again after a load only when it failed from its first block (the request is back
+        to 0 computed tokens), and the same load would fail alike (was: offered again at every
+        step, the request never computed while the failure lasted)."""
         plan = self._plan(request)
+        if plan.load_issued:
+            plan.load = False
         if not plan.load or preempted:
             return 0, False
         tokens = request.all_token_ids
@@ -312,6 +317,7 @@ class SchedulerSide:
                 load = load_of(block_ids=block_ids, block_hashes=self._hashes(request))
         if load is not None:
             self._ready.append(load)
+            plan.load_issued = True
         else:
             self.adapter.free_lookup_locks(request.request_id)
         skipped = self._skipped.pop(request.request_id, None)
@@ -366,7 +372,7 @@ class SchedulerSide:
             if self.spread is not None and group_block_ids_of is not None:
                 groups = group_block_ids_of(request_id)
                 transfers += self.spread.stores(
-                    store_of, groups, self._group_hashes(request), chunk_size
+                    store_of, groups, self._group_hashes(request), plan, chunk_size
                 )
             else:
                 transfers += store_of(

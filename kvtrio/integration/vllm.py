@@ -16,9 +16,9 @@ where it pays (:mod:`._costs`); :mod:`._worker_side` moves the bytes
 The connector declares vLLM's ``SupportsHMA``: with vLLM's hybrid KV cache manager, each KV
 cache group is kept under its own keys and a hit loads of each only what its layers read
 (:mod:`._kv_groups`, :mod:`._hybrid`). A model whose KV cache kvtrio cannot keep (R-SWA,
-layers of different KV shapes without the hybrid manager) turns the connector off for that
-engine, with one warning: vLLM then runs as without it. A vLLM outside the supported range
-fails when it builds the connector (:mod:`._vllm_setup`).
+layers of different KV shapes without the hybrid manager, groups of different block sizes)
+turns the connector off for that engine, with one warning: vLLM then runs as without it. A
+vLLM outside the supported range fails when it builds the connector (:mod:`._vllm_setup`).
 Nothing here raises into vLLM's step loop: a kvtrio server that is away means misses and skipped
 stores, and vLLM recomputes any block whose load failed. Bad options are refused when vLLM
 starts, with a message naming them. This is the only kvtrio module that imports vLLM when it
@@ -186,6 +186,26 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self.block_size: int = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
         model = options.model or vllm_config.model_config.model
+        self._scheduler: SchedulerSide | None = None
+        self.hook_time = HookTime()
+        """This side's time in the connector's hooks (:func:`~._measurements.hook`): in the
+        scheduler, reported in vLLM's stats line as ``hook_us``; in a worker, sent to the
+        scheduler with its measurements (``worker_hook_us``)."""
+        self._worker_hook_seconds = 0.0
+        self._new_requests = 0
+        self._worker: WorkerSide | None = None
+        self._events: EngineEvents | None = None
+        self.off_because = unsupported_kv_cache(kv_cache_config, self.block_size)
+        """Why the connector is off for this engine (``None``: it is on)."""
+        if self.off_because is not None:
+            # vLLM then runs as without a connector: every lookup misses, nothing is stored.
+            log.warning(
+                "kvtrio connector (%s) is off for %s: %s; vLLM computes every prompt itself",
+                role.name,
+                model,
+                self.off_because,
+            )
+            return
         # Hash mode (vLLM's block hashes name the chunks) unless told otherwise or unsafe; the
         # scheduler and every worker decide alike, from the same config and environment.
         keys = key_scheme(options.keys, vllm_config, kv_cache_config)
@@ -204,26 +224,6 @@ class KvtrioConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             hash_scheme=keys.hash_scheme,
             hash_seed=keys.hash_seed,
         )
-        self._scheduler: SchedulerSide | None = None
-        self.hook_time = HookTime()
-        """This side's time in the connector's hooks (:func:`~._measurements.hook`): in the
-        scheduler, reported in vLLM's stats line as ``hook_us``; in a worker, sent to the
-        scheduler with its measurements (``worker_hook_us``)."""
-        self._worker_hook_seconds = 0.0
-        self._new_requests = 0
-        self._worker: WorkerSide | None = None
-        self._events: EngineEvents | None = None
-        self.off_because = unsupported_kv_cache(kv_cache_config)
-        """Why the connector is off for this engine (``None``: it is on)."""
-        if self.off_because is not None:
-            # vLLM then runs as without a connector: every lookup misses, nothing is stored.
-            log.warning(
-                "kvtrio connector (%s) is off for %s: %s; vLLM computes every prompt itself",
-                role.name,
-                model,
-                self.off_because,
-            )
-            return
         if role == KVConnectorRole.SCHEDULER:
             set_failure_policy(transfer_config, options.load_failure)
             adapter = SchedulerAdapter.from_identity(identity)

@@ -23,10 +23,13 @@ from kvtrio.integration._kv_groups import (
     kv_groups,
     unsupported_kv_cache,
 )
+from kvtrio.integration._options import ConnectorOptions
 from kvtrio.integration._planner import RequestPlan, plan_load, plan_store
+from kvtrio.integration._scheduler_side import SchedulerSide
 from kvtrio.integration._vllm_setup import UnsupportedVllm, check_vllm_version, supported_range
 
 from .._support.engine_requests import EngineRequest
+from .test_load_policy import Adapter
 
 CHUNK, BLOCK, WINDOW = 64, 16, 128
 PROMPT = 1024 + 10
@@ -39,8 +42,8 @@ LOCAL = KvGroup(1, "chunked", "chunked_local_attention", 1, WINDOW, BLOCK_BYTES)
 MAMBA = KvGroup(1, "mamba", "mamba", 1)
 
 
-def spec(name: str, **fields: int) -> object:
-    kind = type(name, (), {"page_size_bytes": BLOCK_BYTES // 2, **fields})
+def spec(name: str, **fields: int | str) -> object:
+    kind = type(name, (), {"page_size_bytes": BLOCK_BYTES // 2, "block_size": BLOCK, **fields})
     return kind()
 
 
@@ -73,6 +76,26 @@ def test_every_kind_vllm_groups_apart_is_kept() -> None:
 def test_what_is_not_kept_turns_the_connector_off(name: str) -> None:
     assert unsupported_kv_cache(config(spec("FullAttentionSpec"), spec(name))) is not None
     assert unsupported_kv_cache(config(spec("MambaSpec"))) is not None  # only state
+
+
+def test_groups_of_different_block_sizes_turn_the_connector_off() -> None:
+    """Was: kept (``spec.block_size`` never read): every group's blocks were mapped as blocks
+    of ``cache_config.block_size`` tokens, and the worker's registration raised ("all layers
+    must have the same shape") into vLLM at start-up, which then failed to start."""
+    full, window = spec("FullAttentionSpec"), spec("SlidingWindowSpec", sliding_window=WINDOW)
+    assert unsupported_kv_cache(config(full, window), BLOCK) is None
+    wider = spec("SlidingWindowSpec", sliding_window=WINDOW, block_size=2 * BLOCK)
+    reason = unsupported_kv_cache(config(full, wider), BLOCK)
+    assert reason is not None
+    assert "FullAttentionSpec 16, SlidingWindowSpec 32" in reason
+    assert unsupported_kv_cache(config(full, wider)) is not None  # (the engine's size unknown)
+    assert unsupported_kv_cache(config(full, window), 2 * BLOCK) is not None  # (none of it)
+    # a Mamba group's block size counts in align mode only (else vLLM's one block of
+    # max_model_len tokens, never moved)
+    aligned = spec("MambaSpec", mamba_cache_mode="align", block_size=4 * BLOCK)
+    assert unsupported_kv_cache(config(full, aligned), BLOCK) is not None
+    whole = spec("MambaSpec", mamba_cache_mode="none", block_size=4096)
+    assert unsupported_kv_cache(config(full, whole), BLOCK) is None
 
 
 def test_what_each_kind_reads_for_a_hit() -> None:
@@ -153,7 +176,7 @@ def test_stores_of_a_windowed_group_skip_the_null_block_and_are_marked() -> None
     )  # fmt: skip
     # vLLM freed the sliding blocks of the first chunk before it was whole
     ids = [blocks(FULL, 256), blocks(SLIDING, 256, nulls_before=64)]
-    stores = spread.stores(store_of, ids, spread.hashes(request(), None))
+    stores = spread.stores(store_of, ids, spread.hashes(request(), None), plan)
     assert [(s.group, s.windowed, s.op.start, s.op.end) for s in stores] == [
         (0, False, 0, 256),
         # (one store of chunks 0-3: its first blocks are null, so none of it)
@@ -164,7 +187,7 @@ def test_stores_of_a_windowed_group_skip_the_null_block_and_are_marked() -> None
         block_size=BLOCK, chunk_size=CHUNK,
     )  # fmt: skip
     ids = [blocks(FULL, 320), blocks(SLIDING, 320, nulls_before=128)]
-    stores = spread.stores(store_of, ids, spread.hashes(request(), None))
+    stores = spread.stores(store_of, ids, spread.hashes(request(), None), plan)
     assert [(s.group, s.windowed, s.op.start, s.op.end) for s in stores] == [
         (0, False, 256, 320),
         (1, True, 256, 320),
@@ -184,7 +207,7 @@ def test_every_groups_store_names_its_group_and_the_engines_block_hashes() -> No
         event_hashes=lambda first, stop: [700 + b for b in range(first, stop)],
     )  # fmt: skip
     ids = [blocks(FULL, 256), blocks(SLIDING, 256)]
-    stores = spread.stores(store_of, ids, spread.hashes(request(), None))
+    stores = spread.stores(store_of, ids, spread.hashes(request(), None), plan)
     assert [(s.group, s.op.group) for s in stores] == [
         (0, EventGroup(0, "full_attention", 0)),
         (1, EventGroup(1, "sliding_window", WINDOW)),
@@ -201,9 +224,11 @@ def test_every_groups_store_names_its_group_and_the_engines_block_hashes() -> No
     one = Span("r", 0, (b"c" * 16,), b"", CHUNK, 1, CHUNK // BLOCK, ids[0]).store()
     assert (one.group_idx, one.kv_cache_spec_kind) == (-1, "")  # one group: none, as before
     mamba = GroupSpread([FULL, ALIGNED], BLOCK)
-    store_of = partial(store_of.func, RequestPlan("r"), **store_of.keywords)
+    plan = RequestPlan("r")
+    store_of = partial(store_of.func, plan, **store_of.keywords)
     state_ids = [0] * 15 + [2015]  # the state at 256 in block 15
-    stores = mamba.stores(store_of, [ids[0], state_ids], mamba.hashes(request(), None), CHUNK)
+    hashes = mamba.hashes(request(), None)
+    stores = mamba.stores(store_of, [ids[0], state_ids], hashes, plan, CHUNK)
     assert [(s.op.start, s.op.group) for s in stores] == [
         (0, EventGroup(0, "full_attention", 0)),
         (192, EventGroup(1, "mamba", 0)),
@@ -345,7 +370,7 @@ def test_a_mamba_group_stores_the_state_at_a_stores_end_where_vllm_has_it() -> N
     )  # fmt: skip
     state_ids = [0] * 15 + [2015]  # align mode: the state at 256 in block 15, null before
     stores = spread.stores(
-        store_of, [blocks(FULL, 256), state_ids], spread.hashes(request(), None), CHUNK
+        store_of, [blocks(FULL, 256), state_ids], spread.hashes(request(), None), plan, CHUNK
     )
     assert [(s.group, s.windowed, s.op.start, s.op.end) for s in stores] == [
         (0, False, 0, 256),
@@ -355,10 +380,47 @@ def test_a_mamba_group_stores_the_state_at_a_stores_end_where_vllm_has_it() -> N
     plan = RequestPlan("r")
     store_of = partial(store_of.func, plan, **store_of.keywords)
     stores = spread.stores(
-        store_of, [blocks(FULL, 256), [0] * 16], spread.hashes(request(), None), CHUNK
+        store_of, [blocks(FULL, 256), [0] * 16], spread.hashes(request(), None), plan, CHUNK
     )
     assert [s.group for s in stores] == [0]  # no state at 256: not stored
     assert spread.stats["stores_skipped_state"] == 1
+
+
+WINDOW_ONLY = attrs.evolve(SLIDING, index=0)
+
+
+@pytest.mark.parametrize(
+    ("groups", "local", "state", "stored"),
+    [
+        ([WINDOW_ONLY], 512, False, []),
+        ([WINDOW_ONLY, ALIGNED], 512, False, []),
+        ([WINDOW_ONLY, ALIGNED], 512, True, [1]),  # (the state's store holds the blocks)
+        ([WINDOW_ONLY], 0, False, [0]),
+    ],
+    ids=["window", "window-and-mamba", "window-and-mamba-state", "window-whole"],
+)
+def test_a_store_no_group_hands_to_the_workers_does_not_hold_the_requests_blocks(
+    groups: list[KvGroup], local: int, state: bool, stored: list[int]
+) -> None:
+    """Was: with no full-attention group (the primary group a windowed one), a store skipped
+    for vLLM's null block before the window was still counted, so ``finished`` told vLLM to
+    keep the request's blocks until the workers reported stores they never got: vLLM never
+    freed them, and the engine ran out of KV blocks."""
+    side = SchedulerSide(ConnectorOptions(), BLOCK, Adapter(), groups=groups)  # type: ignore[arg-type]
+    request = EngineRequest("r", PROMPT)
+    # vLLM's own prefix cache has the first ``local`` tokens, kvtrio none
+    assert side.matched_tokens(request, local, preempted=False) == (0, False)
+    request.num_computed_tokens = local
+    window = blocks(WINDOW_ONLY, PROMPT, WINDOW_ONLY.first_needed(local) // BLOCK * BLOCK)
+    states = [0] * len(window)
+    if state:  # align mode: the state at 1024 (the store's end) in block 63
+        states[1024 // BLOCK - 1] = 2063
+    ids = [window, states][: len(groups)]
+    step = side.build_step(
+        {"r": PROMPT - local}, (), PROMPT - local, lambda rid: ids[0], lambda rid: ids
+    )
+    assert [(t.group, t.op.end) for t in step.transfers] == [(g, 1024) for g in stored]
+    assert side.finished("r") is bool(stored)
 
 
 def test_a_mamba_group_loads_the_one_block_of_the_state_at_the_hits_end() -> None:

@@ -229,3 +229,24 @@ def test_a_short_l1_load_in_a_busy_engine_is_loaded_inside_the_step_and_judged_t
     assert side.matched_tokens(EngineRequest("slow", PROMPT), 0, preempted=False) == (0, False)
     assert not side.costs.decide(320, 0, others=2).in_step
     assert side.costs.decide(320, 0, others=2, backlog=100_000).tokens == 320  # between steps
+
+
+@pytest.mark.parametrize("policy", ["always", "auto"])
+def test_a_load_that_failed_from_its_first_block_is_not_offered_again(policy: str) -> None:
+    """vLLM asks again after a load only when it failed from its first block (the request is
+    back to 0 computed tokens): the request then computes its prompt. Was: the same load was
+    offered at every ask, and while the failure lasted (a retrieve refused for a quota, say)
+    the request never computed."""
+    adapter = Adapter()
+    side = SchedulerSide(ConnectorOptions(load_policy=policy), BLOCK, adapter)  # type: ignore[arg-type]
+    request = EngineRequest("r", PROMPT)
+    adapter.hits["r"] = (5 * CHUNK, 5 * CHUNK)
+    need, _ = side.matched_tokens(request, 0, preempted=False)
+    assert need == 5 * CHUNK
+    side.allocated(request, BLOCKS, need)
+    loads = [t for t in side.build_step({}, (), 0, None).transfers if t.kind == "load"]
+    assert [(t.op.start, t.op.end) for t in loads] == [(0, 5 * CHUNK)]
+    side.loads_done({"r"})  # (its blocks reported failed: vLLM is back to 0 and asks again)
+    assert side.matched_tokens(request, 0, preempted=False) == (0, False)
+    side.allocated(request, BLOCKS, 0)
+    assert not [t for t in side.build_step({}, (), 0, None).transfers if t.kind == "load"]

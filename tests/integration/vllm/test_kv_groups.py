@@ -21,6 +21,7 @@ except ImportError:  # vLLM 0.32
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
+    KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -108,6 +109,29 @@ def test_layers_of_different_kv_shapes_turn_the_connector_off(config: VllmConfig
     assert worker.get_finished({"r"}) == (None, None)
     assert worker.get_block_ids_with_load_errors() == set()
     assert worker.build_connector_worker_meta() is None
+    for side in (scheduler, worker):
+        side.shutdown()
+
+
+def test_groups_of_different_block_sizes_turn_the_connector_off(config: VllmConfig) -> None:
+    """Was: on, every group's blocks taken as blocks of ``cache_config.block_size`` tokens; the
+    worker's registration raised ("all layers must have the same shape") and vLLM did not
+    start. (vLLM gives a group of smaller pages larger blocks, as here: half the heads.)"""
+    wide = SlidingWindowSpec(
+        block_size=2 * BLOCK, num_kv_heads=HEADS // 2, head_size=HEAD_DIM, dtype=DTYPE,
+        sliding_window=64,
+    )  # fmt: skip
+    groups = [KVCacheGroupSpec(list(LAYERS[:1]), full()), KVCacheGroupSpec(list(LAYERS[1:]), wide)]
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    reason = unsupported_kv_cache(kv, BLOCK)
+    assert reason is not None
+    scheduler = connector(config, KVConnectorRole.SCHEDULER, kv)
+    worker = connector(config, KVConnectorRole.WORKER, kv)
+    assert scheduler.off_because == worker.off_because == reason
+    caches = {LAYERS[0]: torch.zeros(4, HEADS, BLOCK, 2 * HEAD_DIM)}
+    caches |= {name: torch.zeros(4, HEADS // 2, 2 * BLOCK, 2 * HEAD_DIM) for name in LAYERS[1:]}
+    worker.register_kv_caches(caches)  # (neither described nor registered: no ValueError)
+    assert worker.get_finished({"r"}) == (None, None)
     for side in (scheduler, worker):
         side.shutdown()
 

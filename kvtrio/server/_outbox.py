@@ -59,15 +59,20 @@ class Outbox:
         If the client's receive queue is full, retry with backoff for up to the heartbeat
         timeout; a reply to a client that disconnected, or that never drains its queue, is
         dropped and counted. Does not checkpoint when the reply goes out at once.
-        Cancellation: the reply has been sent or not at all (and is then not counted).
+        Cancellation (the session or the server ends meanwhile): one last try without
+        waiting, and the reply is counted if it cannot go (was: neither sent nor counted).
         """
         if self.try_send(identity, frames):
             return
         delay = 0.0005
-        with trio.move_on_after(self._state.config.heartbeat_timeout):
-            while True:
-                await trio.sleep(delay)
-                if self.try_send(identity, frames):
-                    return
-                delay = min(delay * 2, _MAX_BACKOFF)
+        try:
+            with trio.move_on_after(self._state.config.heartbeat_timeout):
+                while True:
+                    await trio.sleep(delay)
+                    if self.try_send(identity, frames):
+                        return
+                    delay = min(delay * 2, _MAX_BACKOFF)
+        except trio.Cancelled:
+            self.send_or_count(identity, frames)
+            raise
         self._state.counters.replies_undeliverable += 1

@@ -121,6 +121,8 @@ class AsyncClient:
             with trio.move_on_after(timeout):
                 if not self._up.is_set():
                     await self._up.wait()  # never queue a request for a connection that is down
+                    if self._closed:  # (woken by the close)
+                        raise ClientClosed("the client was closed")
                 frames = encode_request(call_id, request)
                 # No scheduling round for the send when the socket takes it at once (at the
                 # high-water mark it waits); the wait for the reply is this call's checkpoint.
@@ -223,6 +225,8 @@ class AsyncClient:
         """Ping whenever nothing was sent for a quarter of the server's heartbeat timeout."""
         await self._connected_event.wait()
         while True:
+            if not self._up.is_set():  # (nothing is sent meanwhile: the ping would be due, always)
+                await self._up.wait()
             interval = heartbeat_interval(self.server_info)
             await trio.sleep_until(self._last_send + interval)
             if ping_due(trio.current_time(), self._last_send, self.server_info) and self.connected:
@@ -236,6 +240,7 @@ class AsyncClient:
 
     def _close(self) -> None:
         self._closed = True
+        self._up.set()  # (the requests waiting for a connection end now, not at their timeout)
         for call in list(self._calls.values()):
             call.settle(outcome.Error(ClientClosed("the client was closed")))
 

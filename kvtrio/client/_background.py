@@ -85,19 +85,23 @@ class Background:
 
     def poll_timeout(self, now: float) -> int:
         """Milliseconds to sleep: until the next deadline, heartbeat or retry of a send at the
-        high-water mark, at most 1 s; published as :attr:`ClientState.background_wakes_at`."""
+        high-water mark, at most 1 s, at least 1 ms; published as
+        :attr:`ClientState.background_wakes_at`. The heartbeat counts only while connected:
+        nothing is sent while the server is away, so it would be due at every wake (was: a
+        poll of 0 ms in a loop, a core and the engine's GIL taken for the whole outage)."""
         state, conn = self.state, self.conn
-        if conn.unsent and state.status == "connected":  # at the high-water mark: retry soon
+        connected = state.status == "connected"
+        if conn.unsent and connected:  # at the high-water mark: retry soon
             wake_at = now + 0.005
-        elif state.heartbeat:
+        elif state.heartbeat and connected:
             wake_at = conn.last_send + self.heartbeat_interval()
         else:
             wake_at = now + 1
         if conn.deadlines:
             wake_at = min(wake_at, conn.deadlines[0][0])
-        wake_at = min(wake_at, now + 1)
+        wake_at = max(now + 0.001, min(wake_at, now + 1))
         state.background_wakes_at = wake_at
-        return max(0, int((wake_at - now) * 1000) + 1)
+        return int((wake_at - now) * 1000) + 1
 
     def heartbeat_interval(self) -> float:
         """A quarter of the server's heartbeat timeout (a default until its hello)."""

@@ -85,12 +85,15 @@ class MemoryBackend:
         results = []
         for key, parts in zip(keys, buffers, strict=True):
             data = b"".join(bytes(p) for p in parts)
-            if key in self._objects:
-                self._drop(key)
-            self._locks.replaced(key)
-            if not self._make_room(len(data)):
+            # Room first, the object it replaces counted free but kept: a refused store leaves
+            # it as it was (was: dropped, also while locked).
+            old = self._objects.get(key)
+            if not self._make_room(len(data), replacing=key if old is not None else None):
                 results.append(False)
                 continue
+            if old is not None:
+                self._drop(key)
+            self._locks.replaced(key)
             self._objects[key] = data
             self._bytes += len(data)
             results.append(True)
@@ -119,13 +122,16 @@ class MemoryBackend:
     def _drop(self, key: bytes) -> None:
         self._bytes -= len(self._objects.pop(key))
 
-    def _make_room(self, size: int) -> bool:
+    def _make_room(self, size: int, replacing: bytes | None = None) -> bool:
+        """Evict unlocked objects, oldest first, until ``size`` bytes fit; ``replacing``: the
+        key whose object the new one replaces (its bytes count as free; never evicted)."""
         if size > self.options.capacity:
             return False
+        freed = 0 if replacing is None else len(self._objects[replacing])
         for key in list(self._objects):
-            if self._bytes + size <= self.options.capacity:
+            if self._bytes - freed + size <= self.options.capacity:
                 break
-            if not self._locks.is_locked(key):
+            if key != replacing and not self._locks.is_locked(key):
                 self._drop(key)
                 self.counters["evictions"] += 1
-        return self._bytes + size <= self.options.capacity
+        return self._bytes - freed + size <= self.options.capacity

@@ -5,17 +5,26 @@ step and never waits: a daemon thread subscribes to the tenant's topic, replays 
 replay socket (a subscriber that joins a running stream replays it from the start), and queues
 the decoded events, in order, up to ``limit`` (beyond it the oldest are dropped and counted). A
 stream that starts again (the server restarted) queues ``AllBlocksCleared`` first.
+
+A new stream is told by the live socket alone: its numbers only grow on one connection (a gap
+is replayed, never resent live), so a number below the next one expected is a new stream,
+whatever it is; and a connection made again may lead to a new server whose stream already
+passed the old one's number, so the first batch after a reconnection starts the stream anew
+(replayed from 0). Was: only a batch numbered 0 said so, which only a topic's first subscriber
+gets: a relay that subscribed second after a restart dropped the new stream as duplicates.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..protocol import (
     END_SEQ,
@@ -66,6 +75,9 @@ class EventRelay:
             for option, value in (options or {}).items():
                 sock.setsockopt(option, value)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._rejoined = False
+        """The live connection dropped since the last batch: the next one starts anew."""
         self._sub.connect(endpoint)
         self._replay.connect(replay)
         self._thread = threading.Thread(target=self._run, name="kvtrio-events", daemon=True)
@@ -88,9 +100,17 @@ class EventRelay:
     # ----------------------------------------------------------------- the thread
 
     def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not self._sub.poll(_POLL_MS):
+                ready = dict(poller.poll(_POLL_MS))
+                if ready.get(self._monitor):  # (first: a drop is known before what follows it)
+                    while self._monitor.poll(0):
+                        if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                            self._rejoined = True
+                if not ready.get(self._sub):
                     continue
                 frames = self._sub.recv_multipart()
                 if len(frames) == 3:
@@ -100,15 +120,17 @@ class EventRelay:
         except Exception:  # pragma: no cover - a bug: say so, stop relaying
             log.exception("the KV event relay stopped")
         finally:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
+            self._monitor.close(linger=0)
             self._sub.close(linger=0)
             self._replay.close(linger=0)
 
     def _message(self, seq: int, payload: bytes) -> None:
-        if seq < self._next and seq == 0:  # the server started again
+        if seq < self._next or (self._rejoined and self._next):  # a new stream (see the top)
             self._queue([AllBlocksCleared()])
             self._next = 0
-        if seq < self._next:
-            return  # a duplicate
+        self._rejoined = False
         if seq > self._next:
             self._fill(seq)
         if seq >= self._next:

@@ -110,24 +110,28 @@ class DiskBackend:
         return f"{self._prefix}{segment_name(segment)}"
 
     async def _ensure_index(self) -> None:
-        """Create, lock and scan the directory once (concurrent first callers wait for the one
-        scan; a failed one is tried again by the next call). Raises BackendError (one line:
-        see ``open_tree``). Cancellation: the scan thread runs to its end, unused."""
+        """Create, lock and scan the directory once (concurrent callers wait for the one scan
+        and share its failure; the next call after a failure scans again). Raises
+        BackendError (one line: see ``open_tree``). Cancellation: the scan thread runs to its
+        end, unused.
+
+        One scan at a time: was, after a failed scan, a scan per waiting caller at once, racing
+        for the directory lock (one of them refused as "in use by another kvtrio server")."""
         if self._indexed:
             return
         if self._indexing is not None:
             await self._indexing.wait()
-            if self._is_indexed():  # (the first scan may have failed: then try again)
+            if self._is_indexed():
                 return
-        self._indexing = trio.Event()
+            raise BackendError(f"disk: {self.root}: its scan failed; tried again at the next call")
+        self._indexing = scanning = trio.Event()
         try:
             found = await trio.to_thread.run_sync(
                 open_tree, self.root, self._segments_dir, self._lock, limiter=self._io
             )
         finally:
-            self._indexing.set()
-        if self._is_indexed():  # (another caller's scan finished first)
-            return
+            self._indexing = None  # (the next call after a failure scans again)
+            scanning.set()
         self._secret = found.secret
         for segment, records in found.segments:
             self._space.scanned(segment, len(records))

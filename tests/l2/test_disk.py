@@ -6,11 +6,16 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
+import trio.testing
 
+import kvtrio.l2.disk
 from kvtrio.l2 import BackendError, BackendMisconfigured
 from kvtrio.l2._diskio import record_size, segment_name
 from kvtrio.l2.disk import DiskBackend, DiskOptions
@@ -277,3 +282,42 @@ async def test_a_filesystem_without_a_size_is_bounded_by_capacity_alone(
     assert (stats["objects"], stats["capacity_bytes"], stats["evictions"]) == (5, capacity, 3)
     said = [r for r in caplog.records if "reports no size" in r.getMessage()]
     assert len(said) == 1
+
+
+async def test_callers_waiting_for_a_scan_that_fails_share_its_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Was: each caller waiting for the failed scan started one of its own, at once, racing
+    for the directory lock (one refused as "in use by another kvtrio server": this one). Now
+    they share the one failure, and the next call scans again."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")  # the root cannot be made under a file: a real scan failure
+    scans, release = [], threading.Event()
+    real_open_tree = kvtrio.l2.disk.open_tree
+
+    def open_tree(*args: Any) -> Any:
+        scans.append(args)
+        release.wait(10)  # (held until every caller waits)
+        return real_open_tree(*args)
+
+    monkeypatch.setattr(kvtrio.l2.disk, "open_tree", open_tree)
+    backend = DiskBackend(DiskOptions(path=str(blocker / "l2")))
+    failed: list[BackendError] = []
+
+    async def lookup() -> None:
+        with pytest.raises(BackendError) as info:
+            await backend.lookup_and_lock([b"k" * 32])
+        failed.append(info.value)
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(lookup)
+        await trio.testing.wait_all_tasks_blocked()
+        release.set()
+    assert len(failed) == 3
+    assert len(scans) == 1
+    blocker.unlink()
+    blocker.mkdir()  # the fault is gone: the next call scans again
+    assert await backend.lookup_and_lock([b"k" * 32]) == 0
+    assert len(scans) == 2
+    await backend.aclose()

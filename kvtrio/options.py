@@ -11,6 +11,7 @@ Imports nothing of kvtrio but :mod:`kvtrio.errors`, so any layer (and any plugin
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from typing import Any, NewType, TypeVar, cast
@@ -117,15 +118,16 @@ def parse_http_address(text: str) -> tuple[str, int]:
 
 
 def positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    """The value must be greater than 0."""
-    if not value > 0:
-        raise ValueError(f"{attribute.name}: must be greater than 0, got {value}")
+    """The value must be a finite number greater than 0 (``inf``: a wait of for ever)."""
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{attribute.name}: must be greater than 0 (and finite), got {value}")
 
 
 def not_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    """The value must be 0 or more."""
-    if value < 0:
-        raise ValueError(f"{attribute.name}: must not be negative, got {value}")
+    """The value must be a finite number, 0 or more (was: ``nan`` passed, and the server
+    failed on it later: at its first SIGTERM, for ``drain_timeout``)."""
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{attribute.name}: must not be negative (and finite), got {value}")
 
 
 def share(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:

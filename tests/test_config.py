@@ -93,6 +93,11 @@ def test_sizes(text: str | int, size: int) -> None:
             "ipc_group = 'nosuchgroup' (from --ipc-group): no group named 'nosuchgroup'",
         ),
         ({}, {"KVTRIO_IPC_GROUP": "4294967295"}, "'4294967295' is not a group id"),
+        # (was: accepted; SIGTERM then ended the server with a traceback, NaN as a deadline)
+        ({"drain_timeout": "nan"}, {}, "drain_timeout = 'nan' (from --drain-timeout): must not"),
+        ({}, {"KVTRIO_L2_WRITE_THROUGH": "nan"}, "l2_write_through = 'nan'"),
+        ({"events_interval": "inf"}, {}, "must be greater than 0 (and finite), got inf"),
+        ({"pin_ttl": "inf"}, {}, "pin_ttl = 'inf' (from --pin-ttl): must be greater than 0"),
     ],
 )
 def test_invalid_settings_are_one_line_errors(overrides: dict, env: dict, message: str) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import attrs
 
@@ -60,16 +60,34 @@ def storage_summary(config: ServerConfig, l1_sizing: str = "") -> dict[str, Any]
     return {"l1": l1, "l2": backends}
 
 
+_SECRET_WORDS = ("password", "passwd", "secret", "token", "credential", "key")
+"""Query options whose name holds one of these are masked (``?password=``, which redis-py
+reads, ``?aws_secret_access_key=``...)."""
+
+
 def _masked(value: str) -> str:
-    """``redis://user:secret@host`` → ``redis://user:***@host``; anything else unchanged."""
-    if "://" not in value or "@" not in value:
+    """``redis://user:secret@host`` → ``redis://user:***@host``, and the value of a query
+    option named like a secret (``?password=secret`` → ``?password=***``; was shown as given,
+    to any key's ``stats``); anything else unchanged."""
+    if "://" not in value:
         return value
     parts = urlsplit(value)
-    if parts.password is None:
-        return value
-    user = f"{parts.username}:***" if parts.username else ":***"
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+    if parts.password is not None:
+        user = f"{parts.username}:***" if parts.username else ":***"
+        host = parts.netloc.rpartition("@")[2]
+        parts = parts._replace(netloc=f"{user}@{host}")
+    if parts.query:
+        options = parse_qsl(parts.query, keep_blank_values=True)
+        parts = parts._replace(
+            query=urlencode(
+                [
+                    (name, "***" if any(w in name.lower() for w in _SECRET_WORDS) else text)
+                    for name, text in options
+                ],
+                safe="*",
+            )
+        )
+    return urlunsplit(parts)
 
 
 def describe_storage(storage: dict[str, Any]) -> str:

@@ -36,6 +36,15 @@ def test_urls_lose_their_password() -> None:
     assert storage_summary(config)["l2"][0]["url"] == "redis://me:***@cache:6379/0"
 
 
+def test_a_password_given_as_a_query_option_is_masked_too() -> None:
+    """Was shown as given (redis-py reads ``?password=``), to every key's ``stats``."""
+    url = "redis://cache:6379/0?password=s3cr3t&db=2&aws_secret_access_key=abc"
+    storage = storage_summary(ServerConfig(l2=(BackendSpec("redis", {"url": url}),)))
+    masked = "redis://cache:6379/0?password=***&db=2&aws_secret_access_key=***"
+    assert storage["l2"][0]["url"] == masked
+    assert "s3cr3t" not in describe_storage(storage)
+
+
 def test_an_l1_not_sized_yet_reads_auto() -> None:
     storage = storage_summary(ServerConfig(l2=()))
     assert storage["l1"]["bytes"] is None

@@ -97,6 +97,10 @@ RESYNC_WAIT = 0.5
 """The longest time subscriptions wait, after a message that is not one, for the socket's queue
 to empty before the reset drops every connection anyway (a peer flooding it)."""
 _PREFIX = b"kvtrio/"
+_MAX_FRAME = 1024
+"""The largest frame either events socket reads (libzmq drops a connection that sends a larger
+one): a subscription is a byte and a topic of at most ``kvtrio/`` + a tenant name + ``/``, a
+replay request's frames are smaller still (was: unbounded, a topic of any size kept)."""
 
 
 class EventPublisher:
@@ -138,7 +142,14 @@ class EventPublisher:
         """Subscriptions applied per topic, less unsubscriptions (an estimate never below the
         truth: a connection's end unsubscribes it from every topic it asked for)."""
         self._refused: collections.Counter[bytes] = collections.Counter()
-        """Subscriptions refused per topic: their connections' ends unsubscribe them too."""
+        """Subscriptions refused per topic: their connections' ends unsubscribe them too (libzmq
+        sends an unsubscription, with no user, for each topic a leaving pipe asked for)."""
+        self._held: collections.Counter[tuple[str, bytes]] = collections.Counter()
+        """Subscriptions applied per (CURVE key, topic), less that key's own unsubscriptions: a
+        key's unsubscription counts only against what it was given (was: any key's ended
+        another tenant's count, and its events stopped)."""
+        self._dropped: set[bytes] = set()
+        """Running topics whose events the full queue dropped since the last flush."""
         self._left: dict[bytes, float] = {}
         """When each topic's last subscriber left (``time.monotonic()``)."""
         self._wanted: dict[str, tuple[bool, float]] = {}
@@ -163,6 +174,7 @@ class EventPublisher:
         the queue is full)."""
         if len(self._queue) >= self._queue_size:
             self.counters["dropped"] += 1
+            self._dropped.add(events_topic(tenant))
             return
         self._queue.append((tenant, event))
         if len(self._queue) == 1:
@@ -205,11 +217,13 @@ class EventPublisher:
             **self.auth.socket_options(EVENTS_ZAP_DOMAIN),
             zmq.SNDHWM: _HWM,
             zmq.XPUB_MANUAL: 1,
+            zmq.MAXMSGSIZE: _MAX_FRAME,
         }
         replay_options = {
             **self.auth.socket_options(EVENTS_ZAP_DOMAIN),
             zmq.SNDHWM: 2 * (self._buffer_size + 1),
             zmq.RCVHWM: 1000,
+            zmq.MAXMSGSIZE: _MAX_FRAME,
         }
         async with (
             open_socket(zmq.ROUTER, options=replay_options, context=context) as router,
@@ -233,7 +247,19 @@ class EventPublisher:
                         await trio.sleep_until(self._last_reset + RESET_INTERVAL)
                         inner.cancel_scope.cancel()
                 self._last_reset = trio.current_time()
+                self._forget_subscriptions()
                 self.counters["resets"] += 1
+
+    def _forget_subscriptions(self) -> None:
+        """The XPUB socket was replaced: every connection dropped, with no unsubscription; the
+        subscribers subscribe again. Their topics count as left now (:data:`GRACE` holds)."""
+        now = time.monotonic()
+        for topic in self._subscribers:
+            self._left[topic] = now
+        self._subscribers.clear()
+        self._refused.clear()
+        self._held.clear()
+        self._wanted.clear()
 
     async def _rebind(self, pub: Socket, endpoint: str) -> None:
         """Bind the new XPUB socket where the old one was (retried while libzmq's I/O thread
@@ -258,7 +284,14 @@ class EventPublisher:
             self.flush(pub)
 
     def flush(self, pub: Socket) -> None:
-        """Send every queued event: one batch per tenant, in the order queued."""
+        """Send every queued event: one batch per tenant, in the order queued. A running topic
+        whose events were dropped (the queue was full) skips a sequence number first: its
+        subscribers see a gap no replay fills, and resynchronise (was: a stream without a
+        gap, so a subscriber kept blocks the server had dropped, and never knew)."""
+        for topic in self._dropped:
+            if topic in self._topics:
+                self._topics.skip(topic)
+        self._dropped.clear()
         queued, self._queue = self._queue, []
         by_tenant: dict[str, list[KVEvent]] = {}
         for tenant, event in queued:
@@ -336,12 +369,15 @@ class EventPublisher:
         last libzmq received."""
         if not subscribe:
             pub.set_option(zmq.UNSUBSCRIBE, topic)
+            if user:  # (sent by a CURVE peer: a leaving pipe's own come with no user)
+                if not self._held[(user, topic)]:
+                    return  # nothing of this key's to end
+                _take(self._held, (user, topic))
             if self._refused[topic] > 0:
-                self._refused[topic] -= 1
+                _take(self._refused, topic)
             elif self._subscribers[topic] > 0:
-                self._subscribers[topic] -= 1
+                _take(self._subscribers, topic)
                 if not self._subscribers[topic]:
-                    del self._subscribers[topic]
                     self._left[topic] = time.monotonic()
                     self._wanted.clear()
             return
@@ -359,6 +395,8 @@ class EventPublisher:
         pub.set_option(zmq.SUBSCRIBE, topic)
         self.counters["subscriptions"] += 1
         self._subscribers[topic] += 1
+        if user:
+            self._held[(user, topic)] += 1
         if self._subscribers[topic] == 1:
             self._left.pop(topic, None)
             self._wanted.clear()
@@ -428,3 +466,12 @@ class EventPublisher:
             return self._topics.only_topic()
         tenants = [t for t in principal.tenants if t != "*"]
         return events_topic(tenants[0]) if len(tenants) == 1 else None
+
+
+def _take(counter: collections.Counter[Any], key: Any) -> None:
+    """One less of ``key``, forgotten at 0 (a ``Counter`` keeps zeros: topics a client chose,
+    kept for ever)."""
+    if counter[key] > 1:
+        counter[key] -= 1
+    else:
+        del counter[key]

@@ -46,6 +46,11 @@ class ReplayBuffers:
         """The topic, if batches were sent on exactly one."""
         return next(iter(self._buffers)) if len(self._buffers) == 1 else None
 
+    def skip(self, topic: bytes) -> None:
+        """Skip ``topic``'s next sequence number: a batch that was never sent (and that no
+        replay brings)."""
+        self._seq[topic] = self._seq.get(topic, 0) + 1
+
     def add(self, topic: bytes, payload: bytes) -> int:
         """Number ``topic``'s next batch and keep it (dropping the oldest beyond the bounds);
         its sequence number."""

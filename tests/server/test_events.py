@@ -524,3 +524,85 @@ async def test_a_flood_of_refused_subscriptions_logs_a_few_lines(
     lines = [r for r in caplog.records if r.name == "kvtrio.events" and "subscri" in r.message]
     assert publisher.counters["subscriptions"] == 0
     assert 1 <= len(lines) <= 3
+
+
+class _StandInXpub:
+    """The one call ``_subscription`` makes on the XPUB socket (libzmq applies it to the pipe
+    of the message last read, the sender's own): a forged unsubscription from a raw ZMTP peer
+    is what these tests cannot send through libzmq's own SUB/XSUB, which filter it."""
+
+    def set_option(self, option: int, value: bytes) -> None:
+        pass
+
+
+async def test_a_keys_unsubscription_ends_only_what_that_key_subscribed(
+    short_dir: Path,
+) -> None:
+    """Was: any key's unsubscription of a topic took one off its count, so key acme could end
+    tenant victim's stream with one message (the server then announced nothing to victim's
+    live subscriber). A subscription refused is forgotten when its connection ends."""
+    from kvtrio.client import curve_options
+
+    from .._support import tenants
+
+    config = tenants.tcp_config(events="tcp://127.0.0.1:0", events_interval=0.002)
+    keys = short_dir / "tenants"
+    victim_topic = events_topic("victim")
+    async with tenants.tenant_clients(short_dir, config) as (server, _acme, _victim):
+        publisher = server.state.events
+        assert publisher is not None
+        assert publisher.bound is not None
+        events, _replay = publisher.bound
+        user = {key.name: public.decode() for public, key in server.state.auth.allowed.items()}
+        victims = curve_options(events, str(keys / "server.key"), str(keys / "victim.key_secret"))
+        acmes = curve_options(events, str(keys / "server.key"), str(keys / "acme.key_secret"))
+        context = zmq.Context.instance()
+        subscriber, refused = context.socket(zmq.SUB), context.socket(zmq.SUB)
+        try:
+            for sock, options in ((subscriber, victims), (refused, acmes)):
+                sock.setsockopt(zmq.LINGER, 0)
+                for option, value in options.items():
+                    sock.setsockopt(option, value)
+                sock.setsockopt(zmq.SUBSCRIBE, victim_topic)
+                sock.connect(events)
+            counters = publisher.counters
+            await await_condition(
+                lambda: counters["subscriptions"] == 1 and counters["refused_subscriptions"] == 1,
+                what="victim's subscription applied, acme's refused",
+            )
+            publisher._subscription(_StandInXpub(), victim_topic, False, user["acme"])  # type: ignore[arg-type]
+            assert publisher._subscribers[victim_topic] == 1
+            assert publisher.subscribed("victim")
+            refused.close()  # libzmq unsubscribes what the pipe asked for, with no user
+            await await_condition(lambda: not publisher._refused, what="the refusal forgotten")
+            assert publisher._subscribers[victim_topic] == 1
+            publisher._subscription(_StandInXpub(), victim_topic, False, user["victim"])  # type: ignore[arg-type]
+            assert victim_topic not in publisher._subscribers
+        finally:
+            subscriber.close()
+            refused.close()
+
+
+async def test_events_the_full_queue_dropped_leave_a_gap_the_subscriber_sees(
+    config: ServerConfig, tmp_path: Path
+) -> None:
+    """Was: dropped before they were numbered, so the stream had no gap and a subscriber kept a
+    view the server no longer had, unknowing."""
+    index = EventIndex()
+    async with (
+        running(config, tmp_path) as (server, worker, _),
+        subscribe(index, config.events, config.events + ".replay", TOPIC),
+    ):
+        await subscribed(server, 1)
+        publisher = server.state.events
+        assert publisher is not None
+        first = prompt(1000, 1)
+        await store(worker, "a", first)  # (the stream runs)
+        await await_condition(lambda: index.holds(first).get("CPU") == 1, what="the first batch")
+        publisher._queue_size = 3  # (100,000 in production: the same with a bigger burst)
+        second = prompt(2000, 8)
+        await store(worker, "b", second)
+        await await_condition(lambda: publisher.counters["dropped"] > 0, what="drops")
+        # The gap no replay fills makes the subscriber take a snapshot: it holds all 8 (was 3).
+        await await_condition(lambda: index.holds(second).get("CPU") == 8, what="all 8 held")
+        assert index.gaps

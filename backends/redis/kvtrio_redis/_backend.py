@@ -154,9 +154,14 @@ class RedisBackend:
         if not gone or self._closed:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
+        await self._delete_due(gone)
+
+    async def _delete_due(self, keys: list[bytes]) -> None:
+        """DEL keys whose deferred delete is due, shielded from cancellation (bounded by
+        ``timeout``); a failure is counted, and the objects stay until evicted."""
         with trio.CancelScope(shield=True):
             try:
-                await self._run("delete", self._client.delete, self._names(gone))
+                await self._run("delete", self._client.delete, self._names(keys))
             except BackendError:
                 self.counters["deferred_delete_errors"] += 1
 
@@ -189,12 +194,21 @@ class RedisBackend:
         if not keys:
             await trio.lowlevel.checkpoint()
             return []
-        results = await self._run(
-            "store", self._client.set_from, self._names(keys), views, self._ttl_ms
-        )
-        for key, parts, ok in zip(keys, views, results, strict=True):
+        # A key's last unlock may come after Redis applied its SET and before this task sees
+        # the answer: the locks then keep its deferred delete until the store's outcome is known.
+        self._locks.storing(keys)
+        results: list[bool] = []
+        try:
+            results = await self._run(
+                "store", self._client.set_from, self._names(keys), views, self._ttl_ms
+            )
+        finally:
+            outcomes = results if len(results) == len(keys) else [False] * len(keys)
+            due = [k for k, ok in zip(keys, outcomes, strict=True) if self._locks.stored(k, ok)]
+            if due and not self._closed:
+                await self._delete_due(due)
+        for parts, ok in zip(views, results, strict=True):
             if ok:
-                self._locks.replaced(key)
                 self.counters["stores"] += 1
                 self.counters["store_bytes"] += sum(len(v) for v in parts)
             else:

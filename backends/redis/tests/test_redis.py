@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -193,6 +194,42 @@ async def test_a_locked_object_evicted_by_redis_is_a_miss() -> None:
         await backend.unlock([first])
         assert backend.statistics()["locks"] == 0
         await backend.aclose()
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["stored", "refused"])
+async def test_an_unlock_while_a_store_of_the_key_is_answered_deletes_only_the_old_object(
+    backend: RedisBackend, standalone: LocalRedis, stored: bool
+) -> None:
+    """The key's last unlock comes after Redis applied the new SET and before its answer is
+    seen (held here in the store's thread). Was: the deferred DEL went out at the unlock and
+    deleted the new object."""
+    key = _key()
+    assert await backend.store([key], [_parts(key, 100)]) == [True]
+    assert await backend.lookup_and_lock([key]) == 1
+    await backend.delete([key])  # locked: deferred until the unlock
+    applied, answer = threading.Event(), threading.Event()
+    set_from = backend._client.set_from
+
+    def answered_later(*args: Any) -> list[bool]:
+        results = set_from(*args) if stored else [False]
+        applied.set()
+        answer.wait(10)
+        return results
+
+    backend._client.set_from = answered_later  # type: ignore[method-assign]
+    async with trio.open_nursery() as nursery:
+
+        async def store() -> None:
+            assert await backend.store([key], [_parts(key, 100, fill=9)]) == [stored]
+
+        nursery.start_soon(store)
+        await trio.to_thread.run_sync(applied.wait, 10)
+        await backend.unlock([key])  # the last unlock
+        answer.set()
+    assert await backend.lookup_and_lock([key]) == int(stored)
+    name = b"kvtrio:" + key.hex().encode()
+    assert (standalone.command("EXISTS", name) == 1) is stored  # (refused: the old one went)
+    assert backend.statistics()["doomed"] == 0
 
 
 async def test_a_store_redis_refuses_for_memory_is_false_not_an_error() -> None:

@@ -20,6 +20,7 @@ server a locked object is protected.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -283,6 +284,7 @@ class S3Backend:
         results = [False] * len(keys)
         errors: list[BackendError] = []
         written: list[bytes] = []
+        due: list[bytes] = []  # (deferred deletes the failed stores left due)
 
         async def store_one(index: int) -> None:
             key, parts = keys[index], buffers[index]
@@ -290,14 +292,21 @@ class S3Backend:
             if size > MAX_OBJECT_SIZE:
                 self.counters["store_refused"] += 1
                 return
+            # The key's last unlock may come after the PUT is applied and before its answer
+            # is seen here: the locks keep its deferred delete until the outcome is known.
+            self._locks.storing([key])
+            ok = False
             try:
                 await self._run(self._client.put, self._path(key), parts)
+                ok = True
             except BackendError as exc:
                 self._count_error(exc)
                 errors.append(exc)
                 return
+            finally:
+                if self._locks.stored(key, ok):  # (ok: a pending delete was for the old one)
+                    due.append(key)
             written.append(key)
-            self._locks.replaced(key)  # a new object: a pending delete was for the old one
             results[index] = True
             self.counters["stores"] += 1
             self.counters["store_bytes"] += size
@@ -307,13 +316,18 @@ class S3Backend:
                 for index in range(len(keys)):
                     nursery.start_soon(store_one, index)
         except BaseException:
-            if written:
+            if written or due:
                 with trio.CancelScope(shield=True):
                     try:
                         await self._delete(written)
+                        if due:
+                            await self._delete_now(due)
                     except BackendError as exc:
                         self._count_error(exc)
             raise
+        if due:
+            with trio.CancelScope(shield=True), contextlib.suppress(BackendError):
+                await self._delete_now(due)  # (a failure is counted; the object stays)
         if errors:
             raise errors[0]
         return results

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import obstore
 import pytest
@@ -325,6 +327,49 @@ async def test_a_store_replaces_a_pending_delete(s3_server: SeaweedFS) -> None:
     await backend.unlock([key])
     assert await backend.lookup_and_lock([key]) == 1  # the new object was not deleted
     await backend.unlock([key])
+    await backend.aclose()
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["stored", "failed"])
+async def test_an_unlock_while_a_store_of_the_key_is_answered_deletes_only_the_old_object(
+    s3_server: SeaweedFS, stored: bool
+) -> None:
+    """The key's last unlock comes after the service applied the new PUT and before its
+    answer is seen (held here in the store's thread). Was: the deferred DELETE went out at the
+    unlock and deleted the new object."""
+    backend = S3Backend(options_for(s3_server))
+    key = _key()
+    await backend.store([key], [_object(key)])
+    assert await backend.lookup_and_lock([key]) == 1
+    await backend.delete([key])  # deferred: locked
+    applied, answer = threading.Event(), threading.Event()
+    put = backend._client.put
+
+    def answered_later(path: str, parts: Any) -> None:
+        if stored:
+            put(path, parts)
+        applied.set()
+        answer.wait(10)
+        if not stored:
+            raise BackendUnavailable("s3: the PUT failed")
+
+    backend._client.put = answered_later  # type: ignore[method-assign]
+
+    async def store() -> None:
+        if stored:
+            assert await backend.store([key], [_object(key)]) == [True]
+        else:
+            with pytest.raises(BackendUnavailable):
+                await backend.store([key], [_object(key)])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(store)
+        await trio.to_thread.run_sync(applied.wait, 10)
+        await backend.unlock([key])  # the last unlock
+        answer.set()
+    backend._client.put = put  # type: ignore[method-assign]
+    assert await backend.lookup_and_lock([key]) == int(stored)
+    assert backend.statistics()["pending_deletes"] == 0
     await backend.aclose()
 
 

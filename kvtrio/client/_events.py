@@ -35,6 +35,9 @@ from ..transport import Socket, open_socket
 
 __all__ = ["EventIndex", "subscribe"]
 
+REPLAY_QUIET = 2.0
+"""Seconds a replay or snapshot answer may go quiet before it counts as ended."""
+
 
 class EventIndex:
     """Block hash → the media that hold it, per topic, from KV event batches. A hybrid engine's
@@ -192,12 +195,23 @@ class EventIndex:
         return counts
 
 
+async def _answer(replay: Socket) -> list[bytes] | None:
+    """The replay socket's next message, or None once it was quiet for :data:`REPLAY_QUIET`
+    seconds (an answer's end lost: the replay socket drops what its peer cannot take)."""
+    with trio.move_on_after(REPLAY_QUIET):
+        return await replay.recv_multipart()
+    return None
+
+
 async def _replay(replay: Socket, index: EventIndex, topic: bytes, missing: range) -> None:
     """Ask the replay socket for ``missing`` of ``topic`` and apply what comes back; what it no
-    longer had is filled by a snapshot (or, from a publisher without snapshots, given up)."""
+    longer had is filled by a snapshot (or, from a publisher without snapshots, given up). An
+    answer that goes quiet ends (was: waited for for ever, the live stream with it)."""
     await replay.send_multipart([b"", encode_seq(missing.start), topic])
     while True:
-        frames = await replay.recv_multipart()
+        frames = await _answer(replay)
+        if frames is None:
+            break
         if len(frames) < 4:
             continue
         _, got_topic, seq, payload = frames[-4:]
@@ -214,7 +228,9 @@ async def _snapshot(replay: Socket, index: EventIndex, topic: bytes) -> bool:
     await replay.send_multipart([b"", SNAPSHOT_SEQ, topic])
     payloads: list[bytes] = []
     while True:
-        frames = await replay.recv_multipart()
+        frames = await _answer(replay)
+        if frames is None:
+            return False
         if len(frames) < 4:
             continue
         _, got_topic, seq, payload = frames[-4:]

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-from kvtrio.client import EventIndex
+from pathlib import Path
+
+import trio
+import zmq
+
+from kvtrio.client import EventIndex, subscribe
+from kvtrio.protocol import encode_seq
 from kvtrio.protocol._events import BlockRemoved, BlockStored, encode_batch
+from kvtrio.transport import open_socket
+
+from .._support.waiting import await_condition
 
 TOPIC = b"kvtrio//"
 
@@ -29,3 +38,31 @@ def test_one_groups_removal_leaves_the_other_groups_blocks() -> None:
     index.apply(TOPIC, 3, encode_batch(4.0, [stored((3,), None)]))
     index.apply(TOPIC, 4, encode_batch(5.0, [BlockRemoved((3,), "CPU")]))
     assert index.blocks(TOPIC) == {}
+
+
+async def test_a_replay_that_is_never_answered_ends_and_the_stream_goes_on(
+    short_dir: Path,
+) -> None:
+    """A gap's replay whose answer never comes (a replay socket drops what its peer cannot
+    take, the end marker too). Was: the subscriber waited for it for ever, and applied nothing
+    more; now the replay and the snapshot after it go quiet, the gap counts as lost, and the
+    live stream is applied on."""
+    endpoint, replay_endpoint = f"ipc://{short_dir}/ev", f"ipc://{short_dir}/ev.replay"
+    topic = b"kvtrio//"
+    index = EventIndex()
+    async with (
+        open_socket(zmq.XPUB) as pub,
+        open_socket(zmq.ROUTER) as replay,  # reads the requests, answers none
+    ):
+        pub.bind(endpoint)
+        replay.bind(replay_endpoint)
+        async with subscribe(index, endpoint, replay_endpoint, topic, snapshot=False):
+            assert await pub.recv_multipart() == [b"\x01" + topic]  # subscribed
+            batch = encode_batch(0.0, [BlockStored((1,), None, (), 16, "CPU")])
+            await pub.send_multipart([topic, encode_seq(5), batch])  # 0-4 missed: a gap
+            with trio.fail_after(10):
+                await replay.recv_multipart()  # the replay asked for
+                await replay.recv_multipart()  # then the snapshot
+                await await_condition(lambda: index.lost == 5, what="the gap given up")
+            await pub.send_multipart([topic, encode_seq(6), batch])
+            await await_condition(lambda: index.expected(topic) == 7, what="the stream on")

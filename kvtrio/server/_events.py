@@ -317,13 +317,29 @@ class EventPublisher:
             return False
         if self.auth.mode == "ipc":
             return True
+        tenant = self._tenant_of(topic)
+        return tenant is not None and principal.may_use(tenant)
+
+    def _tenant_of(self, topic: bytes) -> str | None:
+        """The tenant whose topic ``topic`` is (None: no tenant's; over ipc any topic is one
+        a subscriber may be given, ``""`` here)."""
+        if self.auth.mode == "ipc":
+            return ""
         if not (topic.startswith(_PREFIX) and topic.endswith(b"/") and len(topic) > 7):
-            return False
+            return None
         try:
             tenant = topic[len(_PREFIX) : -1].decode("ascii")
         except UnicodeDecodeError:
-            return False
-        return tenant_problem(tenant) is None and principal.may_use(tenant)
+            return None
+        return tenant if tenant_problem(tenant) is None else None
+
+    def _refuse(self, topic: bytes) -> None:
+        """Count a refused subscription of ``topic`` against its connection's unsubscription
+        to come, if some subscriber may be given ``topic`` (one no key may have can never be
+        counted as applied: it is not kept, whatever a client sends)."""
+        self.counters["refused_subscriptions"] += 1
+        if self._tenant_of(topic) is not None:
+            self._refused[topic] += 1
 
     async def _subscriptions(self, pub: Socket) -> None:
         """Apply (or ignore) each subscription as it comes (``XPUB_MANUAL``), :data:`BATCH` at
@@ -382,14 +398,12 @@ class EventPublisher:
                     self._wanted.clear()
             return
         if not self._subscribe_rates.take(user):
-            self._refused[topic] += 1
-            self.counters["refused_subscriptions"] += 1
+            self._refuse(topic)
             self.counters["subscriptions_over_rate"] += 1
             self._log_refused("ignored KV events subscriptions beyond %.0f/s", SUBSCRIBE_RATE)
             return
         if not self._may_subscribe(self._principal(user), topic):
-            self._refused[topic] += 1
-            self.counters["refused_subscriptions"] += 1
+            self._refuse(topic)
             self._log_refused("refused a KV events subscription to %r", topic[:80])
             return
         pub.set_option(zmq.SUBSCRIBE, topic)

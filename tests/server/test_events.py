@@ -540,7 +540,8 @@ async def test_a_keys_unsubscription_ends_only_what_that_key_subscribed(
 ) -> None:
     """Was: any key's unsubscription of a topic took one off its count, so key acme could end
     tenant victim's stream with one message (the server then announced nothing to victim's
-    live subscriber). A subscription refused is forgotten when its connection ends."""
+    live subscriber). A subscription refused is forgotten when its connection ends, and one of
+    a topic no subscriber may be given is not kept at all (was: any topic, of any size)."""
     from kvtrio.client import curve_options
 
     from .._support import tenants
@@ -565,11 +566,13 @@ async def test_a_keys_unsubscription_ends_only_what_that_key_subscribed(
                     sock.setsockopt(option, value)
                 sock.setsockopt(zmq.SUBSCRIBE, victim_topic)
                 sock.connect(events)
+            refused.setsockopt(zmq.SUBSCRIBE, b"no tenant's topic")
             counters = publisher.counters
             await await_condition(
-                lambda: counters["subscriptions"] == 1 and counters["refused_subscriptions"] == 1,
+                lambda: counters["subscriptions"] == 1 and counters["refused_subscriptions"] == 2,
                 what="victim's subscription applied, acme's refused",
             )
+            assert dict(publisher._refused) == {victim_topic: 1}  # (no tenant's: not kept)
             publisher._subscription(_StandInXpub(), victim_topic, False, user["acme"])  # type: ignore[arg-type]
             assert publisher._subscribers[victim_topic] == 1
             assert publisher.subscribed("victim")

@@ -48,6 +48,8 @@ class EventIndex:
         self._tiers: dict[bytes, dict[int | bytes, set[tuple[str, int | None]]]] = {}
         """topic → block hash → the (medium, group) pairs that hold it."""
         self._next: dict[bytes, int] = {}
+        self._live: dict[bytes, int] = {}
+        """The last sequence number each topic's live stream brought."""
         self._held: dict[bytes, dict[int, bytes]] = {}
         self._restored: set[bytes] = set()
         """Topics restored from a snapshot that no live batch followed yet."""
@@ -67,20 +69,27 @@ class EventIndex:
         """The next sequence number ``topic`` should bring (0 before any)."""
         return self._next.get(topic, 0)
 
-    def apply(self, topic: bytes, seq: int, payload: bytes) -> range | None:
+    def apply(self, topic: bytes, seq: int, payload: bytes, *, live: bool = False) -> range | None:
         """Apply one message, in sequence order: a message after a gap is held back and the
         missing range returned (replay it, then call :meth:`give_up` for what the replay did
-        not bring); a message already applied is ignored."""
+        not bring); a message already applied is ignored. ``live``: it came from the live
+        socket, whose numbers only grow on one connection: one not above the last live one is
+        a new stream (the publisher started again), whatever its number (was: only seq 0 said
+        so, which only a topic's first subscriber gets)."""
         expected = self._next.setdefault(topic, 0)  # (joining a running stream: a gap)
+        last = self._live.get(topic)
+        if live:
+            self._live[topic] = seq
+        restarted = live and last is not None and seq <= last
+        if restarted or (seq < expected and seq == 0 and topic not in self._restored):
+            # The publisher started again: what it said before is gone. (Right after a
+            # snapshot, an older batch numbered 0 is one the snapshot covers.)
+            self.restarts += 1
+            self._clear(topic)
+            self._held.pop(topic, None)
+            self._next[topic] = 0
+            return self.apply(topic, seq, payload)
         if seq < expected:
-            if seq == 0 and topic not in self._restored:
-                # The publisher started again: what it said before is gone. (Right after a
-                # snapshot, an older batch is one the snapshot covers.)
-                self.restarts += 1
-                self._clear(topic)
-                self._held.pop(topic, None)
-                self._next[topic] = 0
-                return self.apply(topic, seq, payload)
             return None  # a duplicate (a replay overlapping the live stream)
         if seq > expected:
             held = self._held.setdefault(topic, {})
@@ -275,7 +284,7 @@ async def subscribe(
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
                     continue
-                missing = index.apply(frames[0], decode_seq(frames[1]), frames[2])
+                missing = index.apply(frames[0], decode_seq(frames[1]), frames[2], live=True)
                 if missing:
                     await _replay(replay, index, frames[0], missing)
 

@@ -40,6 +40,25 @@ def test_one_groups_removal_leaves_the_other_groups_blocks() -> None:
     assert index.blocks(TOPIC) == {}
 
 
+def test_a_live_number_not_above_the_last_live_one_is_a_new_stream() -> None:
+    """A topic's second subscriber after a publisher restart never gets the new stream's
+    batch 0 (sent to a topic's first subscriber only). Was: its batch 1 was taken for a
+    duplicate of the old stream, and the old stream's blocks kept."""
+    index = EventIndex()
+    for seq in range(9):
+        assert index.apply(TOPIC, seq, encode_batch(1.0, [stored((seq,), None)]), live=True) is None
+    assert index.holds(list(range(9)), TOPIC) == {"CPU": 9}
+    new = encode_batch(2.0, [stored((100,), None)])
+    assert index.apply(TOPIC, 1, new, live=True) == range(1)  # replay the new stream's 0
+    assert index.restarts == 1
+    assert index.holds(list(range(9)), TOPIC) == {}  # the old stream's blocks are gone
+    assert index.apply(TOPIC, 0, encode_batch(2.0, [])) is None  # (the replay)
+    assert index.holds([100], TOPIC) == {"CPU": 1}
+    # replays never count as live: a replay's older batch is a duplicate, as before
+    assert index.apply(TOPIC, 1, new) is None
+    assert index.restarts == 1
+
+
 async def test_a_replay_that_is_never_answered_ends_and_the_stream_goes_on(
     short_dir: Path,
 ) -> None:

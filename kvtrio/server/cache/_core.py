@@ -285,13 +285,6 @@ class CacheCore:
                 self.pin_for_lookup(request, caller.id, space + chunk_hash, readers, expires)
         return hit
 
-    def still_looking(self, request: RequestKey, owner: str, model: ModelEntry,
-                      first_hash: bytes) -> bool:  # fmt: skip
-        """Whether ``owner``'s lookup of ``request`` still holds its first pin (neither ended
-        nor replaced by a new lookup since)."""
-        marker = model.spaces[0] + first_hash
-        return self.leases.get(LeaseKind.LOOKUP, request, owner, marker) is not None
-
     def pin_for_lookup(
         self, request: RequestKey, owner: str, object_key: bytes, readers: int, expires: float
     ) -> None:
@@ -307,8 +300,8 @@ class CacheCore:
         return number
 
     def still_current(self, request: RequestKey, number: int) -> bool:
-        """Whether lookup ``number`` is still ``request``'s: neither ended nor replaced. Its
-        first pin cannot tell where it pinned nothing (an L1 miss going to L2)."""
+        """Whether lookup ``number`` is still ``request``'s: neither ended nor replaced (what
+        its first pin could not tell where it pinned nothing: an L1 miss going to L2)."""
         return self._looking.get(request) == number
 
     def done_looking(self, request: RequestKey, number: int) -> None:

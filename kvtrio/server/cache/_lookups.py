@@ -68,7 +68,7 @@ class Lookups:
             try:
                 found = step.hit
                 if step.more:
-                    found = await self._pin_rest(session, step)
+                    found = await self._pin_rest(session, step, number)
                 if not io.l2.enabled or found == len(hashes):
                     return self._done(len(hashes), found, 0)
                 return await self._lookup_l2(session, request, number, model, hashes, found,
@@ -78,14 +78,14 @@ class Lookups:
 
         return Later(rest, give)
 
-    async def _pin_rest(self, session: Session, step: LookupStep) -> int:
+    async def _pin_rest(self, session: Session, step: LookupStep, number: int) -> int:
         """Pin the L1 prefix after the first ``step.hit`` chunks, one slice of
         :data:`SLICE_KEYS` keys at a time, yielding to the event loop before each; the whole
         prefix's length.
 
         Between slices other requests run: a slice sees L1 as it is then (what the earlier
-        slices pinned stays). If the request's lookup pins went away meanwhile (the request
-        ended, or a new lookup of it replaced this one), it stops there. Cancellation (the
+        slices pinned stays). If lookup ``number`` is no longer the request's meanwhile (the
+        request ended, or a new lookup of it replaced this one), it stops there. Cancellation (the
         session ends): at a yield; the pins end with the request or the session.
         """
         io, core = self.io, self.io.core
@@ -93,7 +93,7 @@ class Lookups:
         size = max(1, SLICE_KEYS // len(model.spaces))
         while hit < len(hashes):
             await io.turn()
-            if not core.still_looking(step.request, session.id, model, hashes[0]):
+            if not core.still_current(step.request, number):
                 break  # (ended or replaced: what it pinned was released with it)
             part = hashes[hit : hit + size]
             found = core.pin_prefix(session, step.request, model, part, step.readers,
@@ -136,13 +136,14 @@ class Lookups:
         if scope.cancelled_caught:
             self.timeouts += 1  # (l2.loads.lookup unlocked what it had locked)
         found = hashes[hit : hit + len(sources)]
-        if not io.core.still_current(request, number):
+        current = io.core.still_current(request, number)
+        if not current or io.core.registry.models.get(model.key) is None:
+            # Ended or replaced, or every worker of the model left, while the backends
+            # answered: nothing to load for.
             await io.l2.loads.release(sources, [[s + h for s in model.spaces] for h in found])
+            if current:
+                raise RequestError(ErrorCode.INCOMPATIBLE, "no worker of this model is registered")
             return self._done(len(hashes), hit, 0)
-        if io.core.registry.models.get(model.key) is None:
-            # Every worker of the model left while the backends answered: nothing to load for.
-            await io.l2.loads.release(sources, [[s + h for s in model.spaces] for h in found])
-            raise RequestError(ErrorCode.INCOMPATIBLE, "no worker of this model is registered")
         loaded = await io.prefetch.start(
             session.id,
             request,
